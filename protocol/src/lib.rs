@@ -1,1 +1,22 @@
-//! placeholder
+//! The Jupyter messaging protocol (v5.3), with no I/O at all.
+//!
+//! Bytes in, checked messages out: the ZeroMQ wire format with its HMAC signature
+//! ([`wire`]), connection files ([`connection`]), the WebSocket encodings that Jupyter
+//! Server speaks to browsers and gateway clients ([`websocket`]), and typed views of the
+//! few messages a gateway acts on ([`content`]). Everything else is relayed as raw JSON,
+//! so fields this crate does not know about are never dropped or reordered.
+//!
+//! Spec: <https://jupyter-client.readthedocs.io/en/stable/messaging.html>
+
+pub mod channel;
+pub mod connection;
+pub mod content;
+pub mod message;
+pub mod signature;
+pub mod websocket;
+pub mod wire;
+
+pub use channel::Channel;
+pub use connection::{ConnectionInfo, Transport};
+pub use message::{Header, Message, RawJson, PROTOCOL_VERSION};
+pub use signature::SigningKey;
