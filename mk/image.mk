@@ -1,0 +1,38 @@
+# The kernel container image. Included by the root Makefile; usable alone too:
+#   make -f mk/image.mk image
+#
+#   make image                      offline build (kernel-image/build-offline.sh): Debian
+#                                   packages + PyPI, no container registry needed (default)
+#   make image IMAGE_BUILD=docker   `docker build` of kernel-image/Dockerfile (needs a registry)
+#
+# The tag is the first 12 hex digits of a sha256 over the names and contents of all files in
+# kernel-image/ (sorted; build output, __pycache__ and editor files excluded), so any change
+# there makes a new image and an unchanged tree is never rebuilt. The image is also tagged
+# kernelgate-kernel:latest. Other targets pass $(KERNEL_IMAGE) to the gateway (--image).
+
+KERNELGATE_ROOT := $(abspath $(dir $(lastword $(MAKEFILE_LIST)))..)
+KERNEL_IMAGE_NAME := kernelgate-kernel
+KERNEL_IMAGE_TAG := $(shell cd '$(KERNELGATE_ROOT)' && \
+	find kernel-image \( -path kernel-image/build -o -name __pycache__ \) -prune -o \
+		-type f ! -name '*.pyc' ! -name '*~' ! -name '.*.swp' -print0 \
+	| LC_ALL=C sort -z | xargs -0 sha256sum | sha256sum | cut -c1-12)
+KERNEL_IMAGE := $(KERNEL_IMAGE_NAME):$(KERNEL_IMAGE_TAG)
+KERNEL_IMAGE_LATEST := $(KERNEL_IMAGE_NAME):latest
+IMAGE_BUILD ?= offline
+
+.PHONY: image
+image:
+	@if ! docker info >/dev/null 2>&1; then \
+		echo 'error: Docker is not running: start it with `systemctl start docker` (or `service docker start`), then run `make image` again' >&2; \
+		exit 1; \
+	fi
+	@if docker image inspect '$(KERNEL_IMAGE)' >/dev/null 2>&1; then \
+		docker tag '$(KERNEL_IMAGE)' '$(KERNEL_IMAGE_LATEST)'; \
+		echo '$(KERNEL_IMAGE) is up to date'; \
+	else \
+		case '$(IMAGE_BUILD)' in \
+		offline) '$(KERNELGATE_ROOT)/kernel-image/build-offline.sh' '$(KERNEL_IMAGE)' '$(KERNEL_IMAGE_LATEST)' ;; \
+		docker) docker build --label org.kernelgate.build=docker -t '$(KERNEL_IMAGE)' -t '$(KERNEL_IMAGE_LATEST)' '$(KERNELGATE_ROOT)/kernel-image' ;; \
+		*) echo "error: IMAGE_BUILD must be 'offline' or 'docker', not '$(IMAGE_BUILD)'" >&2; exit 2 ;; \
+		esac; \
+	fi
