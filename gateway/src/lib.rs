@@ -1,1 +1,14 @@
-//! placeholder
+//! Kernelgate: a Jupyter kernel gateway whose kernels each run in their own locked-down
+//! container.
+//!
+//! - [`kernel`] owns ZeroMQ: the sockets to one kernel, heartbeat, and the per-kernel
+//!   session state that routes messages to clients.
+//! - [`backend`] owns containers: where kernels run.
+//! - [`api`] owns HTTP and WebSockets: Jupyter Server's kernel REST API and channels.
+//! - [`kernels`] ties them together: the table of live kernels, their lifecycle and limits.
+
+pub mod api;
+pub mod backend;
+pub mod config;
+pub mod kernel;
+pub mod kernels;

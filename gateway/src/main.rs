@@ -1,1 +1,143 @@
-fn main() {}
+//! `kernelgate serve`: parses the configuration, connects to Docker, and serves the API
+//! until SIGTERM or Ctrl-C, then removes every kernel container it started.
+
+use anyhow::{bail, Context};
+use axum::serve::ListenerExt;
+use clap::Parser;
+use kernelgate::api::{self, auth::Auth, AppState};
+use kernelgate::backend::docker::{DockerBackend, DockerSettings};
+use kernelgate::backend::KernelBackend;
+use kernelgate::config::{Cli, Command, Config};
+use kernelgate::kernel::clients::ClientLimits;
+use kernelgate::kernels::{Kernels, Settings};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("KERNELGATE_LOG")
+                .unwrap_or_else(|_| "kernelgate=info,warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    match Cli::parse().command {
+        Command::Serve(config) => serve(*config).await,
+    }
+}
+
+async fn serve(config: Config) -> anyhow::Result<()> {
+    let (auth, generated) = auth_from(&config)?;
+    let backend = DockerBackend::connect(DockerSettings::from(&config))
+        .await
+        .context("cannot start kernels")?;
+    backend.check().await.context("cannot start kernels")?;
+    let backend: Arc<dyn KernelBackend> = Arc::new(backend);
+
+    let tracker = TaskTracker::new();
+    let cancel = CancellationToken::new();
+    let settings = Settings {
+        max_kernels: config.max_kernels,
+        startup_timeout: Duration::from_secs(config.startup_timeout),
+        autorestart: config.autorestart,
+        cull_idle_timeout: (config.cull_idle_timeout > 0)
+            .then(|| Duration::from_secs(config.cull_idle_timeout)),
+        pool_size: config.pool_size,
+        limits: ClientLimits {
+            buffer_bytes: config.client_buffer_mb * 1024 * 1024,
+            replay_for: Duration::from_secs(600),
+        },
+    };
+    let kernels = Kernels::new(backend, settings, tracker.clone(), cancel.clone());
+    kernels.start().await;
+
+    let state = AppState {
+        kernels: kernels.clone(),
+        auth,
+        max_message_bytes: config.max_message_mb * 1024 * 1024,
+        cancel: cancel.clone(),
+        tracker: tracker.clone(),
+    };
+    let listener = tokio::net::TcpListener::bind(config.listen)
+        .await
+        .with_context(|| format!("cannot listen on {}", config.listen))?
+        .tap_io(|tcp| {
+            if let Err(e) = tcp.set_nodelay(true) {
+                tracing::debug!(error = %e, "cannot set TCP_NODELAY");
+            }
+        });
+    let url = format!("http://{}/", config.listen);
+    match generated {
+        Some(token) => println!("Kernelgate is serving at {url}?token={token}"),
+        None => println!("Kernelgate is serving at {url}"),
+    }
+    tracing::info!(listen = %config.listen, image = %config.image, "ready");
+
+    let shutdown = cancel.clone();
+    axum::serve(listener, api::router(state))
+        .with_graceful_shutdown(async move {
+            stop_signal().await;
+            tracing::info!("shutting down: removing kernels");
+            shutdown.cancel();
+        })
+        .await?;
+    kernels.shutdown().await;
+    tracker.close();
+    if tokio::time::timeout(Duration::from_secs(10), tracker.wait())
+        .await
+        .is_err()
+    {
+        tracing::warn!("some tasks did not stop within 10 s");
+    }
+    Ok(())
+}
+
+/// Secure by default: a token unless `--no-auth`, which only loopback may use.
+fn auth_from(config: &Config) -> anyhow::Result<(Auth, Option<String>)> {
+    if config.no_auth {
+        if config.token.is_some() {
+            bail!("--no-auth and --token contradict each other; pass one");
+        }
+        if !config.listen.ip().is_loopback() {
+            bail!(
+                "--no-auth is refused on {}: anyone who can reach it could run code. \
+                 Listen on 127.0.0.1 or use a token",
+                config.listen
+            );
+        }
+        tracing::warn!("authentication is OFF: any local process can run code in kernels");
+        return Ok((Auth::disabled(), None));
+    }
+    match &config.token {
+        Some(t) if t.is_empty() => bail!("--token is empty; give a token or pass --no-auth"),
+        Some(t) => Ok((Auth::token(t), None)),
+        None => {
+            let token = kernelgate_protocol::SigningKey::generate_hex();
+            Ok((Auth::token(&token), Some(token)))
+        }
+    }
+}
+
+async fn stop_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(s) => s,
+                Err(_) => {
+                    let _ = ctrl_c.await;
+                    return;
+                }
+            };
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
+}

@@ -1,1 +1,480 @@
-pub mod x {}
+//! Helpers for the end-to-end tests: start the real `kernelgate` binary on a free loopback
+//! port, call its REST API, and speak the Jupyter WebSocket protocol to it. Every test
+//! talks to real Docker and a real ipykernel in the real image.
+
+use anyhow::{anyhow, bail, Context, Result};
+use futures::{SinkExt, StreamExt};
+use serde_json::{json, Map, Value};
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::time::Duration;
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::net::TcpStream;
+use tokio::process::{Child, Command};
+use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+use tokio_tungstenite::tungstenite::Message as WsMessage;
+use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
+
+/// The image the tests run kernels in (`make image` tags it).
+pub fn image() -> String {
+    std::env::var("KERNELGATE_IMAGE").unwrap_or_else(|_| "kernelgate-kernel:latest".to_owned())
+}
+
+fn workspace_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map(PathBuf::from)
+        .unwrap_or_default()
+}
+
+/// The gateway binary: `KERNELGATE_BIN`, or the one `cargo build` left in target/.
+pub fn binary() -> PathBuf {
+    if let Ok(p) = std::env::var("KERNELGATE_BIN") {
+        return PathBuf::from(p);
+    }
+    let target = std::env::var("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| workspace_root().join("target"));
+    for profile in ["debug", "release"] {
+        let p = target.join(profile).join("kernelgate");
+        if p.exists() {
+            return p;
+        }
+    }
+    target.join("debug").join("kernelgate")
+}
+
+/// A running gateway process, stopped (SIGTERM, then kill) when dropped.
+#[derive(Debug)]
+pub struct Gateway {
+    child: Option<Child>,
+    pub base: String,
+    pub token: String,
+    pub runtime_dir: PathBuf,
+    http: reqwest::Client,
+}
+
+impl Gateway {
+    /// Starts a gateway with a fresh token, no warm pool and its own runtime directory,
+    /// plus `extra` flags; returns once it serves HTTP.
+    pub async fn start(extra: &[&str]) -> Result<Gateway> {
+        let port = free_port()?;
+        let token = format!("test-{}", uuid::Uuid::new_v4().simple());
+        let runtime_dir = PathBuf::from(format!("/run/kg-test-{port}"));
+        let mut args: Vec<String> = vec![
+            "serve".into(),
+            "--listen".into(),
+            format!("127.0.0.1:{port}"),
+            "--token".into(),
+            token.clone(),
+            "--image".into(),
+            image(),
+            "--runtime-dir".into(),
+            runtime_dir.display().to_string(),
+        ];
+        if !extra.iter().any(|a| *a == "--pool-size") {
+            args.extend(["--pool-size".into(), "0".into()]);
+        }
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let mut child = Command::new(binary())
+            .args(&args)
+            .env("KERNELGATE_LOG", "kernelgate=debug,warn")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .with_context(|| format!("cannot start {}", binary().display()))?;
+        forward_logs(&mut child, port);
+        let gw = Gateway {
+            child: Some(child),
+            base: format!("http://127.0.0.1:{port}"),
+            token,
+            runtime_dir,
+            http: reqwest::Client::new(),
+        };
+        for _ in 0..300 {
+            if TcpStream::connect(("127.0.0.1", port)).await.is_ok() {
+                return Ok(gw);
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        bail!("gateway did not listen on port {port} within 30 s")
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{}", self.base, path)
+    }
+
+    /// A request with the token header.
+    pub fn request(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
+        self.http
+            .request(method, self.url(path))
+            .header("Authorization", format!("token {}", self.token))
+    }
+
+    /// `POST /api/kernels`; returns the kernel model.
+    pub async fn create_kernel(&self) -> Result<Value> {
+        let r = self
+            .request(reqwest::Method::POST, "/api/kernels")
+            .json(&json!({"name": "python3"}))
+            .send()
+            .await?;
+        let status = r.status();
+        let body: Value = r.json().await?;
+        if status.as_u16() != 201 {
+            bail!("create kernel: {status} {body}");
+        }
+        Ok(body)
+    }
+
+    pub async fn delete_kernel(&self, id: &str) -> Result<u16> {
+        let r = self
+            .request(reqwest::Method::DELETE, &format!("/api/kernels/{id}"))
+            .send()
+            .await?;
+        Ok(r.status().as_u16())
+    }
+
+    pub async fn get_json(&self, path: &str) -> Result<(u16, Value)> {
+        let r = self.request(reqwest::Method::GET, path).send().await?;
+        let status = r.status().as_u16();
+        Ok((status, r.json().await.unwrap_or(Value::Null)))
+    }
+
+    pub async fn post_json(&self, path: &str, body: Value) -> Result<(u16, Value)> {
+        let r = self
+            .request(reqwest::Method::POST, path)
+            .json(&body)
+            .send()
+            .await?;
+        let status = r.status().as_u16();
+        Ok((status, r.json().await.unwrap_or(Value::Null)))
+    }
+
+    /// Opens the channels WebSocket of a kernel.
+    pub async fn channels(&self, kernel_id: &str, session_id: &str) -> Result<Client> {
+        self.channels_with(kernel_id, session_id, None).await
+    }
+
+    pub async fn channels_with(
+        &self,
+        kernel_id: &str,
+        session_id: &str,
+        subprotocol: Option<&str>,
+    ) -> Result<Client> {
+        let url = format!(
+            "ws://{}/api/kernels/{kernel_id}/channels?session_id={session_id}",
+            self.base.trim_start_matches("http://")
+        );
+        let mut req = url.into_client_request()?;
+        req.headers_mut()
+            .insert("Authorization", format!("token {}", self.token).parse()?);
+        if let Some(p) = subprotocol {
+            req.headers_mut()
+                .insert("Sec-WebSocket-Protocol", p.parse()?);
+        }
+        let (ws, resp) = tokio_tungstenite::connect_async(req).await?;
+        let v1 = resp
+            .headers()
+            .get("Sec-WebSocket-Protocol")
+            .is_some_and(|v| {
+                v.as_bytes() == kernelgate_protocol::websocket::V1_SUBPROTOCOL.as_bytes()
+            });
+        Ok(Client {
+            ws,
+            session: session_id.to_owned(),
+            v1,
+            seen: Vec::new(),
+        })
+    }
+
+    /// Stops the gateway with SIGTERM and waits for it (it removes its containers).
+    pub async fn stop(mut self) -> Result<std::process::ExitStatus> {
+        let mut child = self
+            .child
+            .take()
+            .ok_or_else(|| anyhow!("already stopped"))?;
+        if let Some(pid) = child.id() {
+            let _ = std::process::Command::new("kill")
+                .args(["-TERM", &pid.to_string()])
+                .status();
+        }
+        match tokio::time::timeout(Duration::from_secs(30), child.wait()).await {
+            Ok(status) => Ok(status?),
+            Err(_) => {
+                child.kill().await?;
+                bail!("gateway did not stop within 30 s of SIGTERM")
+            }
+        }
+    }
+}
+
+impl Drop for Gateway {
+    fn drop(&mut self) {
+        if let Some(child) = &self.child {
+            if let Some(pid) = child.id() {
+                // Give it the chance to remove its containers.
+                let _ = std::process::Command::new("kill")
+                    .args(["-TERM", &pid.to_string()])
+                    .status();
+                for _ in 0..100 {
+                    let alive = std::process::Command::new("kill")
+                        .args(["-0", &pid.to_string()])
+                        .stderr(Stdio::null())
+                        .status()
+                        .is_ok_and(|s| s.success());
+                    if !alive {
+                        break;
+                    }
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+            }
+        }
+    }
+}
+
+fn forward_logs(child: &mut Child, port: u16) {
+    if let Some(out) = child.stdout.take() {
+        tokio::spawn(async move {
+            let mut lines = BufReader::new(out).lines();
+            while let Ok(Some(l)) = lines.next_line().await {
+                eprintln!("[gw {port} out] {l}");
+            }
+        });
+    }
+    if let Some(err) = child.stderr.take() {
+        tokio::spawn(async move {
+            let mut lines = BufReader::new(err).lines();
+            while let Ok(Some(l)) = lines.next_line().await {
+                eprintln!("[gw {port}] {l}");
+            }
+        });
+    }
+}
+
+/// A free TCP port on loopback.
+pub fn free_port() -> Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+/// What one execute request produced, as a notebook user sees it.
+#[derive(Debug, Default, Clone)]
+pub struct Outcome {
+    pub status: String,
+    pub execution_count: Option<i64>,
+    pub stdout: String,
+    pub stderr: String,
+    /// `data` bundles of execute_result and display_data, in order.
+    pub displays: Vec<Map<String, Value>>,
+    pub error: Option<Value>,
+    /// Every message type received for this request, in order.
+    pub msg_types: Vec<String>,
+}
+
+impl Outcome {
+    /// The text/plain of the execute_result, if any.
+    pub fn result_text(&self) -> Option<String> {
+        self.displays.iter().rev().find_map(|d| {
+            d.get("text/plain")
+                .and_then(|v| v.as_str())
+                .map(str::to_owned)
+        })
+    }
+
+    pub fn ename(&self) -> Option<String> {
+        self.error
+            .as_ref()
+            .and_then(|e| e["ename"].as_str().map(str::to_owned))
+    }
+}
+
+/// A Jupyter WebSocket client (legacy JSON or v1 encoding).
+#[derive(Debug)]
+pub struct Client {
+    ws: WebSocketStream<MaybeTlsStream<TcpStream>>,
+    pub session: String,
+    pub v1: bool,
+    /// Messages received that no call consumed yet.
+    pub seen: Vec<Value>,
+}
+
+impl Client {
+    /// Sends a message; returns its msg_id.
+    pub async fn send(&mut self, channel: &str, msg_type: &str, content: Value) -> Result<String> {
+        let msg_id = uuid::Uuid::new_v4().to_string();
+        let header = json!({
+            "msg_id": msg_id, "msg_type": msg_type, "session": self.session,
+            "username": "test", "date": "2026-01-01T00:00:00.000000Z", "version": "5.3",
+        });
+        if self.v1 {
+            let message = kernelgate_protocol::Message::new(
+                serde_json::from_value(header)?,
+                None,
+                kernelgate_protocol::RawJson::from_value(&content),
+            );
+            let channel: kernelgate_protocol::Channel = channel.parse()?;
+            let frame = kernelgate_protocol::websocket::encode_v1(channel, &message);
+            self.ws.send(WsMessage::Binary(frame)).await?;
+        } else {
+            let frame = json!({
+                "header": header, "parent_header": {}, "metadata": {}, "content": content,
+                "buffers": [], "channel": channel,
+            });
+            self.ws
+                .send(WsMessage::Text(frame.to_string().into()))
+                .await?;
+        }
+        Ok(msg_id)
+    }
+
+    /// Sends raw text (for malformed-input tests).
+    pub async fn send_raw(&mut self, msg: WsMessage) -> Result<()> {
+        self.ws.send(msg).await?;
+        Ok(())
+    }
+
+    /// The next message from the gateway, as JSON with a `channel` field.
+    pub async fn recv(&mut self, timeout: Duration) -> Result<Value> {
+        loop {
+            let frame = tokio::time::timeout(timeout, self.ws.next())
+                .await
+                .context("timed out waiting for a message")?
+                .ok_or_else(|| anyhow!("WebSocket closed"))??;
+            match frame {
+                WsMessage::Text(t) => return Ok(serde_json::from_str(t.as_str())?),
+                WsMessage::Binary(b) => {
+                    let enc = if self.v1 {
+                        kernelgate_protocol::websocket::Encoding::V1
+                    } else {
+                        kernelgate_protocol::websocket::Encoding::Legacy
+                    };
+                    let (channel, m) = kernelgate_protocol::websocket::decode(
+                        enc,
+                        &kernelgate_protocol::websocket::Frame::Binary(b),
+                    )?;
+                    let mut v = json!({
+                        "header": m.header, "parent_header": m.parent_header.map(serde_json::to_value).transpose()?.unwrap_or(json!({})),
+                        "metadata": serde_json::from_str::<Value>(m.metadata.get())?,
+                        "content": serde_json::from_str::<Value>(m.content.get())?,
+                        "channel": channel.as_str(),
+                    });
+                    v["msg_type"] = v["header"]["msg_type"].clone();
+                    v["buffers_len"] = json!(m.buffers.len());
+                    return Ok(v);
+                }
+                WsMessage::Close(_) => bail!("WebSocket closed by the gateway"),
+                _ => {}
+            }
+        }
+    }
+
+    /// Waits for a message matching `pred`, keeping others in `seen`.
+    pub async fn wait_for(
+        &mut self,
+        timeout: Duration,
+        pred: impl Fn(&Value) -> bool,
+    ) -> Result<Value> {
+        if let Some(i) = self.seen.iter().position(&pred) {
+            return Ok(self.seen.remove(i));
+        }
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            let m = self.recv(left).await?;
+            if pred(&m) {
+                return Ok(m);
+            }
+            self.seen.push(m);
+        }
+    }
+
+    /// `kernel_info_request` and its reply content.
+    pub async fn kernel_info(&mut self) -> Result<Value> {
+        let id = self.send("shell", "kernel_info_request", json!({})).await?;
+        let reply = self
+            .wait_for(Duration::from_secs(30), |m| {
+                m["parent_header"]["msg_id"] == id.as_str() && m["msg_type"] == "kernel_info_reply"
+            })
+            .await?;
+        Ok(reply["content"].clone())
+    }
+
+    /// Runs code and collects everything it produced until the kernel is idle again.
+    pub async fn execute(&mut self, code: &str) -> Result<Outcome> {
+        self.execute_for(code, Duration::from_secs(60)).await
+    }
+
+    pub async fn execute_for(&mut self, code: &str, timeout: Duration) -> Result<Outcome> {
+        let id = self.start_execute(code).await?;
+        self.collect(&id, timeout).await
+    }
+
+    pub async fn start_execute(&mut self, code: &str) -> Result<String> {
+        self.send(
+            "shell",
+            "execute_request",
+            json!({"code": code, "silent": false, "store_history": true,
+                   "user_expressions": {}, "allow_stdin": true, "stop_on_error": true}),
+        )
+        .await
+    }
+
+    /// Collects the outputs of request `id` until both its reply and idle status came.
+    pub async fn collect(&mut self, id: &str, timeout: Duration) -> Result<Outcome> {
+        let mut out = Outcome::default();
+        let (mut replied, mut idle) = (false, false);
+        let deadline = tokio::time::Instant::now() + timeout;
+        while !(replied && idle) {
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            let m = self
+                .wait_for(left, |m| m["parent_header"]["msg_id"] == id)
+                .await
+                .with_context(|| format!("collecting outputs so far: {out:?}"))?;
+            let t = m["msg_type"].as_str().unwrap_or_default().to_owned();
+            let c = &m["content"];
+            match t.as_str() {
+                "stream" if c["name"] == "stdout" => {
+                    out.stdout += c["text"].as_str().unwrap_or_default()
+                }
+                "stream" => out.stderr += c["text"].as_str().unwrap_or_default(),
+                "execute_result" | "display_data" => out
+                    .displays
+                    .push(c["data"].as_object().cloned().unwrap_or_default()),
+                "error" => out.error = Some(c.clone()),
+                "execute_reply" => {
+                    replied = true;
+                    out.status = c["status"].as_str().unwrap_or_default().to_owned();
+                    out.execution_count = c["execution_count"].as_i64();
+                }
+                "status" if c["execution_state"] == "idle" => idle = true,
+                _ => {}
+            }
+            out.msg_types.push(t);
+        }
+        Ok(out)
+    }
+
+    pub async fn close(mut self) -> Result<()> {
+        self.ws.close(None).await?;
+        Ok(())
+    }
+}
+
+/// Decodes base64 PNG data and checks it is a real PNG; returns (width, height).
+pub fn decode_png(b64: &str) -> Result<(u32, u32)> {
+    use base64::Engine;
+    let clean: String = b64.chars().filter(|c| !c.is_whitespace()).collect();
+    let bytes = base64::engine::general_purpose::STANDARD.decode(clean)?;
+    if bytes.len() < 24 || &bytes[..8] != b"\x89PNG\r\n\x1a\n" || &bytes[12..16] != b"IHDR" {
+        bail!("not a PNG");
+    }
+    let w = u32::from_be_bytes([bytes[16], bytes[17], bytes[18], bytes[19]]);
+    let h = u32::from_be_bytes([bytes[20], bytes[21], bytes[22], bytes[23]]);
+    // A PNG must end with IEND.
+    if !bytes.ends_with(&[0x49, 0x45, 0x4e, 0x44, 0xae, 0x42, 0x60, 0x82]) {
+        bail!("PNG is truncated");
+    }
+    Ok((w, h))
+}

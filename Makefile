@@ -1,0 +1,33 @@
+# Kernelgate: the two commands are `make run` and `make test`.
+SHELL := /bin/bash
+CARGO ?= cargo
+LISTEN ?= 127.0.0.1:8888
+
+include mk/image.mk
+include mk/protocol.mk
+
+.PHONY: all build run test lint unit e2e python-tests bench clean-test-containers
+
+all: build
+
+build:
+	$(CARGO) build --release -p kernelgate
+
+## Build the kernel image if needed and the gateway, then serve on $(LISTEN).
+run: image build
+	./target/release/kernelgate serve --listen $(LISTEN) --image $(KERNEL_IMAGE) $(ARGS)
+
+## Everything CI checks: format, lints, unit tests, fuzzing, end-to-end tests.
+test: lint unit fuzz-smoke e2e
+
+lint:
+	$(CARGO) fmt --all --check
+	$(CARGO) clippy --workspace --all-targets -- -D warnings
+
+unit:
+	$(CARGO) test -p kernelgate-protocol -p kernelgate
+
+# End-to-end tests start the real binary against real Docker with the real image.
+e2e: image
+	$(CARGO) build -p kernelgate
+	KERNELGATE_IMAGE=$(KERNEL_IMAGE) $(CARGO) test -p kernelgate-tests -- --test-threads=3

@@ -1,0 +1,138 @@
+//! `GET /api/kernels/{id}/channels?session_id=S`: the WebSocket that carries all five
+//! channels, in the legacy JSON encoding or `v1.kernel.websocket.jupyter.org` when offered.
+//!
+//! A new socket with the same session id takes the session over and first receives what
+//! was queued while no socket was connected (see [`crate::kernel::clients`]).
+
+use super::error::ApiError;
+use super::kernels::find;
+use super::AppState;
+use crate::kernel::{now_iso, Attachment};
+use axum::extract::ws::{CloseFrame, Message as WsMessage, WebSocket, WebSocketUpgrade};
+use axum::extract::{Path, Query, State};
+use axum::response::Response;
+use futures::{Sink, SinkExt, Stream, StreamExt};
+use kernelgate_protocol::websocket::{self, Encoding, Frame, V1_SUBPROTOCOL};
+use kernelgate_protocol::Channel;
+use serde::Deserialize;
+use std::time::Duration;
+
+/// Clients are pinged this often, so dead connections are noticed and proxies keep the
+/// connection open.
+const PING_EVERY: Duration = Duration::from_secs(30);
+
+#[derive(Debug, Deserialize)]
+pub struct ChannelsQuery {
+    #[serde(default)]
+    session_id: Option<String>,
+}
+
+pub async fn connect(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+    Query(query): Query<ChannelsQuery>,
+    ws: WebSocketUpgrade,
+) -> Result<Response, ApiError> {
+    let live = find(&state, &id)?;
+    let session = query
+        .session_id
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| uuid::Uuid::new_v4().to_string());
+    let ws = ws
+        .protocols([V1_SUBPROTOCOL])
+        .max_message_size(state.max_message_bytes)
+        .max_frame_size(state.max_message_bytes);
+    let encoding = match ws.selected_protocol() {
+        Some(p) if p.as_bytes() == V1_SUBPROTOCOL.as_bytes() => Encoding::V1,
+        _ => Encoding::Legacy,
+    };
+    let cancel = state.cancel.clone();
+    Ok(ws.on_upgrade(move |socket: WebSocket| async move {
+        let attachment = live.kernel.attach(&session, false);
+        tracing::debug!(kernel = %live.id(), %session, ?encoding, "client connected");
+        tokio::select! {
+            _ = cancel.cancelled() => {}
+            _ = serve(socket, &attachment, encoding, &session) => {}
+        }
+        tracing::debug!(kernel = %live.id(), %session, "client disconnected");
+    }))
+}
+
+/// Relays between one client socket and its kernel session until either side ends.
+pub async fn serve<S, E>(socket: S, attachment: &Attachment, encoding: Encoding, session: &str)
+where
+    S: Sink<WsMessage> + Stream<Item = Result<WsMessage, E>> + Unpin,
+    E: std::fmt::Display,
+{
+    let (mut sink, mut stream) = socket.split();
+    let mut ping = tokio::time::interval(PING_EVERY);
+    ping.tick().await;
+    loop {
+        tokio::select! {
+            incoming = stream.next() => match incoming {
+                None => return,
+                Some(Err(e)) => {
+                    tracing::warn!(%session, error = %e, "client WebSocket failed");
+                    return;
+                }
+                Some(Ok(WsMessage::Close(_))) => return,
+                Some(Ok(WsMessage::Text(t))) => {
+                    from_client(attachment, encoding, Frame::Text(t.as_str().to_owned()), session).await;
+                }
+                Some(Ok(WsMessage::Binary(b))) => {
+                    from_client(attachment, encoding, Frame::Binary(b), session).await;
+                }
+                Some(Ok(_)) => {} // pings are answered by the WebSocket layer; pongs need nothing
+            },
+            batch = attachment.recv() => {
+                let Some(batch) = batch else {
+                    // Another socket took this session over, or the kernel was shut down.
+                    let _ = sink
+                        .send(WsMessage::Close(Some(CloseFrame {
+                            code: 1000,
+                            reason: "session taken over by a newer connection or kernel shut down".into(),
+                        })))
+                        .await;
+                    return;
+                };
+                for out in batch {
+                    let frame = match websocket::encode(encoding, out.channel, &out.message) {
+                        Frame::Text(t) => WsMessage::Text(t.into()),
+                        Frame::Binary(b) => WsMessage::Binary(b),
+                    };
+                    if sink.feed(frame).await.is_err() {
+                        return;
+                    }
+                }
+                if sink.flush().await.is_err() {
+                    return;
+                }
+            },
+            _ = ping.tick() => {
+                if sink.send(WsMessage::Ping(Default::default())).await.is_err() {
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// Decodes, completes and forwards one client message. Bad input is logged and skipped;
+/// the connection stays open.
+async fn from_client(attachment: &Attachment, encoding: Encoding, frame: Frame, session: &str) {
+    let (channel, mut message) = match websocket::decode(encoding, &frame) {
+        Ok(decoded) => decoded,
+        Err(e) => {
+            tracing::warn!(%session, error = %e, "ignoring malformed message from client");
+            return;
+        }
+    };
+    if matches!(channel, Channel::IoPub | Channel::Heartbeat) {
+        tracing::warn!(%session, %channel, "ignoring client message on a channel clients cannot write");
+        return;
+    }
+    message.header.fill_missing(session, "username", &now_iso());
+    if let Err(e) = attachment.send(channel, message).await {
+        tracing::warn!(%session, %channel, error = %e, "cannot forward client message");
+    }
+}

@@ -1,0 +1,77 @@
+//! The one API error type: it picks the status code and a message that is safe to show
+//! (no stack traces, no secrets), as Jupyter Server does: `{"reason", "message"}`.
+
+use crate::backend::BackendError;
+use crate::kernel::KernelError;
+use crate::kernels::CreateError;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+
+#[derive(Debug)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub message: String,
+}
+
+impl ApiError {
+    pub fn new(status: StatusCode, message: impl Into<String>) -> Self {
+        ApiError {
+            status,
+            message: message.into(),
+        }
+    }
+
+    pub fn no_kernel(id: &str) -> Self {
+        Self::new(
+            StatusCode::NOT_FOUND,
+            format!("Kernel does not exist: {id}"),
+        )
+    }
+
+    pub fn bad_request(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, message)
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let reason = self.status.canonical_reason().unwrap_or("Error");
+        let body = serde_json::json!({"reason": reason, "message": self.message});
+        (self.status, Json(body)).into_response()
+    }
+}
+
+impl From<BackendError> for ApiError {
+    fn from(e: BackendError) -> Self {
+        let status = match e {
+            BackendError::Gone { .. } => StatusCode::NOT_FOUND,
+            _ => StatusCode::SERVICE_UNAVAILABLE,
+        };
+        tracing::warn!(error = %e, "backend error");
+        ApiError::new(status, e.to_string())
+    }
+}
+
+impl From<KernelError> for ApiError {
+    fn from(e: KernelError) -> Self {
+        let status = match e {
+            KernelError::NotWritable(_) => StatusCode::BAD_REQUEST,
+            KernelError::NotReady(_) => StatusCode::GATEWAY_TIMEOUT,
+            _ => StatusCode::SERVICE_UNAVAILABLE,
+        };
+        ApiError::new(status, e.to_string())
+    }
+}
+
+impl From<CreateError> for ApiError {
+    fn from(e: CreateError) -> Self {
+        match e {
+            CreateError::NoSuchSpec(_) => ApiError::new(StatusCode::NOT_FOUND, e.to_string()),
+            CreateError::TooMany { .. } => ApiError::new(StatusCode::FORBIDDEN, e.to_string()),
+            CreateError::BadEnv { .. } => ApiError::bad_request(e.to_string()),
+            CreateError::Backend(b) => b.into(),
+            CreateError::Kernel(k) => k.into(),
+        }
+    }
+}

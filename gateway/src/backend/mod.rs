@@ -1,0 +1,85 @@
+//! Where kernels run. A [`KernelBackend`] starts a kernel process somewhere isolated,
+//! hands back the host-side connection info for its sockets, and stops, interrupts and
+//! watches it. The only implementation today is [`docker::DockerBackend`].
+
+pub mod docker;
+
+use futures::future::BoxFuture;
+use kernelgate_protocol::ConnectionInfo;
+use std::collections::BTreeMap;
+
+/// What to start.
+#[derive(Debug, Clone)]
+pub struct LaunchRequest {
+    /// The gateway's kernel id (a UUID), used for labels and the socket directory.
+    pub kernel_id: String,
+    /// The kernel spec name (`python3`).
+    pub kernel_name: String,
+    /// Extra environment for the kernel process: already filtered to `KERNEL_*` names.
+    pub env: BTreeMap<String, String>,
+    /// Import the common libraries before the kernel reports ready (warm pool).
+    pub preload: bool,
+}
+
+/// A started kernel.
+#[derive(Debug, Clone)]
+pub struct Launched {
+    /// The backend's handle (a container id).
+    pub handle: String,
+    /// How the gateway reaches the kernel's sockets, with host paths and the key.
+    pub connection: ConnectionInfo,
+}
+
+/// A kernel that a backend still runs, found at start-up (for re-adoption or removal).
+#[derive(Debug, Clone)]
+pub struct Found {
+    pub handle: String,
+    pub kernel_id: String,
+    pub running: bool,
+}
+
+/// Why a backend could not do what was asked. Messages are shown to API clients, so they
+/// say what to do and never include secrets.
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    #[error("cannot reach the Docker daemon ({detail}); start Docker (e.g. `systemctl start docker`) and check that this user may use /var/run/docker.sock")]
+    DockerUnavailable { detail: String },
+    #[error("kernel image {image:?} not found; build it with `make image`")]
+    ImageMissing { image: String },
+    #[error("kernel container {handle} is gone")]
+    Gone { handle: String },
+    #[error("container runtime error: {0}")]
+    Runtime(String),
+    #[error("cannot prepare the kernel's socket directory {path}: {source}")]
+    SocketDir {
+        path: String,
+        source: std::io::Error,
+    },
+}
+
+/// Starts and controls isolated kernels.
+pub trait KernelBackend: Send + Sync + 'static {
+    /// Checks that kernels can be started at all (daemon reachable, image present).
+    fn check(&self) -> BoxFuture<'_, Result<(), BackendError>>;
+
+    /// Starts one kernel and returns once its process was started (not yet answering).
+    fn launch<'a>(
+        &'a self,
+        req: &'a LaunchRequest,
+    ) -> BoxFuture<'a, Result<Launched, BackendError>>;
+
+    /// Restarts the kernel's process with fresh state; the connection info stays valid.
+    fn restart<'a>(&'a self, handle: &'a str) -> BoxFuture<'a, Result<(), BackendError>>;
+
+    /// Sends SIGINT to the kernel (a `KeyboardInterrupt` in Python).
+    fn interrupt<'a>(&'a self, handle: &'a str) -> BoxFuture<'a, Result<(), BackendError>>;
+
+    /// Stops the kernel and removes everything it had (container, socket directory).
+    fn remove<'a>(&'a self, handle: &'a str) -> BoxFuture<'a, Result<(), BackendError>>;
+
+    /// Resolves when the kernel's process exits, with its exit code.
+    fn wait_exit<'a>(&'a self, handle: &'a str) -> BoxFuture<'a, Result<i64, BackendError>>;
+
+    /// Kernels this gateway's backend started earlier (by label).
+    fn list(&self) -> BoxFuture<'_, Result<Vec<Found>, BackendError>>;
+}

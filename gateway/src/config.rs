@@ -1,0 +1,101 @@
+//! One `Config`, from command-line flags and `KERNELGATE_*` environment variables.
+
+use clap::{Args, Parser, Subcommand};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "kernelgate",
+    version,
+    about = "A Jupyter kernel gateway: every kernel in its own locked-down Docker container."
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Start the gateway (Jupyter Server's kernel REST API and WebSocket channels).
+    Serve(Box<Config>),
+}
+
+/// Everything `kernelgate serve` can be told. Each flag is also an environment variable.
+#[derive(Debug, Clone, Args)]
+pub struct Config {
+    /// Address to listen on.
+    #[arg(long, env = "KERNELGATE_LISTEN", default_value = "127.0.0.1:8888")]
+    pub listen: SocketAddr,
+
+    /// Token clients must present (`Authorization: token T`, `Bearer T` or `?token=T`).
+    /// When not given, a random one is generated and printed once.
+    #[arg(long, env = "KERNELGATE_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
+
+    /// Serve without any token. Refused unless listening on a loopback address.
+    #[arg(long, env = "KERNELGATE_NO_AUTH", default_value_t = false)]
+    pub no_auth: bool,
+
+    /// Kernel container image.
+    #[arg(
+        long,
+        env = "KERNELGATE_IMAGE",
+        default_value = "kernelgate-kernel:latest"
+    )]
+    pub image: String,
+
+    /// Host directory holding one socket directory per kernel (paths must stay short:
+    /// Unix sockets allow 107 bytes).
+    #[arg(
+        long,
+        env = "KERNELGATE_RUNTIME_DIR",
+        default_value = "/run/kernelgate"
+    )]
+    pub runtime_dir: PathBuf,
+
+    /// Most kernels alive at once; creating one more answers 403.
+    #[arg(long, env = "KERNELGATE_MAX_KERNELS", default_value_t = 32)]
+    pub max_kernels: usize,
+
+    /// Kernels idle (no connection, not busy) for this many seconds are shut down; 0 never.
+    #[arg(long, env = "KERNELGATE_CULL_IDLE_TIMEOUT", default_value_t = 3600)]
+    pub cull_idle_timeout: u64,
+
+    /// Kernels started ahead of time and handed out by `POST /api/kernels`.
+    #[arg(long, env = "KERNELGATE_POOL_SIZE", default_value_t = 2)]
+    pub pool_size: usize,
+
+    /// Memory limit per kernel in MiB (swap is not allowed beyond it).
+    #[arg(long, env = "KERNELGATE_KERNEL_MEMORY_MB", default_value_t = 1024)]
+    pub kernel_memory_mb: u64,
+
+    /// CPU limit per kernel, in cores.
+    #[arg(long, env = "KERNELGATE_KERNEL_CPUS", default_value_t = 1.0)]
+    pub kernel_cpus: f64,
+
+    /// Most processes/threads per kernel container.
+    #[arg(long, env = "KERNELGATE_KERNEL_PIDS", default_value_t = 256)]
+    pub kernel_pids: i64,
+
+    /// Size of the kernel's writable home and working directory (tmpfs), in MiB.
+    #[arg(long, env = "KERNELGATE_KERNEL_DISK_MB", default_value_t = 512)]
+    pub kernel_disk_mb: u64,
+
+    /// Seconds to wait for a new kernel to answer before giving up.
+    #[arg(long, env = "KERNELGATE_STARTUP_TIMEOUT", default_value_t = 30)]
+    pub startup_timeout: u64,
+
+    /// Restart a kernel automatically when its process dies (clients see `restarting`).
+    #[arg(long, env = "KERNELGATE_AUTORESTART", default_value_t = true, action = clap::ArgAction::Set)]
+    pub autorestart: bool,
+
+    /// Bytes of messages kept per client session while it is away or slow; past this the
+    /// oldest output messages are dropped and the client is told how many.
+    #[arg(long, env = "KERNELGATE_CLIENT_BUFFER_MB", default_value_t = 64)]
+    pub client_buffer_mb: usize,
+
+    /// Largest WebSocket message or HTTP body accepted from a client, in MiB.
+    #[arg(long, env = "KERNELGATE_MAX_MESSAGE_MB", default_value_t = 64)]
+    pub max_message_mb: usize,
+}

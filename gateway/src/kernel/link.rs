@@ -1,0 +1,184 @@
+//! The ZeroMQ sockets to one running kernel: shell, stdin and control DEALERs, the IOPub
+//! SUB, each drained by its own task into a [`Dispatch`], and writer tasks that sign
+//! outgoing messages with the kernel's key.
+//!
+//! zeromq-rs differs from libzmq: `connect()` waits for the peer, a DEALER without a peer
+//! errors instead of queueing, and only SUB reconnects. A `Link` is therefore made once
+//! per kernel process and replaced when the process restarts.
+
+use super::KernelError;
+use bytes::Bytes;
+use kernelgate_protocol::{wire, Channel, ConnectionInfo, Message, SigningKey};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use zeromq::util::PeerIdentity;
+use zeromq::{DealerSocket, Socket, SocketOptions, SocketRecv, SocketSend, SubSocket, ZmqMessage};
+
+/// Where a link delivers what the kernel sends. Called from the socket reader tasks: it
+/// must never wait on a client.
+pub trait Dispatch: Send + Sync + 'static {
+    fn dispatch(&self, channel: Channel, message: Message);
+    /// A reader stopped (the kernel closed the socket or the process went away).
+    fn link_lost(&self, channel: Channel);
+}
+
+/// Messages waiting to be written per channel; the sender waits (backpressure to the
+/// client) when a kernel does not read its shell socket.
+const WRITE_QUEUE: usize = 1024;
+
+/// The live sockets of one kernel process.
+#[derive(Debug)]
+pub struct Link {
+    shell: mpsc::Sender<Message>,
+    stdin: mpsc::Sender<Message>,
+    control: mpsc::Sender<Message>,
+    cancel: CancellationToken,
+}
+
+impl Link {
+    /// Connects all sockets and starts their tasks. Waits at most `timeout` for the
+    /// kernel's socket files to accept connections.
+    pub async fn connect(
+        info: &ConnectionInfo,
+        sink: Arc<dyn Dispatch>,
+        tracker: &TaskTracker,
+        cancel: CancellationToken,
+        timeout: Duration,
+    ) -> Result<Link, KernelError> {
+        let key = info.signing_key();
+        // Shell and stdin share one routing id: ipykernel sends input_request to the
+        // identity the execute_request came from (design.md, zeromq notes).
+        let identity = PeerIdentity::try_from(uuid::Uuid::new_v4().as_bytes().to_vec())
+            .map_err(|e| KernelError::Connect(e.to_string()))?;
+        let options = |id: Option<PeerIdentity>| {
+            let mut o = SocketOptions::default();
+            o.connect_timeout(timeout);
+            if let Some(id) = id {
+                o.peer_identity(id);
+            }
+            o
+        };
+        let connect = |mut s: DealerSocket, channel: Channel| {
+            let endpoint = info.endpoint(channel);
+            async move {
+                s.connect(&endpoint)
+                    .await
+                    .map_err(|e| KernelError::Connect(format!("{channel} at {endpoint}: {e}")))?;
+                Ok::<_, KernelError>(s)
+            }
+        };
+        let mut iopub = SubSocket::with_options(options(None));
+        iopub
+            .subscribe("")
+            .await
+            .map_err(|e| KernelError::Connect(e.to_string()))?;
+        let iopub_endpoint = info.endpoint(Channel::IoPub);
+        let (shell, stdin, control, iopub_result) = tokio::join!(
+            connect(
+                DealerSocket::with_options(options(Some(identity.clone()))),
+                Channel::Shell
+            ),
+            connect(
+                DealerSocket::with_options(options(Some(identity))),
+                Channel::Stdin
+            ),
+            connect(DealerSocket::with_options(options(None)), Channel::Control),
+            iopub.connect(&iopub_endpoint),
+        );
+        iopub_result
+            .map_err(|e| KernelError::Connect(format!("iopub at {iopub_endpoint}: {e}")))?;
+        let (shell, stdin, control) = (shell?, stdin?, control?);
+
+        let spawn_reader = |channel: Channel, mut socket: Box<dyn SocketRecv + Send>| {
+            let (sink, key, cancel) = (sink.clone(), key.clone(), cancel.clone());
+            tracker.spawn(async move {
+                loop {
+                    let received = tokio::select! {
+                        _ = cancel.cancelled() => return,
+                        r = socket.recv() => r,
+                    };
+                    match received {
+                        Ok(frames) => deliver(&*sink, &key, channel, frames),
+                        Err(e) => {
+                            tracing::debug!(%channel, error = %e, "kernel socket closed");
+                            sink.link_lost(channel);
+                            return;
+                        }
+                    }
+                }
+            });
+        };
+        let spawn_writer = |channel: Channel, mut socket: Box<dyn SocketSend + Send>| {
+            let (key, cancel) = (key.clone(), cancel.clone());
+            let (tx, mut rx) = mpsc::channel::<Message>(WRITE_QUEUE);
+            tracker.spawn(async move {
+                loop {
+                    let message = tokio::select! {
+                        _ = cancel.cancelled() => return,
+                        m = rx.recv() => match m { Some(m) => m, None => return },
+                    };
+                    let frames = wire::encode(&[], &message, &key);
+                    let Ok(zmq) = ZmqMessage::try_from(frames) else {
+                        continue;
+                    };
+                    if let Err(e) = socket.send(zmq).await {
+                        tracing::warn!(%channel, error = %e, "cannot write to kernel");
+                        return;
+                    }
+                }
+            });
+            tx
+        };
+
+        let (shell_tx, shell_rx) = shell.split();
+        let (stdin_tx, stdin_rx) = stdin.split();
+        let (control_tx, control_rx) = control.split();
+        spawn_reader(Channel::Shell, Box::new(shell_rx));
+        spawn_reader(Channel::Stdin, Box::new(stdin_rx));
+        spawn_reader(Channel::Control, Box::new(control_rx));
+        spawn_reader(Channel::IoPub, Box::new(iopub));
+        Ok(Link {
+            shell: spawn_writer(Channel::Shell, Box::new(shell_tx)),
+            stdin: spawn_writer(Channel::Stdin, Box::new(stdin_tx)),
+            control: spawn_writer(Channel::Control, Box::new(control_tx)),
+            cancel,
+        })
+    }
+
+    /// Queues a message for the kernel; it is signed when written.
+    pub async fn send(&self, channel: Channel, message: Message) -> Result<(), KernelError> {
+        let tx = match channel {
+            Channel::Shell => &self.shell,
+            Channel::Stdin => &self.stdin,
+            Channel::Control => &self.control,
+            Channel::IoPub | Channel::Heartbeat => {
+                return Err(KernelError::NotWritable(channel));
+            }
+        };
+        tx.send(message).await.map_err(|_| KernelError::KernelGone)
+    }
+
+    /// Stops this link's tasks (the kernel process is being replaced or removed).
+    pub fn close(&self) {
+        self.cancel.cancel();
+    }
+}
+
+impl Drop for Link {
+    fn drop(&mut self) {
+        self.cancel.cancel();
+    }
+}
+
+fn deliver(sink: &dyn Dispatch, key: &SigningKey, channel: Channel, frames: ZmqMessage) {
+    let frames: Vec<Bytes> = frames.into_vec();
+    match wire::decode(&frames, key) {
+        Ok(w) => sink.dispatch(channel, w.message),
+        // A bad signature means someone other than the kernel wrote to the socket, or a
+        // corrupted message: drop it, never relay it.
+        Err(e) => tracing::warn!(%channel, error = %e, "dropping message from kernel"),
+    }
+}

@@ -1,0 +1,166 @@
+//! Issue 3: the kernel image, started with the hardened settings of design.md by the
+//! gateway's Docker backend, reached over its ipc sockets with `kernelgate-protocol`
+//! (through the gateway's kernel module), without the HTTP layer in between.
+
+use anyhow::{anyhow, Result};
+use kernelgate::backend::docker::{DockerBackend, DockerSettings};
+use kernelgate::backend::{KernelBackend, LaunchRequest};
+use kernelgate::kernel::clients::ClientLimits;
+use kernelgate::kernel::{Attachment, Kernel};
+use kernelgate_protocol::content::ExecuteRequest;
+use kernelgate_protocol::{Channel, RawJson};
+use kernelgate_tests::{decode_png, Outcome};
+use serde_json::Value;
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+async fn run(kernel: &Kernel, me: &Attachment, code: &str) -> Result<Outcome> {
+    let request = kernel.request(
+        "execute_request",
+        RawJson::from_value(&ExecuteRequest::new(code)),
+    );
+    let id = request.msg_id().to_owned();
+    me.send(Channel::Shell, request).await?;
+    let mut out = Outcome::default();
+    let (mut replied, mut idle) = (false, false);
+    while !(replied && idle) {
+        let batch = tokio::time::timeout(Duration::from_secs(120), me.recv())
+            .await?
+            .ok_or_else(|| anyhow!("session closed"))?;
+        for o in batch {
+            if o.message.parent_msg_id() != Some(id.as_str()) {
+                continue;
+            }
+            let c: Value = serde_json::from_str(o.message.content.get())?;
+            match o.message.msg_type() {
+                "stream" if c["name"] == "stdout" => {
+                    out.stdout += c["text"].as_str().unwrap_or_default()
+                }
+                "stream" => out.stderr += c["text"].as_str().unwrap_or_default(),
+                "execute_result" | "display_data" => out
+                    .displays
+                    .push(c["data"].as_object().cloned().unwrap_or_default()),
+                "error" => out.error = Some(c),
+                "execute_reply" => {
+                    replied = true;
+                    out.status = c["status"].as_str().unwrap_or_default().to_owned();
+                }
+                "status" if c["execution_state"] == "idle" => idle = true,
+                _ => {}
+            }
+        }
+    }
+    Ok(out)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hardened_container_runs_a_real_kernel() -> Result<()> {
+    let settings = DockerSettings {
+        image: kernelgate_tests::image(),
+        runtime_dir: PathBuf::from(format!("/run/kg-image-{}", std::process::id())),
+        memory_mb: 1024,
+        cpus: 1.0,
+        pids: 256,
+        disk_mb: 256,
+    };
+    let backend = DockerBackend::connect(settings).await?;
+    backend.check().await?;
+    let kernel_id = uuid::Uuid::new_v4().to_string();
+    let launched = backend
+        .launch(&LaunchRequest {
+            kernel_id: kernel_id.clone(),
+            kernel_name: "python3".into(),
+            env: BTreeMap::new(),
+            preload: false,
+        })
+        .await?;
+    let result = exercise(&launched.handle, &launched.connection).await;
+    backend.remove(&launched.handle).await?;
+    result
+}
+
+async fn exercise(handle: &str, connection: &kernelgate_protocol::ConnectionInfo) -> Result<()> {
+    // The container has exactly the hardening design.md asks for.
+    let inspect = std::process::Command::new("docker")
+        .args(["inspect", handle])
+        .output()?;
+    let inspect: Value = serde_json::from_slice(&inspect.stdout)?;
+    let host = &inspect[0]["HostConfig"];
+    assert_eq!(host["NetworkMode"], "none");
+    assert_eq!(host["ReadonlyRootfs"], true);
+    assert_eq!(host["CapDrop"], serde_json::json!(["ALL"]));
+    assert!(host["SecurityOpt"]
+        .to_string()
+        .contains("no-new-privileges"));
+    assert_eq!(host["PidsLimit"], 256);
+    assert_eq!(host["Memory"], 1024 * 1024 * 1024);
+    assert_eq!(host["Memory"], host["MemorySwap"]);
+    assert_eq!(host["Privileged"], false);
+    assert_eq!(host["Binds"].as_array().map(|b| b.len()), Some(1));
+    assert!(host["Tmpfs"]["/tmp"].is_string());
+    assert_eq!(inspect[0]["Config"]["User"], "1000:1000");
+
+    let tracker = TaskTracker::new();
+    let kernel = Kernel::new(
+        "image-test",
+        ClientLimits {
+            buffer_bytes: 1 << 30,
+            replay_for: Duration::from_secs(60),
+        },
+    );
+    let info = kernel
+        .connect(
+            connection,
+            &tracker,
+            CancellationToken::new(),
+            Duration::from_secs(60),
+        )
+        .await?;
+    assert_eq!(info.status, "ok");
+    assert!(info.protocol_version.starts_with('5'));
+    assert_eq!(info.language_info["name"], "python");
+
+    let me = kernel.attach("image-test-client", true);
+    assert_eq!(run(&kernel, &me, "x = 41").await?.status, "ok");
+    assert_eq!(
+        run(&kernel, &me, "x + 1").await?.result_text().as_deref(),
+        Some("42")
+    );
+
+    let r = run(
+        &kernel,
+        &me,
+        "import matplotlib.pyplot as plt\nplt.plot([3, 1, 2])\nplt.show()",
+    )
+    .await?;
+    let png = r
+        .displays
+        .iter()
+        .find_map(|d| d.get("image/png").and_then(|v| v.as_str()))
+        .ok_or_else(|| anyhow!("no image/png"))?;
+    let (w, h) = decode_png(png)?;
+    assert!(w > 100 && h > 100);
+
+    let r = run(&kernel, &me, "1/0").await?;
+    assert_eq!(r.ename().as_deref(), Some("ZeroDivisionError"));
+    assert!(r
+        .error
+        .as_ref()
+        .is_some_and(|e| e["traceback"].as_array().is_some_and(|t| !t.is_empty())));
+
+    // 100,000 small prints, every line present and in order.
+    let r = run(&kernel, &me, "for i in range(100000):\n    print(i)").await?;
+    let lines: Vec<&str> = r.stdout.lines().collect();
+    assert_eq!(
+        lines.len(),
+        100_000,
+        "lost {} lines",
+        100_000 - lines.len() as i64
+    );
+    assert!(lines.iter().enumerate().all(|(i, l)| *l == i.to_string()));
+    kernel.disconnect();
+    Ok(())
+}
