@@ -1,0 +1,401 @@
+//! Kernels in local Docker containers (bollard). One container per kernel, named
+//! `kernelgate-<kernel_id>` and labelled so that a restarted gateway finds it again; its
+//! sockets live in a host directory bind-mounted at `/run/kernel` ([`socket_dir`]); the
+//! container's isolation is built in [`spec`].
+
+mod socket_dir;
+mod spec;
+
+use super::{BackendError, Found, KernelBackend, LaunchRequest, Launched};
+use crate::config::Config;
+use bollard::errors::Error as DockerError;
+use bollard::models::ContainerSummaryStateEnum;
+use bollard::query_parameters::{
+    CreateContainerOptionsBuilder, InspectContainerOptions, KillContainerOptionsBuilder,
+    ListContainersOptionsBuilder, RemoveContainerOptionsBuilder, RestartContainerOptionsBuilder,
+    WaitContainerOptionsBuilder,
+};
+use bollard::Docker;
+use futures::future::BoxFuture;
+use futures::{FutureExt, StreamExt};
+use kernelgate_protocol::{ConnectionInfo, SigningKey};
+use socket_dir::{Ids, Ownership};
+use spec::{ContainerSpec, LABEL_KERNEL_ID, LABEL_MANAGED, LABEL_RUNTIME_DIR};
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Mutex;
+
+/// What kernel containers are made from and may use.
+#[derive(Debug, Clone)]
+pub struct DockerSettings {
+    pub image: String,
+    /// Host directory holding one socket directory per kernel.
+    pub runtime_dir: PathBuf,
+    pub memory_mb: u64,
+    pub cpus: f64,
+    pub pids: i64,
+    pub disk_mb: u64,
+}
+
+impl From<&Config> for DockerSettings {
+    fn from(config: &Config) -> Self {
+        DockerSettings {
+            image: config.image.clone(),
+            runtime_dir: config.runtime_dir.clone(),
+            memory_mb: config.kernel_memory_mb,
+            cpus: config.kernel_cpus,
+            pids: config.kernel_pids,
+            disk_mb: config.kernel_disk_mb,
+        }
+    }
+}
+
+/// Runs each kernel in its own locked-down container on the local Docker engine.
+#[derive(Debug)]
+pub struct DockerBackend {
+    docker: Docker,
+    settings: DockerSettings,
+    /// Who owns socket directories; fixed by the gateway's own uid/gid.
+    ownership: Ownership,
+    /// Socket directories of the containers this process launched: the fallback for a
+    /// container removed behind our back (its label is gone with it). Containers found by
+    /// `list()` after a gateway restart are resolved through their label instead.
+    dirs: Mutex<HashMap<String, PathBuf>>,
+}
+
+impl DockerBackend {
+    /// Connects to the local Docker engine (`DOCKER_HOST` or the Unix socket) and agrees on
+    /// an API version it speaks (the engine may be older than bollard's default).
+    pub async fn connect(settings: DockerSettings) -> Result<Self, BackendError> {
+        let docker = Docker::connect_with_local_defaults()
+            .map_err(unavailable)?
+            .negotiate_version()
+            .await
+            .map_err(unavailable)?;
+        let ids = Ids::current().map_err(|source| BackendError::SocketDir {
+            path: "/proc/self/status".to_owned(),
+            source,
+        })?;
+        Ok(DockerBackend {
+            docker,
+            settings,
+            ownership: Ownership::for_gateway(ids),
+            dirs: Mutex::default(),
+        })
+    }
+
+    async fn launch_inner(&self, req: &LaunchRequest) -> Result<Launched, BackendError> {
+        let dir =
+            socket_dir::path(&self.settings.runtime_dir, &req.kernel_id).ok_or_else(|| {
+                BackendError::Runtime(format!("kernel id {:?} is not a plain name", req.kernel_id))
+            })?;
+        let dir_str = dir.to_str().ok_or_else(|| BackendError::SocketDir {
+            path: dir.display().to_string(),
+            source: std::io::Error::new(std::io::ErrorKind::InvalidInput, "path is not UTF-8"),
+        })?;
+
+        let runtime_dir_str = self.runtime_dir_label();
+        let key = SigningKey::generate_hex();
+        let inside = ConnectionInfo::ipc(
+            &format!(
+                "{}/{}",
+                socket_dir::CONTAINER_DIR,
+                socket_dir::SOCKET_PREFIX
+            ),
+            key,
+            &req.kernel_name,
+        );
+        let outside = inside.with_ip(&format!("{dir_str}/{}", socket_dir::SOCKET_PREFIX));
+        // Before anything exists: a too-long runtime_dir would make zmq connect to nothing.
+        outside.validate().map_err(|e| BackendError::SocketDir {
+            path: dir_str.to_owned(),
+            source: std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!("{e}; choose a shorter --runtime-dir"),
+            ),
+        })?;
+
+        socket_dir::create(
+            &self.settings.runtime_dir,
+            &dir,
+            &self.ownership,
+            &inside.to_json(),
+        )
+        .map_err(|source| BackendError::SocketDir {
+            path: dir_str.to_owned(),
+            source,
+        })?;
+
+        let created = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
+        let body = ContainerSpec {
+            image: &self.settings.image,
+            kernel_id: &req.kernel_id,
+            kernel_name: &req.kernel_name,
+            created: &created,
+            runtime_dir: &runtime_dir_str,
+            socket_dir: dir_str,
+            memory_mb: self.settings.memory_mb,
+            cpus: self.settings.cpus,
+            pids: self.settings.pids,
+            disk_mb: self.settings.disk_mb,
+            group_add: self.ownership.group_add,
+            env: &req.env,
+            preload: req.preload,
+        }
+        .to_body();
+        let name = spec::container_name(&req.kernel_id);
+        let options = CreateContainerOptionsBuilder::default().name(&name).build();
+        let id = match self.docker.create_container(Some(options), body).await {
+            Ok(created) => created.id,
+            Err(e) => {
+                let _ = socket_dir::remove(&dir);
+                return Err(self.create_error(e));
+            }
+        };
+        if let Err(e) = self.docker.start_container(&id, None).await {
+            let _ = self.docker.remove_container(&id, Some(force())).await;
+            let _ = socket_dir::remove(&dir);
+            return Err(self.create_error(e));
+        }
+        tracing::debug!(kernel_id = %req.kernel_id, container = %id, "kernel container started");
+        self.known_dirs().insert(id.clone(), dir);
+        Ok(Launched {
+            handle: id,
+            connection: outside,
+        })
+    }
+
+    fn known_dirs(&self) -> std::sync::MutexGuard<'_, HashMap<String, PathBuf>> {
+        // The map holds plain paths: a panic elsewhere cannot leave it inconsistent.
+        self.dirs.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The socket directory of a container, from its kernel-id label (or, for a container
+    /// that is already gone, from what this process launched). `Ok(None)` when unknown.
+    async fn dir_of(&self, handle: &str) -> Result<Option<PathBuf>, BackendError> {
+        let labelled = match self
+            .docker
+            .inspect_container(handle, None::<InspectContainerOptions>)
+            .await
+        {
+            Ok(info) => info
+                .config
+                .and_then(|c| c.labels)
+                .and_then(|labels| self.own_socket_dir(&labels)),
+            Err(e) if status(&e) == Some(404) => None,
+            Err(e) => return Err(runtime(handle, e)),
+        };
+        Ok(labelled.or_else(|| self.known_dirs().get(handle).cloned()))
+    }
+
+    fn runtime_dir_label(&self) -> String {
+        self.settings.runtime_dir.to_string_lossy().into_owned()
+    }
+
+    /// The socket directory named by a container's labels, if the container is one of this
+    /// gateway's (same runtime directory) and its kernel id is a plain name.
+    fn own_socket_dir(&self, labels: &HashMap<String, String>) -> Option<PathBuf> {
+        if labels.get(LABEL_RUNTIME_DIR) != Some(&self.runtime_dir_label()) {
+            return None;
+        }
+        socket_dir::path(&self.settings.runtime_dir, labels.get(LABEL_KERNEL_ID)?)
+    }
+
+    fn create_error(&self, e: DockerError) -> BackendError {
+        match &e {
+            DockerError::DockerResponseServerError {
+                status_code: 404,
+                message,
+            } if message.contains("No such image") => BackendError::ImageMissing {
+                image: self.settings.image.clone(),
+            },
+            _ => runtime("create", e),
+        }
+    }
+}
+
+impl KernelBackend for DockerBackend {
+    fn check(&self) -> BoxFuture<'_, Result<(), BackendError>> {
+        async move {
+            self.docker.ping().await.map_err(unavailable)?;
+            match self.docker.inspect_image(&self.settings.image).await {
+                Ok(_) => Ok(()),
+                Err(e) if status(&e) == Some(404) => Err(BackendError::ImageMissing {
+                    image: self.settings.image.clone(),
+                }),
+                Err(e) => Err(runtime("inspect image", e)),
+            }
+        }
+        .boxed()
+    }
+
+    fn launch<'a>(
+        &'a self,
+        req: &'a LaunchRequest,
+    ) -> BoxFuture<'a, Result<Launched, BackendError>> {
+        self.launch_inner(req).boxed()
+    }
+
+    fn restart<'a>(&'a self, handle: &'a str) -> BoxFuture<'a, Result<(), BackendError>> {
+        async move {
+            let dir = self.dir_of(handle).await?.ok_or_else(|| gone(handle))?;
+            // Sockets of the old process must not be found by the next connect; kernel.json
+            // stays (same key and paths after the restart).
+            if let Err(e) = socket_dir::remove_sockets(&dir) {
+                tracing::warn!(container = handle, error = %e, "cannot remove old sockets");
+            }
+            // tini forwards SIGTERM; tmpfs mounts come back empty, so files and state go.
+            let options = RestartContainerOptionsBuilder::default().t(1).build();
+            self.docker
+                .restart_container(handle, Some(options))
+                .await
+                .map_err(|e| map_handle_error(handle, e))
+        }
+        .boxed()
+    }
+
+    fn interrupt<'a>(&'a self, handle: &'a str) -> BoxFuture<'a, Result<(), BackendError>> {
+        async move {
+            let options = KillContainerOptionsBuilder::default()
+                .signal("SIGINT")
+                .build();
+            self.docker
+                .kill_container(handle, Some(options))
+                .await
+                .map_err(|e| map_handle_error(handle, e))
+        }
+        .boxed()
+    }
+
+    fn remove<'a>(&'a self, handle: &'a str) -> BoxFuture<'a, Result<(), BackendError>> {
+        async move {
+            // Look the directory up first: after the container is gone its label is too.
+            let dir = self.dir_of(handle).await?;
+            match self.docker.remove_container(handle, Some(force())).await {
+                Ok(()) => {}
+                // Already being removed (e.g. twice at once): the directory still goes.
+                Err(e) if status(&e) == Some(409) => {}
+                Err(e) if status(&e) == Some(404) => {}
+                Err(e) => return Err(runtime(handle, e)),
+            }
+            if let Some(dir) = dir {
+                socket_dir::remove(&dir).map_err(|source| BackendError::SocketDir {
+                    path: dir.display().to_string(),
+                    source,
+                })?;
+            }
+            self.known_dirs().remove(handle);
+            Ok(())
+        }
+        .boxed()
+    }
+
+    fn wait_exit<'a>(&'a self, handle: &'a str) -> BoxFuture<'a, Result<i64, BackendError>> {
+        async move {
+            let options = WaitContainerOptionsBuilder::default()
+                .condition("not-running")
+                .build();
+            let mut waits = self.docker.wait_container(handle, Some(options));
+            match waits.next().await {
+                Some(Ok(exit)) => Ok(exit.status_code),
+                // bollard reports a non-zero exit code as an error.
+                Some(Err(DockerError::DockerContainerWaitError { code, .. })) => Ok(code),
+                Some(Err(e)) => Err(map_handle_error(handle, e)),
+                None => Err(BackendError::Runtime(format!(
+                    "waiting for container {handle} ended without an exit code"
+                ))),
+            }
+        }
+        .boxed()
+    }
+
+    fn list(&self) -> BoxFuture<'_, Result<Vec<Found>, BackendError>> {
+        async move {
+            // Several label filters must all match.
+            let filters = HashMap::from([(
+                "label",
+                vec![
+                    format!("{LABEL_MANAGED}=true"),
+                    format!("{LABEL_RUNTIME_DIR}={}", self.runtime_dir_label()),
+                ],
+            )]);
+            let options = ListContainersOptionsBuilder::default()
+                .all(true)
+                .filters(&filters)
+                .build();
+            let containers = self
+                .docker
+                .list_containers(Some(options))
+                .await
+                .map_err(|e| runtime("list", e))?;
+            Ok(containers
+                .into_iter()
+                .filter_map(|c| {
+                    let handle = c.id?;
+                    let kernel_id = c.labels.and_then(|mut l| l.remove(LABEL_KERNEL_ID));
+                    let Some(kernel_id) = kernel_id else {
+                        tracing::warn!(container = %handle, "managed container without a kernel id label");
+                        return None;
+                    };
+                    Some(Found {
+                        handle,
+                        kernel_id,
+                        running: c.state == Some(ContainerSummaryStateEnum::RUNNING),
+                    })
+                })
+                .collect())
+        }
+        .boxed()
+    }
+}
+
+fn force() -> bollard::query_parameters::RemoveContainerOptions {
+    RemoveContainerOptionsBuilder::default().force(true).build()
+}
+
+fn status(e: &DockerError) -> Option<u16> {
+    match e {
+        DockerError::DockerResponseServerError { status_code, .. } => Some(*status_code),
+        _ => None,
+    }
+}
+
+/// Errors that mean the daemon could not be reached at all, as opposed to a refusal.
+fn is_connection_error(e: &DockerError) -> bool {
+    matches!(
+        e,
+        DockerError::SocketNotFoundError(_)
+            | DockerError::HyperLegacyError { .. }
+            | DockerError::HyperResponseError { .. }
+            | DockerError::IOError { .. }
+            | DockerError::RequestTimeoutError
+    )
+}
+
+fn unavailable(e: DockerError) -> BackendError {
+    BackendError::DockerUnavailable {
+        detail: e.to_string(),
+    }
+}
+
+fn gone(handle: &str) -> BackendError {
+    BackendError::Gone {
+        handle: handle.to_owned(),
+    }
+}
+
+fn runtime(what: &str, e: DockerError) -> BackendError {
+    if is_connection_error(&e) {
+        return unavailable(e);
+    }
+    BackendError::Runtime(format!("{what}: {e}"))
+}
+
+/// For calls on one container: 404 means the kernel's container no longer exists.
+fn map_handle_error(handle: &str, e: DockerError) -> BackendError {
+    if status(&e) == Some(404) {
+        gone(handle)
+    } else {
+        runtime(handle, e)
+    }
+}

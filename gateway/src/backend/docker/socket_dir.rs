@@ -1,0 +1,294 @@
+//! The per-kernel socket directory on the host: `<runtime_dir>/<kernel_id>`, bind-mounted at
+//! `/run/kernel` in the container. Holds `kernel.json` and the kernel's five Unix sockets.
+//!
+//! Permissions contract with the kernel image: the kernel runs as uid 1000 / gid 1000 with
+//! umask 0007. The directory is setgid and group-owned by the gateway's group, so the sockets
+//! the kernel creates (`srwxrwx---`) are connectable by the gateway (zmq hides EACCES: a
+//! socket the gateway may not open looks like a kernel that never answers).
+
+use std::fs::{self, DirBuilder, OpenOptions};
+use std::io::{self, Write};
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+/// The uid and gid the kernel process runs as (fixed by the image).
+pub const KERNEL_UID: u32 = 1000;
+/// The kernel's own group (fixed by the image).
+pub const KERNEL_GID: u32 = 1000;
+/// Where the socket directory appears inside the container.
+pub const CONTAINER_DIR: &str = "/run/kernel";
+/// Name of the connection file in the socket directory.
+pub const CONNECTION_FILE: &str = "kernel.json";
+/// Socket path prefix (`ip` of the connection file) relative to the socket directory:
+/// sockets are `kernel-1` .. `kernel-5`.
+pub const SOCKET_PREFIX: &str = "kernel";
+
+const RUNTIME_DIR_MODE: u32 = 0o711;
+const SOCKET_DIR_MODE: u32 = 0o2770;
+const CONNECTION_FILE_MODE: u32 = 0o640;
+
+/// The effective user and group of this process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Ids {
+    pub uid: u32,
+    pub gid: u32,
+}
+
+impl Ids {
+    /// Reads the effective ids from `/proc/self/status` (no libc: `unsafe` is forbidden).
+    pub fn current() -> io::Result<Ids> {
+        parse_proc_status(&fs::read_to_string("/proc/self/status")?).ok_or_else(|| {
+            io::Error::new(
+                io::ErrorKind::InvalidData,
+                "no Uid:/Gid: lines in /proc/self/status",
+            )
+        })
+    }
+}
+
+/// `Uid:\treal\teffective\tsaved\tfs` (same for `Gid:`): the effective ids.
+pub fn parse_proc_status(status: &str) -> Option<Ids> {
+    let effective = |key: &str| -> Option<u32> {
+        let line = status.lines().find(|l| l.starts_with(key))?;
+        line[key.len()..].split_whitespace().nth(1)?.parse().ok()
+    };
+    Some(Ids {
+        uid: effective("Uid:")?,
+        gid: effective("Gid:")?,
+    })
+}
+
+/// Who owns the socket directory and its connection file, and what the container needs
+/// to reach them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Ownership {
+    /// `chown` the directory and `kernel.json` to this (uid, gid); `None` leaves them owned
+    /// by the gateway user.
+    pub chown: Option<(u32, u32)>,
+    /// Supplementary group for the container's user (`HostConfig.group_add`), so a kernel
+    /// that does not own the directory can still write there.
+    pub group_add: Option<u32>,
+}
+
+impl Ownership {
+    /// Root may hand the directory to the kernel user and keep its own group on it; anyone
+    /// else keeps ownership and lets the kernel in through the group.
+    pub fn for_gateway(ids: Ids) -> Ownership {
+        if ids.uid == 0 {
+            Ownership {
+                chown: Some((KERNEL_UID, ids.gid)),
+                group_add: None,
+            }
+        } else {
+            Ownership {
+                chown: None,
+                group_add: (ids.gid != KERNEL_GID).then_some(ids.gid),
+            }
+        }
+    }
+}
+
+/// A kernel id that is safe as one path component (the gateway uses UUIDs; labels of
+/// containers found at start-up are checked the same way before anything is deleted).
+pub fn is_safe_kernel_id(id: &str) -> bool {
+    !id.is_empty()
+        && id.len() <= 64
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+}
+
+/// `<runtime_dir>/<kernel_id>`, or `None` for an id that is not a plain path component.
+pub fn path(runtime_dir: &Path, kernel_id: &str) -> Option<PathBuf> {
+    is_safe_kernel_id(kernel_id).then(|| runtime_dir.join(kernel_id))
+}
+
+/// Creates the runtime directory (0711: others may traverse to their socket but not list)
+/// and a fresh socket directory in it, and writes the connection file. On failure nothing
+/// of the socket directory is left behind.
+pub fn create(
+    runtime_dir: &Path,
+    dir: &Path,
+    owner: &Ownership,
+    connection_json: &[u8],
+) -> io::Result<()> {
+    if !runtime_dir.is_dir() {
+        DirBuilder::new()
+            .recursive(true)
+            .mode(RUNTIME_DIR_MODE)
+            .create(runtime_dir)?;
+    }
+    // Not recursive: an existing directory means a stale or foreign one; refuse it.
+    DirBuilder::new().mode(0o700).create(dir)?;
+    let filled = fill(dir, owner, connection_json);
+    if filled.is_err() {
+        let _ = fs::remove_dir_all(dir);
+    }
+    filled
+}
+
+fn fill(dir: &Path, owner: &Ownership, connection_json: &[u8]) -> io::Result<()> {
+    let file = dir.join(CONNECTION_FILE);
+    let mut f = OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&file)?;
+    f.write_all(connection_json)?;
+    f.sync_all()?;
+    drop(f);
+    if let Some((uid, gid)) = owner.chown {
+        std::os::unix::fs::chown(&file, Some(uid), Some(gid))?;
+        std::os::unix::fs::chown(dir, Some(uid), Some(gid))?;
+    }
+    // After chown (which may clear set-id bits) and explicitly (mkdir ignores S_ISGID and
+    // the umask may narrow the mode).
+    fs::set_permissions(&file, fs::Permissions::from_mode(CONNECTION_FILE_MODE))?;
+    fs::set_permissions(dir, fs::Permissions::from_mode(SOCKET_DIR_MODE))?;
+    Ok(())
+}
+
+/// Removes the kernel's socket files (`kernel-*`), keeping `kernel.json`, so that after a
+/// restart nobody connects to a socket of the dead process.
+pub fn remove_sockets(dir: &Path) -> io::Result<usize> {
+    let prefix = format!("{SOCKET_PREFIX}-");
+    let mut removed = 0;
+    for entry in fs::read_dir(dir)? {
+        let entry = entry?;
+        let name = entry.file_name();
+        if name.to_string_lossy().starts_with(&prefix) && !entry.file_type()?.is_dir() {
+            match fs::remove_file(entry.path()) {
+                Ok(()) => removed += 1,
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => return Err(e),
+            }
+        }
+    }
+    Ok(removed)
+}
+
+/// Removes the socket directory; a missing one is fine.
+pub fn remove(dir: &Path) -> io::Result<()> {
+    match fs::remove_dir_all(dir) {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e),
+        _ => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::MetadataExt;
+
+    const STATUS: &str = "Name:\tkernelgate\nUmask:\t0022\nState:\tS (sleeping)\n\
+        Uid:\t1001\t1002\t1002\t1002\nGid:\t2001\t2002\t2002\t2002\nGroups:\t27 2002\n";
+
+    #[test]
+    fn reads_effective_ids_from_proc_status() {
+        assert_eq!(
+            parse_proc_status(STATUS),
+            Some(Ids {
+                uid: 1002,
+                gid: 2002
+            })
+        );
+        assert_eq!(parse_proc_status("Name:\tx\n"), None);
+        assert!(Ids::current().is_ok());
+    }
+
+    #[test]
+    fn root_hands_the_directory_to_the_kernel_user_and_keeps_its_group() {
+        let own = Ownership::for_gateway(Ids { uid: 0, gid: 0 });
+        assert_eq!(own.chown, Some((1000, 0)));
+        assert_eq!(own.group_add, None);
+    }
+
+    #[test]
+    fn a_non_root_gateway_lets_the_kernel_in_through_its_group() {
+        let own = Ownership::for_gateway(Ids {
+            uid: 1234,
+            gid: 998,
+        });
+        assert_eq!(own.chown, None);
+        assert_eq!(own.group_add, Some(998));
+        // Sharing the kernel's own group: nothing to add.
+        let own = Ownership::for_gateway(Ids {
+            uid: 1234,
+            gid: 1000,
+        });
+        assert_eq!(own.group_add, None);
+    }
+
+    #[test]
+    fn kernel_ids_must_be_one_plain_path_component() {
+        assert!(is_safe_kernel_id("0b9c1a52-3f8e-4c59-9a8e-0d2f5a7d6c11"));
+        for bad in ["", "..", "../etc", "a/b", "a b", ".", "x\0"] {
+            assert!(!is_safe_kernel_id(bad), "{bad:?}");
+            assert_eq!(path(Path::new("/run/kernelgate"), bad), None);
+        }
+        assert_eq!(
+            path(Path::new("/run/kernelgate"), "k1"),
+            Some(PathBuf::from("/run/kernelgate/k1"))
+        );
+    }
+
+    fn scratch(name: &str) -> PathBuf {
+        let base = std::env::temp_dir().join(format!(
+            "kernelgate-socket-dir-{name}-{}",
+            uuid::Uuid::new_v4().simple()
+        ));
+        let _ = fs::remove_dir_all(&base);
+        base
+    }
+
+    #[test]
+    fn creates_setgid_directory_and_private_connection_file() {
+        let base = scratch("create");
+        let runtime = base.join("runtime");
+        let dir = runtime.join("k1");
+        let ids = Ids::current().expect("ids");
+        // Only root may chown; elsewhere check the non-root plan.
+        let own = Ownership::for_gateway(ids);
+        create(&runtime, &dir, &own, b"{}").expect("create");
+
+        let rmeta = fs::metadata(&runtime).expect("runtime meta");
+        assert_eq!(rmeta.mode() & 0o7777, 0o711);
+        let dmeta = fs::metadata(&dir).expect("dir meta");
+        assert_eq!(dmeta.mode() & 0o7777, 0o2770);
+        let fmeta = fs::metadata(dir.join(CONNECTION_FILE)).expect("file meta");
+        assert_eq!(fmeta.mode() & 0o7777, 0o640);
+        assert_eq!(fs::read(dir.join(CONNECTION_FILE)).expect("read"), b"{}");
+        if ids.uid == 0 {
+            assert_eq!((dmeta.uid(), dmeta.gid()), (KERNEL_UID, ids.gid));
+            assert_eq!((fmeta.uid(), fmeta.gid()), (KERNEL_UID, ids.gid));
+        } else {
+            assert_eq!((dmeta.uid(), dmeta.gid()), (ids.uid, ids.gid));
+        }
+
+        // A second kernel with the same id is refused, and the first one is left alone.
+        assert!(create(&runtime, &dir, &own, b"{}").is_err());
+        assert!(dir.join(CONNECTION_FILE).exists());
+
+        fs::remove_dir_all(&base).expect("cleanup");
+    }
+
+    #[test]
+    fn removes_only_sockets_then_everything() {
+        let base = scratch("remove");
+        fs::create_dir_all(&base).expect("mkdir");
+        for name in ["kernel.json", "kernel-1", "kernel-5", "notes"] {
+            fs::write(base.join(name), b"").expect("write");
+        }
+        assert_eq!(remove_sockets(&base).expect("remove sockets"), 2);
+        let mut left: Vec<_> = fs::read_dir(&base)
+            .expect("read_dir")
+            .map(|e| e.expect("entry").file_name().into_string().expect("utf8"))
+            .collect();
+        left.sort();
+        assert_eq!(left, ["kernel.json", "notes"]);
+
+        remove(&base).expect("remove");
+        assert!(!base.exists());
+        remove(&base).expect("removing twice is fine");
+    }
+}

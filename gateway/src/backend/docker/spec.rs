@@ -1,0 +1,222 @@
+//! What a kernel container is created with: the isolation of design.md ("Isolation") as a
+//! `ContainerCreateBody`. Pure, so the hardening is asserted by unit tests.
+
+use super::socket_dir::{CONTAINER_DIR, KERNEL_GID, KERNEL_UID};
+use bollard::models::{ContainerCreateBody, HostConfig, HostConfigLogConfig};
+use std::collections::{BTreeMap, HashMap};
+
+pub const LABEL_KERNEL_ID: &str = "org.kernelgate.kernel_id";
+pub const LABEL_KERNEL_NAME: &str = "org.kernelgate.kernel_name";
+pub const LABEL_CREATED: &str = "org.kernelgate.created";
+pub const LABEL_MANAGED: &str = "org.kernelgate.managed";
+/// The gateway's runtime directory: kernels of another gateway on the same Docker engine
+/// (another runtime directory) are neither adopted nor removed as orphans.
+pub const LABEL_RUNTIME_DIR: &str = "org.kernelgate.runtime_dir";
+
+/// Container name of a kernel.
+pub fn container_name(kernel_id: &str) -> String {
+    format!("kernelgate-{kernel_id}")
+}
+
+/// Everything that goes into one kernel container.
+#[derive(Debug, Clone)]
+pub struct ContainerSpec<'a> {
+    pub image: &'a str,
+    pub kernel_id: &'a str,
+    pub kernel_name: &'a str,
+    /// RFC 3339 creation time, for the label.
+    pub created: &'a str,
+    /// The gateway's runtime directory (for the label).
+    pub runtime_dir: &'a str,
+    /// Host path of the socket directory.
+    pub socket_dir: &'a str,
+    pub memory_mb: u64,
+    pub cpus: f64,
+    pub pids: i64,
+    pub disk_mb: u64,
+    /// Supplementary group for the kernel user (see `socket_dir::Ownership`).
+    pub group_add: Option<u32>,
+    pub env: &'a BTreeMap<String, String>,
+    pub preload: bool,
+}
+
+impl ContainerSpec<'_> {
+    pub fn to_body(&self) -> ContainerCreateBody {
+        let labels = HashMap::from([
+            (LABEL_KERNEL_ID.to_owned(), self.kernel_id.to_owned()),
+            (LABEL_KERNEL_NAME.to_owned(), self.kernel_name.to_owned()),
+            (LABEL_CREATED.to_owned(), self.created.to_owned()),
+            (LABEL_MANAGED.to_owned(), "true".to_owned()),
+            (LABEL_RUNTIME_DIR.to_owned(), self.runtime_dir.to_owned()),
+        ]);
+        let mut env: Vec<String> = self.env.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        if self.preload {
+            env.push("KERNELGATE_PRELOAD=1".to_owned());
+        }
+        // Docker adds noexec,nosuid,nodev to every tmpfs; the options here only add to them.
+        let tmpfs = HashMap::from([
+            (
+                "/tmp".to_owned(),
+                "rw,nosuid,nodev,size=64m,mode=1777".to_owned(),
+            ),
+            (
+                "/home/kernel".to_owned(),
+                format!(
+                    "rw,nosuid,nodev,size={}m,uid={KERNEL_UID},gid={KERNEL_GID},mode=0700",
+                    self.disk_mb
+                ),
+            ),
+        ]);
+        let memory = i64::try_from(self.memory_mb.saturating_mul(1024 * 1024)).unwrap_or(i64::MAX);
+        let host_config = HostConfig {
+            network_mode: Some("none".to_owned()),
+            readonly_rootfs: Some(true),
+            tmpfs: Some(tmpfs),
+            cap_drop: Some(vec!["ALL".to_owned()]),
+            // Docker's default seccomp profile stays: no `seccomp=` entry here.
+            security_opt: Some(vec!["no-new-privileges".to_owned()]),
+            pids_limit: Some(self.pids),
+            memory: Some(memory),
+            memory_swap: Some(memory),
+            nano_cpus: Some((self.cpus.max(0.0) * 1e9).round() as i64),
+            binds: Some(vec![format!("{}:{CONTAINER_DIR}:rw", self.socket_dir)]),
+            ipc_mode: Some("private".to_owned()),
+            // The image's entrypoint is tini.
+            init: Some(false),
+            auto_remove: Some(false),
+            group_add: self.group_add.map(|gid| vec![gid.to_string()]),
+            // Whatever the kernel writes to fd 1/2 outside ipykernel's capture (a subprocess,
+            // `os.write(1, ...)`) lands in the container log on the host's disk: cap it.
+            log_config: Some(HostConfigLogConfig {
+                typ: Some("json-file".to_owned()),
+                config: Some(HashMap::from([
+                    ("max-size".to_owned(), "10m".to_owned()),
+                    ("max-file".to_owned(), "1".to_owned()),
+                ])),
+            }),
+            ..Default::default()
+        };
+        ContainerCreateBody {
+            image: Some(self.image.to_owned()),
+            user: Some(format!("{KERNEL_UID}:{KERNEL_GID}")),
+            hostname: Some("kernel".to_owned()),
+            env: Some(env),
+            labels: Some(labels),
+            host_config: Some(host_config),
+            // The image's CMD runs the launcher, which reads /run/kernel/kernel.json.
+            cmd: None,
+            ..Default::default()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec<'a>(env: &'a BTreeMap<String, String>, group_add: Option<u32>) -> ContainerSpec<'a> {
+        ContainerSpec {
+            image: "kernelgate-kernel:latest",
+            kernel_id: "k1",
+            kernel_name: "python3",
+            created: "2025-01-02T03:04:05Z",
+            runtime_dir: "/run/kernelgate",
+            socket_dir: "/run/kernelgate/k1",
+            memory_mb: 1024,
+            cpus: 1.5,
+            pids: 256,
+            disk_mb: 512,
+            group_add,
+            env,
+            preload: true,
+        }
+    }
+
+    #[test]
+    fn the_container_is_locked_down() {
+        let env = BTreeMap::new();
+        let body = spec(&env, None).to_body();
+        let host = body.host_config.expect("host config");
+        assert_eq!(host.network_mode.as_deref(), Some("none"));
+        assert_eq!(host.readonly_rootfs, Some(true));
+        assert_eq!(host.cap_drop, Some(vec!["ALL".to_owned()]));
+        assert_eq!(host.cap_add, None);
+        assert_eq!(host.privileged, None);
+        assert_eq!(
+            host.security_opt,
+            Some(vec!["no-new-privileges".to_owned()])
+        );
+        assert_eq!(host.pids_limit, Some(256));
+        assert_eq!(host.memory, Some(1024 * 1024 * 1024));
+        assert_eq!(
+            host.memory_swap, host.memory,
+            "no swap beyond the memory limit"
+        );
+        assert_eq!(host.nano_cpus, Some(1_500_000_000));
+        assert_eq!(host.ipc_mode.as_deref(), Some("private"));
+        assert_eq!(host.init, Some(false));
+        assert_eq!(host.auto_remove, Some(false));
+        assert_eq!(host.group_add, None);
+        // Its own socket directory and nothing else from the host.
+        assert_eq!(
+            host.binds,
+            Some(vec!["/run/kernelgate/k1:/run/kernel:rw".to_owned()])
+        );
+        assert_eq!(host.mounts, None);
+        assert_eq!(host.volumes_from, None);
+        assert_eq!(host.devices, None);
+        assert_eq!(host.pid_mode, None);
+        assert_eq!(host.userns_mode, None);
+        let tmpfs = host.tmpfs.expect("tmpfs");
+        assert_eq!(tmpfs.len(), 2);
+        assert_eq!(tmpfs["/tmp"], "rw,nosuid,nodev,size=64m,mode=1777");
+        assert_eq!(
+            tmpfs["/home/kernel"],
+            "rw,nosuid,nodev,size=512m,uid=1000,gid=1000,mode=0700"
+        );
+        let log = host.log_config.expect("log config");
+        assert_eq!(log.config.expect("log options")["max-size"], "10m");
+    }
+
+    #[test]
+    fn the_kernel_runs_unprivileged_with_the_images_command() {
+        let env = BTreeMap::new();
+        let body = spec(&env, Some(998)).to_body();
+        assert_eq!(body.user.as_deref(), Some("1000:1000"));
+        assert_eq!(body.hostname.as_deref(), Some("kernel"));
+        assert_eq!(body.image.as_deref(), Some("kernelgate-kernel:latest"));
+        assert_eq!(body.cmd, None);
+        assert_eq!(body.entrypoint, None);
+        assert_eq!(
+            body.host_config.expect("host config").group_add,
+            Some(vec!["998".to_owned()])
+        );
+    }
+
+    #[test]
+    fn labels_let_a_restarted_gateway_find_its_kernels() {
+        let env = BTreeMap::new();
+        let labels = spec(&env, None).to_body().labels.expect("labels");
+        assert_eq!(labels[LABEL_KERNEL_ID], "k1");
+        assert_eq!(labels[LABEL_KERNEL_NAME], "python3");
+        assert_eq!(labels[LABEL_CREATED], "2025-01-02T03:04:05Z");
+        assert_eq!(labels[LABEL_MANAGED], "true");
+        assert_eq!(labels[LABEL_RUNTIME_DIR], "/run/kernelgate");
+        assert_eq!(container_name("k1"), "kernelgate-k1");
+    }
+
+    #[test]
+    fn env_is_the_request_plus_preload() {
+        let env = BTreeMap::from([("KERNEL_A".to_owned(), "x=y".to_owned())]);
+        let mut s = spec(&env, None);
+        assert_eq!(
+            s.to_body().env,
+            Some(vec![
+                "KERNEL_A=x=y".to_owned(),
+                "KERNELGATE_PRELOAD=1".to_owned()
+            ])
+        );
+        s.preload = false;
+        assert_eq!(s.to_body().env, Some(vec!["KERNEL_A=x=y".to_owned()]));
+    }
+}
