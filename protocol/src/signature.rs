@@ -80,6 +80,11 @@ impl SigningKey {
         if signature.is_empty() {
             return Err(SignatureError::Unsigned);
         }
+        // jupyter_client compares hex strings, so `ABCD…` is not the signature `abcd…`;
+        // accepting both would give one message two valid signatures.
+        if signature.iter().any(u8::is_ascii_uppercase) {
+            return Err(SignatureError::SignatureMismatch);
+        }
         let expected = hex::decode(signature).map_err(|_| SignatureError::SignatureMismatch)?;
         let mut mac = mac.clone();
         for p in parts {
@@ -115,6 +120,10 @@ mod tests {
             Err(SignatureError::SignatureMismatch)
         );
         assert_eq!(k.verify(b"", PARTS), Err(SignatureError::Unsigned));
+        assert_eq!(
+            k.verify(sig.to_uppercase().as_bytes(), PARTS),
+            Err(SignatureError::SignatureMismatch)
+        );
         assert_eq!(
             k.verify(b"zz", PARTS),
             Err(SignatureError::SignatureMismatch)

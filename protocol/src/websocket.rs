@@ -151,9 +151,9 @@ struct LegacyIn {
     header: Option<Header>,
     #[serde(default)]
     parent_header: Option<RawJson>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "present")]
     metadata: Option<RawJson>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "present")]
     content: Option<RawJson>,
     #[serde(default)]
     channel: Option<String>,
@@ -162,6 +162,12 @@ struct LegacyIn {
     msg_id: Option<String>,
     #[serde(default)]
     msg_type: Option<String>,
+}
+
+/// `Some` whenever the field is there, even as `null`: a plain `Option` would read `null`
+/// as absent and relay `{}` in its place.
+fn present<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<RawJson>, D::Error> {
+    RawJson::deserialize(d).map(Some)
 }
 
 fn decode_legacy_json(json: &[u8], buffers: Vec<Bytes>) -> Result<(Channel, Message), WsError> {
