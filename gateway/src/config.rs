@@ -19,6 +19,50 @@ pub struct Cli {
 pub enum Command {
     /// Start the gateway (Jupyter Server's kernel REST API and WebSocket channels).
     Serve(Box<Config>),
+    /// Execute a notebook through a gateway and write it with its outputs.
+    Run(Box<RunArgs>),
+}
+
+/// `kernelgate run NOTEBOOK.ipynb`: runs every code cell in order on a fresh kernel of a
+/// gateway (a local one started for the run when no `--url` is given) and writes the
+/// notebook with its outputs. Exits non-zero when a cell fails, unless `--allow-errors`.
+#[derive(Debug, Clone, Args)]
+pub struct RunArgs {
+    /// The notebook to execute (nbformat 4 JSON).
+    pub notebook: PathBuf,
+
+    /// Where to write the executed notebook; default: NOTEBOOK with `.executed.ipynb`.
+    #[arg(short, long)]
+    pub output: Option<PathBuf>,
+
+    /// Base URL of a running gateway (`http://host:port`); without it a local gateway is
+    /// started for this run and stopped after it.
+    #[arg(long, env = "KERNELGATE_URL")]
+    pub url: Option<String>,
+
+    /// Token of the gateway given with `--url`.
+    #[arg(long, env = "KERNELGATE_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
+
+    /// Keep running after a cell fails, and exit 0; the error is in the cell's outputs.
+    #[arg(long, default_value_t = false)]
+    pub allow_errors: bool,
+
+    /// Seconds one cell may run before it is interrupted and counted as failed; 0 never.
+    #[arg(long, default_value_t = 600)]
+    pub timeout: u64,
+
+    /// Kernel spec to start; default: the notebook's `metadata.kernelspec.name`, else python3.
+    #[arg(long)]
+    pub kernel_name: Option<String>,
+
+    /// Kernel container image of the local gateway (ignored with `--url`).
+    #[arg(
+        long,
+        env = "KERNELGATE_IMAGE",
+        default_value = "kernelgate-kernel:latest"
+    )]
+    pub image: String,
 }
 
 /// Everything `kernelgate serve` can be told. Each flag is also an environment variable.

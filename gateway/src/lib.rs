@@ -12,3 +12,4 @@ pub mod backend;
 pub mod config;
 pub mod kernel;
 pub mod kernels;
+pub mod notebook;

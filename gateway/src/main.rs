@@ -26,6 +26,7 @@ async fn main() -> anyhow::Result<()> {
         .init();
     match Cli::parse().command {
         Command::Serve(config) => serve(*config).await,
+        Command::Run(args) => Ok(kernelgate::notebook::run(*args).await?),
     }
 }
 
