@@ -80,6 +80,8 @@ done < <(grep -E '^(ENV|USER|WORKDIR|ENTRYPOINT|CMD|LABEL)[[:space:]]' "$here/Do
 changes+=(--change "LABEL org.kernelgate.build=offline")
 
 # --- root filesystem ------------------------------------------------------------------------
+# /etc/resolv.conf and /etc/hostname (copied from the host by mmdebstrap) are removed: Docker
+# provides both at run time. /run is cleaned by hand to keep the /run/kernel mount point.
 workdir=$(mktemp -d "${TMPDIR:-/var/tmp}/kernelgate-image.XXXXXX")
 cleanup() { rm -rf "$workdir"; }
 trap cleanup EXIT
@@ -124,6 +126,9 @@ TMPDIR=$workdir mmdebstrap \
     --customize-hook="$setup_hook" \
     --customize-hook='rm -f "$1/opt/kernel/setup-venv.sh"' \
     --customize-hook='rm -rf "$1"/var/lib/apt/lists/* "$1"/var/cache/apt/* "$1"/var/cache/debconf/*-old "$1"/var/log/* "$1"/root/.cache "$1"/tmp/* "$1"/var/tmp/*' \
+    --customize-hook='rm -f "$1/etc/resolv.conf" "$1/etc/hostname"' \
+    --skip=cleanup/run \
+    --customize-hook='find "$1/run" -mindepth 1 -maxdepth 1 ! -name lock ! -name kernel -exec rm -rf {} +' \
     "$suite" "$workdir/rootfs.tar" "${sources[@]}"
 
 log "root filesystem: $(du -h "$workdir/rootfs.tar" | cut -f1)"

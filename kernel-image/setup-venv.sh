@@ -24,7 +24,7 @@ install -d -o 1000 -g 1000 -m 0770 /run/kernel
 "$base_python" -m venv "$venv"
 # Wheels only: the image has no compiler, and a wheel-less release should fail loudly.
 "$venv/bin/python" -m pip install --no-cache-dir --no-compile --only-binary=:all: \
-    --disable-pip-version-check --no-input -r "$kdir/requirements.txt"
+    --disable-pip-version-check --no-input --progress-bar off -r "$kdir/requirements.txt"
 "$venv/bin/python" -m pip check
 # The kernel has no network: pip and setuptools in the venv would be dead weight.
 "$venv/bin/python" -m pip uninstall --yes --quiet --disable-pip-version-check setuptools pip

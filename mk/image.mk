@@ -26,6 +26,9 @@ image:
 		echo 'error: Docker is not running: start it with `systemctl start docker` (or `service docker start`), then run `make image` again' >&2; \
 		exit 1; \
 	fi
+	@case '$(IMAGE_BUILD)' in offline|docker) ;; \
+		*) echo "error: IMAGE_BUILD must be 'offline' or 'docker', not '$(IMAGE_BUILD)'" >&2; exit 2 ;; \
+	esac
 	@if docker image inspect '$(KERNEL_IMAGE)' >/dev/null 2>&1; then \
 		docker tag '$(KERNEL_IMAGE)' '$(KERNEL_IMAGE_LATEST)'; \
 		echo '$(KERNEL_IMAGE) is up to date'; \
@@ -33,6 +36,5 @@ image:
 		case '$(IMAGE_BUILD)' in \
 		offline) '$(KERNELGATE_ROOT)/kernel-image/build-offline.sh' '$(KERNEL_IMAGE)' '$(KERNEL_IMAGE_LATEST)' ;; \
 		docker) docker build --label org.kernelgate.build=docker -t '$(KERNEL_IMAGE)' -t '$(KERNEL_IMAGE_LATEST)' '$(KERNELGATE_ROOT)/kernel-image' ;; \
-		*) echo "error: IMAGE_BUILD must be 'offline' or 'docker', not '$(IMAGE_BUILD)'" >&2; exit 2 ;; \
 		esac; \
 	fi
