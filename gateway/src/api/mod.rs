@@ -7,6 +7,7 @@ pub mod error;
 pub mod execute;
 pub mod kernels;
 pub mod kernelspecs;
+pub mod ui;
 
 use crate::kernels::Kernels;
 use auth::Auth;
@@ -49,6 +50,8 @@ pub fn router(state: AppState) -> Router {
             auth::require_token,
         ));
     Router::new()
+        .route("/", get(ui::index))
+        .route("/ui/{file}", get(ui::file))
         .route("/api", get(version))
         .merge(protected)
         .fallback(not_found)
