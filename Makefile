@@ -5,6 +5,7 @@ LISTEN ?= 127.0.0.1:8888
 
 include mk/image.mk
 include mk/protocol.mk
+include mk/bench.mk
 
 .PHONY: all build run test lint unit e2e python-tests bench clean-test-containers
 

@@ -1,0 +1,257 @@
+//! The machine description and the markdown table of a benchmark run.
+
+use crate::procs::Paths;
+use serde_json::{json, Value};
+
+fn read(path: &str) -> String {
+    std::fs::read_to_string(path).unwrap_or_default()
+}
+
+fn output(cmd: &str, args: &[&str]) -> String {
+    std::process::Command::new(cmd)
+        .args(args)
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+        .unwrap_or_default()
+}
+
+pub fn loadavg() -> String {
+    read("/proc/loadavg")
+        .split_whitespace()
+        .take(3)
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// CPU, memory, OS, Docker and the versions of everything measured.
+pub async fn machine(paths: &Paths) -> Value {
+    let cpuinfo = read("/proc/cpuinfo");
+    let cpu = cpuinfo
+        .lines()
+        .find_map(|l| l.strip_prefix("model name"))
+        .map(|v| v.trim_start_matches([' ', '\t', ':']).to_owned())
+        .unwrap_or_default();
+    let mem_gib = read("/proc/meminfo")
+        .lines()
+        .find_map(|l| l.strip_prefix("MemTotal:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
+        .map(|kib| kib / 1024.0 / 1024.0)
+        .unwrap_or_default();
+    let os = read("/etc/os-release")
+        .lines()
+        .find_map(|l| l.strip_prefix("PRETTY_NAME="))
+        .map(|v| v.trim_matches('"').to_owned())
+        .unwrap_or_default();
+    let python = paths.venv.join("bin/python");
+    let versions = output(
+        &python.display().to_string(),
+        &[
+            "-c",
+            "import sys, kernel_gateway, jupyter_server, ipykernel, matplotlib; \
+             print(f'jupyter_kernel_gateway {kernel_gateway.__version__}, jupyter_server \
+             {jupyter_server.__version__}, ipykernel {ipykernel.__version__}, matplotlib \
+             {matplotlib.__version__}, Python {sys.version.split()[0]}')",
+        ],
+    );
+    json!({
+        "cpu": cpu,
+        "cores": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
+        "memory_gib": (mem_gib * 10.0).round() / 10.0,
+        "os": os,
+        "kernel": read("/proc/sys/kernel/osrelease").trim(),
+        "docker": output("docker", &["version", "--format", "{{.Server.Version}}"]),
+        "kernelgate": output(&paths.kernelgate.display().to_string(), &["--version"]),
+        "image": paths.image,
+        "local_kernels": versions,
+        "load_before": loadavg(),
+    })
+}
+
+fn num(v: &Value) -> Option<f64> {
+    v.as_f64().filter(|x| x.is_finite())
+}
+
+fn fmt(v: Option<f64>, decimals: usize) -> String {
+    v.map(|x| format!("{x:.decimals$}"))
+        .unwrap_or_else(|| "—".to_owned())
+}
+
+/// One row: how to read each side's value, how many decimals, the target.
+struct Row {
+    label: &'static str,
+    metric: &'static str,
+    field: &'static str,
+    decimals: usize,
+    target: &'static str,
+    /// Whether Kernelgate met the target, from (kernelgate, direct).
+    check: fn(f64, Option<f64>) -> Option<bool>,
+}
+
+fn none(_: f64, _: Option<f64>) -> Option<bool> {
+    None
+}
+
+const ROWS: &[Row] = &[
+    Row {
+        label: "create, cold: POST /api/kernels to first kernel_info reply (ms, median)",
+        metric: "create_cold_ms",
+        field: "median",
+        decimals: 0,
+        target: "≤ 2x direct (local ipykernel start)",
+        check: |k, d| d.map(|d| k <= 2.0 * d),
+    },
+    Row {
+        label: "create, from the warm pool (ms, median)",
+        metric: "create_warm_ms",
+        field: "median",
+        decimals: 1,
+        target: "< 50 ms",
+        check: |k, _| Some(k < 50.0),
+    },
+    Row {
+        label: "execute `1+1` round trip p50 (ms)",
+        metric: "execute_rt_ms",
+        field: "p50",
+        decimals: 3,
+        target: "≤ 1.15x direct",
+        check: |k, d| d.map(|d| k <= 1.15 * d),
+    },
+    Row {
+        label: "execute `1+1` round trip p90 (ms)",
+        metric: "execute_rt_ms",
+        field: "p90",
+        decimals: 3,
+        target: "",
+        check: none,
+    },
+    Row {
+        label: "execute `1+1` round trip p99 (ms)",
+        metric: "execute_rt_ms",
+        field: "p99",
+        decimals: 3,
+        target: "",
+        check: none,
+    },
+    Row {
+        label: "stream: print 20 MiB (MiB/s)",
+        metric: "stream_mib_s",
+        field: "median",
+        decimals: 1,
+        target: "≥ 0.9x direct",
+        check: |k, d| d.map(|d| k >= 0.9 * d),
+    },
+    Row {
+        label: "matplotlib PNG round trip (ms, median)",
+        metric: "png_rt_ms",
+        field: "median",
+        decimals: 1,
+        target: "",
+        check: none,
+    },
+    Row {
+        label: "10 kernels executing `1+1` in parallel, 10 s (executes/s)",
+        metric: "parallel_exec_s",
+        field: "rate",
+        decimals: 0,
+        target: "",
+        check: none,
+    },
+    Row {
+        label: "gateway RSS, 0 kernels (MiB)",
+        metric: "rss",
+        field: "base_mib",
+        decimals: 1,
+        target: "",
+        check: none,
+    },
+    Row {
+        label: "gateway RSS, 50 idle kernels (MiB)",
+        metric: "rss",
+        field: "loaded_mib",
+        decimals: 1,
+        target: "",
+        check: none,
+    },
+    Row {
+        label: "gateway RSS per idle kernel (MiB)",
+        metric: "rss",
+        field: "per_kernel_mib",
+        decimals: 3,
+        target: "< 0.5 MiB",
+        check: |k, _| Some(k < 0.5),
+    },
+];
+
+/// The results table plus the run's settings and machine, as markdown.
+pub fn markdown(doc: &Value) -> String {
+    let m = &doc["metrics"];
+    let mut out = String::new();
+    out.push_str("| metric | Kernelgate | JKG | direct ZMQ | ratio vs direct | target | met? |\n");
+    out.push_str("|---|---:|---:|---:|---:|---|---|\n");
+    for row in ROWS {
+        let get = |side: &str| num(&m[row.metric][side][row.field]);
+        let (k, j, d) = (get("kernelgate"), get("jkg"), get("direct"));
+        let ratio = match (k, d) {
+            (Some(k), Some(d)) if d > 0.0 => format!("{:.2}x", k / d),
+            _ => "—".to_owned(),
+        };
+        let met = match k.and_then(|k| (row.check)(k, d)) {
+            Some(true) => "yes",
+            Some(false) => "**no**",
+            None => "",
+        };
+        out.push_str(&format!(
+            "| {} | {} | {} | {} | {ratio} | {} | {met} |\n",
+            row.label,
+            fmt(k, row.decimals),
+            fmt(j, row.decimals),
+            fmt(d, row.decimals),
+            row.target,
+        ));
+    }
+    let intact = |side: &str| match m["stream_mib_s"][side]["intact"].as_bool() {
+        Some(true) => "yes",
+        Some(false) => "**no**",
+        None => "—",
+    };
+    let all_intact = m["stream_mib_s"]["kernelgate"]["intact"].as_bool() == Some(true);
+    out.push_str(&format!(
+        "| stream: every byte arrived intact | {} | {} | {} | | yes | {} |\n",
+        intact("kernelgate"),
+        intact("jkg"),
+        intact("direct"),
+        if all_intact { "yes" } else { "**no**" }
+    ));
+    let s = &doc["settings"];
+    let mach = &doc["machine"];
+    out.push_str(&format!(
+        "\nKernelgate: each kernel in a Docker container (ipc sockets bind-mounted), release \
+         build, WebSocket client. JKG: Jupyter Kernel Gateway, kernels as local processes (tcp), \
+         same WebSocket client. direct ZMQ: the same Rust client speaking ZeroMQ (ipc) straight \
+         to a local ipykernel; its create column is the local ipykernel start. All kernels run \
+         kernel-image/launch.py with the same ipykernel/matplotlib versions.\n\
+         Round trip: {} rounds of {} runs, the median of the rounds' percentiles; stream, PNG and \
+         create: medians over {} rounds / {} creates; warm pool size {}; memory with {} idle \
+         kernels.\n\
+         Machine: {} ({} cores), {} GiB RAM, {}, Linux {}, Docker {}; load before {}, after {}; \
+         {}. Kernel side: {}. The run took {:.0} s.\n",
+        s["rounds"],
+        s["rt_runs"],
+        s["rounds"],
+        s["creates"],
+        s["pool_size"],
+        s["idle_kernels"],
+        mach["cpu"].as_str().unwrap_or_default(),
+        mach["cores"],
+        mach["memory_gib"],
+        mach["os"].as_str().unwrap_or_default(),
+        mach["kernel"].as_str().unwrap_or_default(),
+        mach["docker"].as_str().unwrap_or_default(),
+        mach["load_before"].as_str().unwrap_or_default(),
+        doc["load_after"].as_str().unwrap_or_default(),
+        mach["kernelgate"].as_str().unwrap_or_default(),
+        mach["local_kernels"].as_str().unwrap_or_default(),
+        doc["duration_s"].as_f64().unwrap_or_default(),
+    ));
+    out
+}
