@@ -1,0 +1,38 @@
+# The Python test suite (tests/python): real JupyterLab, jupyter_server, jupyter_client and
+# Debian's Chromium against the real gateway. Included by the root Makefile, which makes
+# python-tests depend on the kernel image and the debug build.
+#
+#   make python-venv    .venv-tests with tests/python/requirements.txt (reinstalled only when
+#                       that file changes) and /usr/bin/chromium (apt, only when missing)
+#   make python-tests   pytest over tests/python; screenshots and logs land in artifacts/
+#
+# Playwright comes from PyPI but `playwright install` is never run: it downloads a browser
+# build of its own, which cannot be fetched here. The tests drive /usr/bin/chromium instead.
+
+PYTHON_ROOT := $(abspath $(dir $(lastword $(MAKEFILE_LIST)))..)
+PYTHON ?= python3
+PY_VENV := $(PYTHON_ROOT)/.venv-tests
+PY_REQUIREMENTS := $(PYTHON_ROOT)/tests/python/requirements.txt
+PY_STAMP := $(PY_VENV)/.requirements.stamp
+# Per-test limit: the JupyterLab test takes a few minutes on a loaded 2-core machine.
+PYTEST_TIMEOUT ?= 900
+PYTEST_ARGS ?=
+
+.PHONY: python-venv python-tests
+
+python-venv: $(PY_STAMP)
+	@if [ ! -x /usr/bin/chromium ]; then \
+		echo 'installing Debian chromium for the browser tests'; \
+		if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
+		$$SUDO apt-get update && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y chromium; \
+	fi
+
+$(PY_STAMP): $(PY_REQUIREMENTS)
+	@[ -x '$(PY_VENV)/bin/python' ] || $(PYTHON) -m venv '$(PY_VENV)'
+	'$(PY_VENV)/bin/python' -m pip install --disable-pip-version-check -q -r '$(PY_REQUIREMENTS)'
+	@touch '$@'
+
+python-tests: python-venv
+	cd '$(PYTHON_ROOT)' && KERNELGATE_IMAGE='$(or $(KERNEL_IMAGE),kernelgate-kernel:latest)' \
+		'$(PY_VENV)/bin/python' -m pytest tests/python -v \
+		--timeout=$(PYTEST_TIMEOUT) -p no:cacheprovider $(PYTEST_ARGS)
