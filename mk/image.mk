@@ -6,15 +6,16 @@
 #   make image IMAGE_BUILD=docker   `docker build` of kernel-image/Dockerfile (needs a registry)
 #
 # The tag is the first 12 hex digits of a sha256 over the names and contents of all files in
-# kernel-image/ (sorted; build output, __pycache__ and editor files excluded), so any change
-# there makes a new image and an unchanged tree is never rebuilt. The image is also tagged
+# kernel-image/ (sorted; build output, __pycache__, editor files and *.md excluded: the
+# docs are no input of the image), so any change there makes a new image and an unchanged
+# tree is never rebuilt. The image is also tagged
 # kernelgate-kernel:latest. Other targets pass $(KERNEL_IMAGE) to the gateway (--image).
 
 KERNELGATE_ROOT := $(abspath $(dir $(lastword $(MAKEFILE_LIST)))..)
 KERNEL_IMAGE_NAME := kernelgate-kernel
 KERNEL_IMAGE_TAG := $(shell cd '$(KERNELGATE_ROOT)' && \
 	find kernel-image \( -path kernel-image/build -o -name __pycache__ \) -prune -o \
-		-type f ! -name '*.pyc' ! -name '*~' ! -name '.*.swp' -print0 \
+		-type f ! -name '*.pyc' ! -name '*~' ! -name '.*.swp' ! -name '*.md' -print0 \
 	| LC_ALL=C sort -z | xargs -0 sha256sum | sha256sum | cut -c1-12)
 KERNEL_IMAGE := $(KERNEL_IMAGE_NAME):$(KERNEL_IMAGE_TAG)
 KERNEL_IMAGE_LATEST := $(KERNEL_IMAGE_NAME):latest
