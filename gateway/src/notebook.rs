@@ -25,6 +25,7 @@ use tokio::process::{Child, Command};
 use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 use tokio_tungstenite::tungstenite::Message as WsMessage;
 use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
+use tokio_util::sync::CancellationToken;
 
 /// How long a new kernel may take to answer `kernel_info_request`.
 const KERNEL_READY_TIMEOUT: Duration = Duration::from_secs(90);
@@ -105,10 +106,46 @@ pub async fn run(args: RunArgs) -> Result<(), RunError> {
         })
         .unwrap_or_else(|| "python3".to_owned());
 
+    // Ctrl-C or SIGTERM: stop at the next await, but still delete the kernel and stop the
+    // local gateway (it is in its own process group, so the signal does not reach it).
+    let stop = CancellationToken::new();
+    let on_signal = stop.clone();
+    let watcher = tokio::spawn(async move {
+        stop_signal().await;
+        on_signal.cancel();
+    });
+    let result = run_with(&args, &mut nb, &kernel_name, &stop).await;
+    watcher.abort();
+    let executed = result?;
+    write(&output, &nb)?;
+    eprintln!(
+        "kernelgate run: wrote {} ({} cells run, {} with errors, {:.1} s)",
+        output.display(),
+        executed.cells_run,
+        executed.errors,
+        executed.took.as_secs_f64()
+    );
+    match executed.failed {
+        Some(failure) => Err(failure),
+        None => Ok(()),
+    }
+}
+
+/// Finds or starts the gateway and runs the notebook on it. An error here means there is
+/// nothing worth writing (no kernel, a dead kernel, a signal).
+async fn run_with(
+    args: &RunArgs,
+    nb: &mut Value,
+    kernel_name: &str,
+    stop: &CancellationToken,
+) -> Result<Report, RunError> {
     let (local, endpoint) = match &args.url {
         Some(url) => (None, Endpoint::parse(url, args.token.as_deref())?),
         None => {
-            let local = LocalGateway::start(&args.image).await?;
+            let local = tokio::select! {
+                local = LocalGateway::start(&args.image) => local?,
+                _ = stop.cancelled() => return Err(RunError::Interrupted),
+            };
             let endpoint = local.endpoint();
             (Some(local), endpoint)
         }
@@ -121,30 +158,14 @@ pub async fn run(args: RunArgs) -> Result<(), RunError> {
     );
 
     let started = Instant::now();
-    let outcome = tokio::select! {
-        r = execute_notebook(&endpoint, &kernel_name, &mut nb, &args) => r,
-        _ = stop_signal() => Err(RunError::Interrupted),
-    };
+    let outcome = execute_notebook(&endpoint, kernel_name, nb, args, stop).await;
     if let Some(local) = local {
         local.stop().await;
     }
-    let executed = match outcome {
-        Ok(report) => report,
-        // Nothing ran (kernel not created, signal): leave no half-written file behind.
-        Err(e) => return Err(e),
-    };
-    write(&output, &nb)?;
-    eprintln!(
-        "kernelgate run: wrote {} ({} cells run, {} with errors, {:.1} s)",
-        output.display(),
-        executed.cells_run,
-        executed.errors,
-        started.elapsed().as_secs_f64()
-    );
-    match executed.failed {
-        Some(failure) => Err(failure),
-        None => Ok(()),
-    }
+    outcome.map(|report| Report {
+        took: started.elapsed(),
+        ..report
+    })
 }
 
 /// `analysis.ipynb` -> `analysis.executed.ipynb`, next to it.
@@ -489,6 +510,7 @@ struct Report {
     errors: usize,
     /// The failure that stopped the run.
     failed: Option<RunError>,
+    took: Duration,
 }
 
 /// Creates a kernel, runs every code cell in order, deletes the kernel.
@@ -497,21 +519,27 @@ async fn execute_notebook(
     kernel_name: &str,
     nb: &mut Value,
     args: &RunArgs,
+    stop: &CancellationToken,
 ) -> Result<Report, RunError> {
-    let kernel_id = endpoint.create_kernel(kernel_name).await?;
+    let kernel_id = tokio::select! {
+        id = endpoint.create_kernel(kernel_name) => id?,
+        _ = stop.cancelled() => return Err(RunError::Interrupted),
+    };
     eprintln!(
         "kernelgate run: kernel {} ({kernel_name}) created",
         short(&kernel_id)
     );
-    let result = async {
-        let mut channels = Channels::connect(endpoint, &kernel_id).await?;
-        let info = channels.kernel_info().await?;
-        if let Some(language_info) = info.get("language_info") {
-            nb["metadata"]["language_info"] = language_info.clone();
-        }
-        run_cells(&mut channels, endpoint, &kernel_id, nb, args).await
-    }
-    .await;
+    let result = tokio::select! {
+        r = async {
+            let mut channels = Channels::connect(endpoint, &kernel_id).await?;
+            let info = channels.kernel_info().await?;
+            if let Some(language_info) = info.get("language_info") {
+                nb["metadata"]["language_info"] = language_info.clone();
+            }
+            run_cells(&mut channels, endpoint, &kernel_id, nb, args).await
+        } => r,
+        _ = stop.cancelled() => Err(RunError::Interrupted),
+    };
     if let Err(e) = endpoint.delete_kernel(&kernel_id).await {
         eprintln!(
             "kernelgate run: could not delete kernel {}: {e}",
@@ -955,11 +983,12 @@ impl LocalGateway {
         let mut child = Command::new(&exe)
             .arg("serve")
             .args(["--listen", &format!("127.0.0.1:{port}")])
-            .args(["--token", &token])
             .args(["--image", image])
             .arg("--runtime-dir")
             .arg(&runtime_dir)
             .args(["--pool-size", "0", "--cull-idle-timeout", "0"])
+            // The token goes by environment: other users can read a command line in `ps`.
+            .env("KERNELGATE_TOKEN", &token)
             .env_remove("KERNELGATE_NO_AUTH")
             // Its own process group: Ctrl-C reaches `run`, which then stops it in order.
             .process_group(0)
