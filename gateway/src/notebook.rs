@@ -153,7 +153,7 @@ async fn run_with(
     eprintln!(
         "kernelgate run: {} ({} code cells) on {}",
         args.notebook.display(),
-        code_cells(&nb).len(),
+        code_cells(nb).len(),
         endpoint.base
     );
 
