@@ -99,7 +99,7 @@ pub struct Config {
     pub runtime_dir: PathBuf,
 
     /// Most kernels alive at once; creating one more answers 403.
-    #[arg(long, env = "KERNELGATE_MAX_KERNELS", default_value_t = 32)]
+    #[arg(long, env = "KERNELGATE_MAX_KERNELS", default_value_t = 32, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     pub max_kernels: usize,
 
     /// Kernels idle (no connection, not busy) for this many seconds are shut down; 0 never.
@@ -111,7 +111,7 @@ pub struct Config {
     pub pool_size: usize,
 
     /// Memory limit per kernel in MiB (swap is not allowed beyond it).
-    #[arg(long, env = "KERNELGATE_KERNEL_MEMORY_MB", default_value_t = 1024)]
+    #[arg(long, env = "KERNELGATE_KERNEL_MEMORY_MB", default_value_t = 1024, value_parser = clap::value_parser!(u64).range(64..))]
     pub kernel_memory_mb: u64,
 
     /// CPU limit per kernel, in cores.
@@ -119,15 +119,15 @@ pub struct Config {
     pub kernel_cpus: f64,
 
     /// Most processes/threads per kernel container.
-    #[arg(long, env = "KERNELGATE_KERNEL_PIDS", default_value_t = 256)]
+    #[arg(long, env = "KERNELGATE_KERNEL_PIDS", default_value_t = 256, value_parser = clap::value_parser!(i64).range(16..))]
     pub kernel_pids: i64,
 
     /// Size of the kernel's writable home and working directory (tmpfs), in MiB.
-    #[arg(long, env = "KERNELGATE_KERNEL_DISK_MB", default_value_t = 512)]
+    #[arg(long, env = "KERNELGATE_KERNEL_DISK_MB", default_value_t = 512, value_parser = clap::value_parser!(u64).range(1..))]
     pub kernel_disk_mb: u64,
 
     /// Seconds to wait for a new kernel to answer before giving up.
-    #[arg(long, env = "KERNELGATE_STARTUP_TIMEOUT", default_value_t = 30)]
+    #[arg(long, env = "KERNELGATE_STARTUP_TIMEOUT", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
     pub startup_timeout: u64,
 
     /// Restart a kernel automatically when its process dies (clients see `restarting`).
@@ -136,10 +136,10 @@ pub struct Config {
 
     /// Bytes of messages kept per client session while it is away or slow; past this the
     /// oldest output messages are dropped and the client is told how many.
-    #[arg(long, env = "KERNELGATE_CLIENT_BUFFER_MB", default_value_t = 64)]
+    #[arg(long, env = "KERNELGATE_CLIENT_BUFFER_MB", default_value_t = 64, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     pub client_buffer_mb: usize,
 
     /// Largest WebSocket message or HTTP body accepted from a client, in MiB.
-    #[arg(long, env = "KERNELGATE_MAX_MESSAGE_MB", default_value_t = 64)]
+    #[arg(long, env = "KERNELGATE_MAX_MESSAGE_MB", default_value_t = 64, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     pub max_message_mb: usize,
 }

@@ -79,6 +79,11 @@ impl LiveKernel {
     pub fn id(&self) -> &str {
         self.kernel.id()
     }
+
+    /// The backend's handle (container id).
+    pub fn handle(&self) -> &str {
+        &self.handle
+    }
 }
 
 #[derive(Debug, Default)]

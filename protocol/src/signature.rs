@@ -49,15 +49,10 @@ impl SigningKey {
 
     /// A fresh random 256-bit key, as hex, for a new kernel's connection file.
     pub fn generate_hex() -> String {
-        let a = uuid::Uuid::new_v4();
-        let b = uuid::Uuid::new_v4();
+        use rand::RngCore;
         let mut bytes = [0u8; 32];
-        bytes[..16].copy_from_slice(a.as_bytes());
-        bytes[16..].copy_from_slice(b.as_bytes());
-        // UUID v4 fixes 6 bits of its 128; mix them out with a hash of both so the key keeps
-        // 244 bits of entropy spread over all 256.
-        use sha2::Digest;
-        hex::encode(Sha256::digest(bytes))
+        rand::rng().fill_bytes(&mut bytes);
+        hex::encode(bytes)
     }
 
     pub fn is_signing(&self) -> bool {

@@ -72,7 +72,7 @@ impl Gateway {
             "--runtime-dir".into(),
             runtime_dir.display().to_string(),
         ];
-        if !extra.iter().any(|a| *a == "--pool-size") {
+        if !extra.contains(&"--pool-size") {
             args.extend(["--pool-size".into(), "0".into()]);
         }
         args.extend(extra.iter().map(|s| s.to_string()));

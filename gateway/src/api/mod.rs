@@ -5,6 +5,7 @@ pub mod auth;
 pub mod channels;
 pub mod error;
 pub mod execute;
+pub mod files;
 pub mod kernels;
 pub mod kernelspecs;
 pub mod ui;
@@ -45,6 +46,11 @@ pub fn router(state: AppState) -> Router {
         .route("/api/kernels/{id}/restart", post(kernels::restart))
         .route("/api/kernels/{id}/channels", get(channels::connect))
         .route("/api/kernels/{id}/execute", post(execute::execute))
+        .route("/api/kernels/{id}/files", get(files::list_root))
+        .route(
+            "/api/kernels/{id}/files/{*path}",
+            get(files::get).put(files::put).delete(files::delete),
+        )
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             auth::require_token,

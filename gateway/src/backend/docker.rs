@@ -6,7 +6,7 @@
 mod socket_dir;
 mod spec;
 
-use super::{BackendError, Found, KernelBackend, LaunchRequest, Launched};
+use super::{BackendError, ExecOutput, Found, KernelBackend, LaunchRequest, Launched};
 use crate::config::Config;
 use bollard::errors::Error as DockerError;
 use bollard::models::ContainerSummaryStateEnum;
@@ -165,6 +165,82 @@ impl DockerBackend {
         })
     }
 
+    async fn exec_inner(
+        &self,
+        handle: &str,
+        argv: Vec<String>,
+        stdin: bytes::Bytes,
+        max_stdout: usize,
+    ) -> Result<ExecOutput, BackendError> {
+        use bollard::container::LogOutput;
+        use bollard::exec::{CreateExecOptions, StartExecResults};
+        use tokio::io::AsyncWriteExt;
+        /// Error text is for people; more than this is noise.
+        const MAX_STDERR: usize = 16 * 1024;
+
+        let config = CreateExecOptions {
+            attach_stdin: Some(true),
+            attach_stdout: Some(true),
+            attach_stderr: Some(true),
+            cmd: Some(argv),
+            user: Some(spec::kernel_user()),
+            working_dir: Some(spec::KERNEL_HOME.to_owned()),
+            ..Default::default()
+        };
+        let created = self
+            .docker
+            .create_exec(handle, config)
+            .await
+            .map_err(|e| map_handle_error(handle, e))?;
+        let started = self
+            .docker
+            .start_exec(&created.id, None)
+            .await
+            .map_err(|e| map_handle_error(handle, e))?;
+        let StartExecResults::Attached {
+            mut output,
+            mut input,
+        } = started
+        else {
+            return Err(BackendError::Runtime("exec started detached".to_owned()));
+        };
+        let feed = async move {
+            // A command that stops reading early (an error) closes its stdin: not our error.
+            let _ = input.write_all(&stdin).await;
+            let _ = input.shutdown().await;
+        };
+        let drain = async {
+            let mut out = ExecOutput::default();
+            while let Some(item) = output.next().await {
+                match item.map_err(|e| runtime(handle, e))? {
+                    LogOutput::StdOut { message } => {
+                        let room = (max_stdout + 1).saturating_sub(out.stdout.len());
+                        out.stdout
+                            .extend_from_slice(&message[..message.len().min(room)]);
+                    }
+                    LogOutput::StdErr { message } if out.stderr.len() < MAX_STDERR => {
+                        out.stderr.push_str(&String::from_utf8_lossy(&message));
+                    }
+                    _ => {}
+                }
+            }
+            Ok::<_, BackendError>(out)
+        };
+        let ((), drained) = tokio::join!(feed, drain);
+        let mut out = drained?;
+        if out.stdout.len() > max_stdout {
+            out.stdout.truncate(max_stdout);
+            out.truncated = true;
+        }
+        let inspected = self
+            .docker
+            .inspect_exec(&created.id)
+            .await
+            .map_err(|e| map_handle_error(handle, e))?;
+        out.exit_code = inspected.exit_code.unwrap_or(-1);
+        Ok(out)
+    }
+
     fn known_dirs(&self) -> std::sync::MutexGuard<'_, HashMap<String, PathBuf>> {
         // The map holds plain paths: a panic elsewhere cannot leave it inconsistent.
         self.dirs.lock().unwrap_or_else(|e| e.into_inner())
@@ -307,6 +383,16 @@ impl KernelBackend for DockerBackend {
             }
         }
         .boxed()
+    }
+
+    fn exec<'a>(
+        &'a self,
+        handle: &'a str,
+        argv: Vec<String>,
+        stdin: bytes::Bytes,
+        max_stdout: usize,
+    ) -> BoxFuture<'a, Result<ExecOutput, BackendError>> {
+        self.exec_inner(handle, argv, stdin, max_stdout).boxed()
     }
 
     fn list(&self) -> BoxFuture<'_, Result<Vec<Found>, BackendError>> {

@@ -38,6 +38,16 @@ pub struct Found {
     pub running: bool,
 }
 
+/// What a command run inside a kernel's sandbox printed, and how it ended.
+#[derive(Debug, Clone, Default)]
+pub struct ExecOutput {
+    pub exit_code: i64,
+    pub stdout: Vec<u8>,
+    pub stderr: String,
+    /// Stdout went past the caller's limit; what is kept is cut there.
+    pub truncated: bool,
+}
+
 /// Why a backend could not do what was asked. Messages are shown to API clients, so they
 /// say what to do and never include secrets.
 #[derive(Debug, thiserror::Error)]
@@ -79,6 +89,16 @@ pub trait KernelBackend: Send + Sync + 'static {
 
     /// Resolves when the kernel's process exits, with its exit code.
     fn wait_exit<'a>(&'a self, handle: &'a str) -> BoxFuture<'a, Result<i64, BackendError>>;
+
+    /// Runs `argv` inside the kernel's sandbox as the kernel's user, in its working
+    /// directory, with `stdin` as input; keeps at most `max_stdout` bytes of output.
+    fn exec<'a>(
+        &'a self,
+        handle: &'a str,
+        argv: Vec<String>,
+        stdin: bytes::Bytes,
+        max_stdout: usize,
+    ) -> BoxFuture<'a, Result<ExecOutput, BackendError>>;
 
     /// Kernels this gateway's backend started earlier (by label).
     fn list(&self) -> BoxFuture<'_, Result<Vec<Found>, BackendError>>;

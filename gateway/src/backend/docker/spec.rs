@@ -5,6 +5,14 @@ use super::socket_dir::{CONTAINER_DIR, KERNEL_GID, KERNEL_UID};
 use bollard::models::{ContainerCreateBody, HostConfig, HostConfigLogConfig};
 use std::collections::{BTreeMap, HashMap};
 
+/// The user kernels run as (and exec runs as).
+pub fn kernel_user() -> String {
+    format!("{KERNEL_UID}:{KERNEL_GID}")
+}
+
+/// The kernel's home and working directory inside the container (a tmpfs).
+pub const KERNEL_HOME: &str = "/home/kernel";
+
 pub const LABEL_KERNEL_ID: &str = "org.kernelgate.kernel_id";
 pub const LABEL_KERNEL_NAME: &str = "org.kernelgate.kernel_name";
 pub const LABEL_CREATED: &str = "org.kernelgate.created";
@@ -60,7 +68,7 @@ impl ContainerSpec<'_> {
                 "rw,nosuid,nodev,size=64m,mode=1777".to_owned(),
             ),
             (
-                "/home/kernel".to_owned(),
+                KERNEL_HOME.to_owned(),
                 format!(
                     "rw,nosuid,nodev,size={}m,uid={KERNEL_UID},gid={KERNEL_GID},mode=0700",
                     self.disk_mb
@@ -98,7 +106,7 @@ impl ContainerSpec<'_> {
         };
         ContainerCreateBody {
             image: Some(self.image.to_owned()),
-            user: Some(format!("{KERNEL_UID}:{KERNEL_GID}")),
+            user: Some(kernel_user()),
             hostname: Some("kernel".to_owned()),
             env: Some(env),
             labels: Some(labels),

@@ -1,0 +1,122 @@
+//! Files in a kernel's working directory: `GET/PUT/DELETE /api/kernels/{id}/files/{path}`
+//! and `GET /api/kernels/{id}/files` (a listing).
+//!
+//! Every operation runs inside the kernel's own container as the kernel's user (a small
+//! script through the backend's `exec`), never on host paths: the container is the
+//! boundary, and a symlink the kernel made can only point into its own sandbox. The script
+//! still refuses absolute paths, `..` and symlinks leading out of the working directory,
+//! so callers get a clear error rather than a surprise.
+
+use super::error::ApiError;
+use super::kernels::find;
+use super::AppState;
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{Path, State};
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+
+const SCRIPT: &str = include_str!("../../assets/files.py");
+
+async fn run(
+    state: &AppState,
+    id: &str,
+    op: &str,
+    path: &str,
+    body: Bytes,
+) -> Result<Vec<u8>, ApiError> {
+    let live = find(state, id)?;
+    let argv = ["python3", "-c", SCRIPT, op, path]
+        .map(str::to_owned)
+        .to_vec();
+    let out = state
+        .kernels
+        .backend()
+        .exec(live.handle(), argv, body, state.max_message_bytes)
+        .await?;
+    let message = out.stderr.trim().to_owned();
+    let status = match out.exit_code {
+        0 if out.truncated => {
+            return Err(ApiError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                format!(
+                    "{path} is larger than the {} MiB download limit",
+                    state.max_message_bytes >> 20
+                ),
+            ))
+        }
+        0 => return Ok(out.stdout),
+        10 => StatusCode::NOT_FOUND,
+        11 => StatusCode::BAD_REQUEST,
+        12 | 13 | 14 => StatusCode::CONFLICT,
+        _ => StatusCode::INTERNAL_SERVER_ERROR,
+    };
+    Err(ApiError::new(
+        status,
+        format!(
+            "{path}: {}",
+            if message.is_empty() {
+                "file operation failed"
+            } else {
+                &message
+            }
+        ),
+    ))
+}
+
+fn json(bytes: Vec<u8>) -> Response {
+    ([(header::CONTENT_TYPE, "application/json")], bytes).into_response()
+}
+
+/// `GET .../files`: the working directory's listing.
+pub async fn list_root(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Response, ApiError> {
+    Ok(json(run(&state, &id, "list", "", Bytes::new()).await?))
+}
+
+/// `GET .../files/{path}`: a file's bytes, or a directory's listing.
+pub async fn get(
+    State(state): State<AppState>,
+    Path((id, path)): Path<(String, String)>,
+) -> Result<Response, ApiError> {
+    match run(&state, &id, "get", &path, Bytes::new()).await {
+        Ok(bytes) => {
+            Ok(([(header::CONTENT_TYPE, "application/octet-stream")], bytes).into_response())
+        }
+        Err(e) if e.status == StatusCode::CONFLICT => {
+            Ok(json(run(&state, &id, "list", &path, Bytes::new()).await?))
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// `PUT .../files/{path}`: uploads the body, creating parent directories.
+pub async fn put(
+    State(state): State<AppState>,
+    Path((id, path)): Path<(String, String)>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let body = body.map_err(|e| {
+        ApiError::new(
+            e.status(),
+            format!(
+                "upload refused: {} (the limit is {} MiB)",
+                e.body_text(),
+                state.max_message_bytes >> 20
+            ),
+        )
+    })?;
+    let entry = run(&state, &id, "put", &path, body).await?;
+    Ok((StatusCode::CREATED, json(entry)).into_response())
+}
+
+/// `DELETE .../files/{path}`: a file or an empty directory.
+pub async fn delete(
+    State(state): State<AppState>,
+    Path((id, path)): Path<(String, String)>,
+) -> Result<StatusCode, ApiError> {
+    run(&state, &id, "delete", &path, Bytes::new()).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
