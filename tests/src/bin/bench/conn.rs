@@ -138,6 +138,7 @@ pub struct Run {
     pub elapsed: Duration,
     pub status: String,
     pub stdout: String,
+    pub stream_messages: usize,
     pub png: Option<String>,
 }
 
@@ -350,7 +351,10 @@ impl Conn {
                 continue;
             }
             match m.payload {
-                Payload::Stream { name, text } if name == "stdout" => run.stdout.push_str(&text),
+                Payload::Stream { name, text } if name == "stdout" => {
+                    run.stdout.push_str(&text);
+                    run.stream_messages += 1;
+                }
                 Payload::Png(png) => run.png = Some(png),
                 Payload::Status(s) if s == "idle" => idle = true,
                 Payload::Reply { status } if m.msg_type == "execute_reply" => {

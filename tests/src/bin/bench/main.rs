@@ -40,6 +40,8 @@ struct Opts {
     png_runs: usize,
     parallel_kernels: usize,
     parallel_for: Duration,
+    /// Profiling aid: only stream through Kernelgate for this long, then stop.
+    soak: Option<Duration>,
 }
 
 impl Opts {
@@ -57,6 +59,7 @@ impl Opts {
             png_runs: 5,
             parallel_kernels: 10,
             parallel_for: Duration::from_secs(10),
+            soak: None,
         };
         let mut args = std::env::args().skip(1);
         while let Some(a) = args.next() {
@@ -68,6 +71,7 @@ impl Opts {
                 "--rounds" => o.rounds = val()?.parse()?,
                 "--pool-size" => o.pool_size = val()?.parse()?,
                 "--idle-kernels" => o.idle_kernels = val()?.parse()?,
+                "--soak" => o.soak = Some(Duration::from_secs(val()?.parse()?)),
                 "--quick" => {
                     // For trying the bench out, not for numbers.
                     o.rounds = 1;
@@ -365,11 +369,28 @@ async fn measure(
         );
     }
 
+    if let Some(soak) = opts.soak {
+        // For `perf record -p <gateway pid>`: Kernelgate relays streams for a while.
+        log(format!(
+            "soak: streaming through Kernelgate (pid {}) for {soak:?}",
+            sides[0].server.as_ref().map_or(0, |s| s.pid)
+        ));
+        let code = stream_code(opts.stream_mib * 16);
+        let end = Instant::now() + soak;
+        while Instant::now() < end {
+            let run = sides[0].conns[0].execute(&code, long).await?;
+            log(format!(
+                "soak: {:.1} MiB/s in {} stream messages",
+                opts.stream_mib as f64 / run.elapsed.as_secs_f64(),
+                run.stream_messages
+            ));
+        }
+        bail!("soak finished (no results are written in this mode)");
+    }
+
     // Stream throughput: the kernel prints stream_mib MiB in 64 KiB lines.
     let lines = opts.stream_mib * 16;
-    let code = format!(
-        "import sys\n_p = 'x' * 65528\nfor _i in range({lines}):\n    sys.stdout.write(f'{{_i:07d}}{{_p}}\\n')\nsys.stdout.flush()\n"
-    );
+    let code = stream_code(lines);
     let expected: String = (0..lines)
         .map(|i| format!("{i:07}{}\n", "x".repeat(65528)))
         .collect();
@@ -380,10 +401,11 @@ async fn measure(
             let intact = run.stdout == expected;
             let mib_s = opts.stream_mib as f64 / run.elapsed.as_secs_f64();
             log(format!(
-                "stream round {r} {}: {mib_s:.1} MiB/s, {} of {} bytes, intact {intact}",
+                "stream round {r} {}: {mib_s:.1} MiB/s, {} of {} bytes in {} messages, intact {intact}",
                 side.name,
                 run.stdout.len(),
-                expected.len()
+                expected.len(),
+                run.stream_messages,
             ));
             stream[s].push((mib_s, intact));
         }
@@ -460,6 +482,13 @@ async fn measure(
     Ok(())
 }
 
+/// Python that prints `lines` lines of 64 KiB (a 7-digit line number, then `x`s).
+fn stream_code(lines: usize) -> String {
+    format!(
+        "import sys\n_p = 'x' * 65528\nfor _i in range({lines}):\n    sys.stdout.write(f'{{_i:07d}}{{_p}}\\n')\nsys.stdout.flush()\n"
+    )
+}
+
 /// Gateway RSS with no kernels and with `idle_kernels` idle ones, each gateway fresh.
 async fn memory(opts: &Opts, paths: &Paths, results: &mut Results) -> Result<()> {
     let n = opts.idle_kernels;
@@ -480,7 +509,9 @@ async fn memory(opts: &Opts, paths: &Paths, results: &mut Results) -> Result<()>
         let t0 = Instant::now();
         let created: Vec<Result<String>> = futures::stream::iter(0..n)
             .map(|_| server.create_kernel(None))
-            .buffer_unordered(3)
+            // JKG 3.0 fails concurrent creates (a list_kernels during a start raises
+            // AttributeError: no last_activity), so it gets them one at a time.
+            .buffer_unordered(if name == "jkg" { 1 } else { 3 })
             .collect()
             .await;
         let ok = created.iter().filter(|r| r.is_ok()).count();
