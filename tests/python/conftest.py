@@ -86,11 +86,15 @@ def stop_process(proc: subprocess.Popen, timeout: float = 20) -> int | None:
     return proc.returncode
 
 
+ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
+
+
 def tail(path: Path, lines: int = 40) -> str:
     try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+        text = ANSI_ESCAPE.sub("", path.read_text(errors="replace"))
     except OSError:
         return ""
+    return "\n".join(text.splitlines()[-lines:])
 
 
 @dataclass
@@ -159,6 +163,7 @@ def start_gateway(log_path: Path, extra: list[str] | None = None) -> Gateway:
         extra += ["--pool-size", "0"]
     env = dict(os.environ)
     env.setdefault("KERNELGATE_LOG", "kernelgate=debug,warn")
+    env["NO_COLOR"] = "1"  # a plain log file
     log = open(log_path, "ab")
     proc = subprocess.Popen(args + extra, stdout=log, stderr=subprocess.STDOUT, env=env)
     log.close()

@@ -170,7 +170,10 @@ def test_jupyter_server_gateway_client(gateway, jupyter_factory):
     ch = Channels(f"{server.ws_url}/api/kernels/{kid}/channels", server.token)
     try:
         msg = ch.send("shell", "kernel_info_request", {})
-        reply = ch.wait_for("kernel_info_reply", lambda m: m["parent_header"].get("msg_id") == msg)
+        reply = ch.wait_for(
+            "kernel_info_reply",
+            lambda m: m["msg_type"] == "kernel_info_reply" and m["parent_header"].get("msg_id") == msg,
+        )
         assert reply["content"]["status"] == "ok"
         assert reply["content"]["language_info"]["name"] == "python"
 
@@ -200,7 +203,10 @@ def test_jupyter_server_gateway_client(gateway, jupyter_factory):
         # Restart through jupyter_server: same kernel id, state gone, the WebSocket still works.
         before = len(ch.seen)
         r = server.request("POST", f"/api/kernels/{kid}/restart", json={})
-        assert r.status_code == 200, r.text
+        assert r.status_code == 200, (
+            f"restart through jupyter_server: {r.status_code} {r.text}\n"
+            f"jupyter_server log:\n{server.log(15)}\ngateway log:\n{gateway.log(15)}"
+        )
         assert r.json()["id"] == kid
         out = ch.execute("x")
         assert out.reply["status"] == "error", out.reply
