@@ -190,6 +190,10 @@ def gateway(artifacts: Path) -> Iterator[Gateway]:
     gw = start_gateway(artifacts / "gateway.log")
     yield gw
     code = stop_process(gw.proc, timeout=30)
+    try:
+        gw.runtime_dir.rmdir()  # empty once the gateway removed its kernels; else kept to inspect
+    except OSError:
+        pass
     assert code == 0, f"gateway exited with {code} on SIGTERM:\n{gw.log()}"
 
 
