@@ -11,6 +11,7 @@
   const TOKEN_KEY = 'kernelgate.token';
   const KERNEL_KEY = 'kernelgate.kernel';
   const POLL_MS = 10000;
+  const KERNEL_STATES = new Set(['starting', 'idle', 'busy', 'restarting', 'dead']);
   const MAX_STREAM_CHARS = 1 << 20; // per output block; older text is dropped beyond it
   // Jupyter's order of preference when one output offers several formats.
   const MIME_ORDER = [
@@ -198,8 +199,11 @@
       try {
         const doc = frame.contentDocument;
         if (!doc || !doc.documentElement) return;
-        const h = Math.max(doc.documentElement.scrollHeight, doc.body ? doc.body.scrollHeight : 0);
-        frame.style.height = `${Math.min(Math.max(h, 24), 600)}px`;
+        // The root element's box is the content's height (scrollHeight would be at least
+        // the frame's current height, so the frame could never shrink).
+        const h = Math.ceil(doc.documentElement.getBoundingClientRect().height);
+        const scrollbar = doc.documentElement.scrollWidth > frame.clientWidth ? 16 : 0;
+        frame.style.height = `${Math.min(Math.max(h + scrollbar, 24), 600)}px`;
       } catch (_) {
         /* cross-origin: keep the default height */
       }
@@ -385,6 +389,7 @@
     displays: new Map(), // display_id -> [box] for update_display_data
     history: [],
     historyPos: 0,
+    restarting: false, // a restart request is under way
   };
 
   function notice(text, kind) {
@@ -401,11 +406,17 @@
     ui.status.className = `status status-${state}`;
     ui.statusText.textContent = state;
     ui.status.dataset.state = state;
+    // Keep the picker's entry for this kernel in step with the live state.
+    const opt = app.kernelId && Array.from(ui.select.options).find((o) => o.value === app.kernelId);
+    if (opt && opt.dataset.name && KERNEL_STATES.has(state)) opt.textContent = kernelLabel({ id: app.kernelId, name: opt.dataset.name, execution_state: state });
     const usable = app.kernelId && app.ws && app.ws.readyState === WebSocket.OPEN;
     ui.code.disabled = !app.kernelId;
+    ui.code.placeholder = app.kernelId
+      ? 'Type Python code here. Shift+Enter runs it.'
+      : 'Connect with the token, pick or start a kernel, then type code here. Shift+Enter runs.';
     ui.run.disabled = !usable;
     ui.interrupt.disabled = !app.kernelId || state === 'dead' || state === 'gone';
-    ui.restart.disabled = !app.kernelId || state === 'gone';
+    ui.restart.disabled = !app.kernelId || state === 'gone' || app.restarting;
   }
 
   class ApiError extends Error {
@@ -483,8 +494,10 @@
     none.value = '';
     ui.select.appendChild(none);
     for (const k of kernels) {
-      const o = el('option', '', kernelLabel(k));
+      const live = k.id === keep && KERNEL_STATES.has(ui.status.dataset.state) && ui.status.dataset.state;
+      const o = el('option', '', kernelLabel(live ? Object.assign({}, k, { execution_state: live }) : k));
       o.value = k.id;
+      o.dataset.name = k.name || 'kernel';
       ui.select.appendChild(o);
     }
     if (keep && !kernels.some((k) => k.id === keep)) {
@@ -695,8 +708,9 @@
       }
     } else if (msg.channel === 'shell') {
       if (type === 'execute_reply' && run) {
+        // Kept in the table: IOPub and shell are separate sockets, so output may still
+        // arrive after the reply.
         run.finish(content.status, content.execution_count);
-        app.runs.delete(parentId);
       } else if (type === 'kernel_info_reply') {
         const li = content.language_info || {};
         ui.status.title = `${content.implementation || 'kernel'} ${content.implementation_version || ''} · ${li.name || ''} ${li.version || ''}`.trim();
@@ -739,7 +753,7 @@
 
   async function restart() {
     if (!app.kernelId) return;
-    ui.restart.disabled = true;
+    app.restarting = true;
     setStatus('restarting');
     for (const r of app.runs.values()) r.abandon('no reply: the kernel was restarted');
     app.runs.clear();
@@ -750,7 +764,8 @@
     } catch (e) {
       notice(`Restart failed: ${e.message}`, 'error');
     } finally {
-      ui.restart.disabled = false;
+      app.restarting = false;
+      ui.restart.disabled = ui.status.dataset.state === 'gone';
     }
   }
 
@@ -803,5 +818,8 @@
   setStatus('unknown');
   ui.statusText.textContent = 'no kernel';
   if (app.token) connect(app.token);
-  else ui.token.focus();
+  else {
+    notice('Enter the gateway\'s token: the one it printed when it started, or its --token.');
+    ui.token.focus();
+  }
 })();

@@ -33,11 +33,10 @@ pub async fn file(Path(file): Path<String>) -> Response {
         "app.js" => asset("text/javascript; charset=utf-8", APP_JS.as_bytes()),
         "style.css" => asset("text/css; charset=utf-8", STYLE_CSS.as_bytes()),
         "logo.svg" => asset("image/svg+xml", LOGO_SVG),
-        _ => super::error::ApiError::new(
-            StatusCode::NOT_FOUND,
-            format!("No such file: /ui/{file}"),
-        )
-        .into_response(),
+        _ => {
+            super::error::ApiError::new(StatusCode::NOT_FOUND, format!("No such file: /ui/{file}"))
+                .into_response()
+        }
     }
 }
 
