@@ -6,8 +6,9 @@ LISTEN ?= 127.0.0.1:8888
 include mk/image.mk
 include mk/protocol.mk
 include mk/bench.mk
+include mk/python.mk
 
-.PHONY: all build run test lint unit e2e python-tests bench clean-test-containers
+.PHONY: all build run test lint unit e2e debug-build
 
 all: build
 
@@ -19,7 +20,7 @@ run: image build
 	./target/release/kernelgate serve --listen $(LISTEN) --image $(KERNEL_IMAGE) $(ARGS)
 
 ## Everything CI checks: format, lints, unit tests, fuzzing, end-to-end tests.
-test: lint unit fuzz-smoke e2e
+test: lint unit fuzz-smoke e2e python-tests
 
 lint:
 	$(CARGO) fmt --all --check
@@ -29,6 +30,11 @@ unit:
 	$(CARGO) test -p kernelgate-protocol -p kernelgate
 
 # End-to-end tests start the real binary against real Docker with the real image.
-e2e: image
+debug-build:
 	$(CARGO) build -p kernelgate
+
+e2e: image debug-build
 	KERNELGATE_IMAGE=$(KERNEL_IMAGE) $(CARGO) test -p kernelgate-tests -- --test-threads=3
+
+# The Python suite drives the debug binary too.
+python-tests: image debug-build

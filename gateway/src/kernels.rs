@@ -44,6 +44,8 @@ pub enum CreateError {
     BadEnv { name: String, reason: &'static str },
     #[error(transparent)]
     Backend(#[from] BackendError),
+    #[error("the gateway is shutting down")]
+    ShuttingDown,
     #[error("the kernel started but did not answer: {0}")]
     Kernel(#[from] KernelError),
 }
@@ -240,21 +242,24 @@ impl Kernels {
         let Launched { handle, connection } = self.backend.launch(&req).await?;
         let kernel = Kernel::new(&id, self.settings.limits);
         let cancel = self.cancel.child_token();
-        let connected = kernel
-            .connect(
+        // Shutdown may come while this kernel starts: it must not outlive the gateway.
+        let connected = tokio::select! {
+            r = kernel.connect(
                 &connection,
                 &self.tracker,
-                cancel.clone(),
+                // A child: closing this process's link must not cancel the kernel's watcher.
+                cancel.child_token(),
                 self.settings.startup_timeout,
-            )
-            .await;
+            ) => r.map_err(CreateError::from),
+            _ = self.cancel.cancelled() => Err(CreateError::ShuttingDown),
+        };
         if let Err(e) = connected {
             cancel.cancel();
             kernel.disconnect();
             if let Err(re) = self.backend.remove(&handle).await {
                 tracing::warn!(kernel = %id, error = %re, "cannot remove a kernel that failed to start");
             }
-            return Err(e.into());
+            return Err(e);
         }
         let live = Arc::new(LiveKernel {
             kernel,
@@ -284,10 +289,17 @@ impl Kernels {
                     _ = self.pool_wanted.notified() => continue,
                 }
             }
-            let launched = tokio::select! {
-                _ = self.cancel.cancelled() => return,
-                r = self.launch(KERNEL_NAME, BTreeMap::new(), true) => r,
-            };
+            // Not raced against shutdown: `launch` cleans up after itself when cancelled,
+            // where dropping it halfway would leave a container behind.
+            let launched = self.launch(KERNEL_NAME, BTreeMap::new(), true).await;
+            if self.cancel.is_cancelled() {
+                if let Ok(live) = launched {
+                    if let Err(e) = self.discard(&live).await {
+                        tracing::warn!(kernel = %live.id(), error = %e, "cannot remove pooled kernel at shutdown");
+                    }
+                }
+                return;
+            }
             match launched {
                 Ok(live) => {
                     failures = 0;
@@ -310,11 +322,14 @@ impl Kernels {
     pub async fn restart(&self, live: &LiveKernel) -> Result<(), CreateError> {
         let _ops = live.ops.lock().await;
         live.epoch.fetch_add(1, Ordering::SeqCst);
-        self.restart_locked(live).await
+        self.restart_locked(live, false).await
     }
 
-    async fn restart_locked(&self, live: &LiveKernel) -> Result<(), CreateError> {
-        live.kernel.set_state(ExecutionState::Restarting, true);
+    /// `announce`: tell clients `restarting`. Jupyter Server sends that status only for
+    /// restarts it does on its own (a kernel died); JupyterLab shows "the kernel appears to
+    /// have died" when it sees one after a restart the user asked for.
+    async fn restart_locked(&self, live: &LiveKernel, announce: bool) -> Result<(), CreateError> {
+        live.kernel.set_state(ExecutionState::Restarting, announce);
         live.kernel.disconnect();
         let result = async {
             self.backend.restart(&live.handle).await?;
@@ -329,8 +344,9 @@ impl Kernels {
             Ok::<_, CreateError>(())
         }
         .await;
-        if result.is_err() {
-            live.kernel.set_state(ExecutionState::Dead, true);
+        match &result {
+            Ok(()) => tracing::info!(kernel = %live.id(), "kernel restarted"),
+            Err(_) => live.kernel.set_state(ExecutionState::Dead, true),
         }
         result
     }
@@ -406,7 +422,7 @@ impl Kernels {
                 return;
             }
             live.epoch.fetch_add(1, Ordering::SeqCst);
-            if let Err(e) = self.restart_locked(live).await {
+            if let Err(e) = self.restart_locked(live, true).await {
                 tracing::warn!(kernel = %live.id(), error = %e, "automatic restart failed; kernel is dead");
                 return;
             }

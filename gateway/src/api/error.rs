@@ -70,6 +70,9 @@ impl From<CreateError> for ApiError {
             CreateError::NoSuchSpec(_) => ApiError::new(StatusCode::NOT_FOUND, e.to_string()),
             CreateError::TooMany { .. } => ApiError::new(StatusCode::FORBIDDEN, e.to_string()),
             CreateError::BadEnv { .. } => ApiError::bad_request(e.to_string()),
+            CreateError::ShuttingDown => {
+                ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string())
+            }
             CreateError::Backend(b) => b.into(),
             CreateError::Kernel(k) => k.into(),
         }

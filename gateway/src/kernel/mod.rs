@@ -44,7 +44,13 @@ struct State {
     execution_state: ExecutionState,
     last_activity: DateTime<Utc>,
     link: Option<Arc<Link>>,
+    /// Client messages sent while the kernel process restarts, delivered in order once it
+    /// is back (as libzmq would queue them), so a cell run during a restart is not lost.
+    backlog: Vec<(Channel, Message)>,
 }
+
+/// Most client messages held while a kernel restarts; past this, sends fail.
+const MAX_BACKLOG: usize = 1024;
 
 /// A kernel's messaging side.
 #[derive(Debug)]
@@ -65,6 +71,7 @@ impl Kernel {
                 execution_state: ExecutionState::Starting,
                 last_activity: Utc::now(),
                 link: None,
+                backlog: Vec::new(),
             }),
         })
     }
@@ -108,7 +115,15 @@ impl Kernel {
             tokio::time::timeout(timeout, Link::connect(info, sink, tracker, cancel, timeout))
                 .await
                 .map_err(|_| KernelError::NotReady(timeout))??;
-        self.lock().link = Some(Arc::new(link));
+        let link = Arc::new(link);
+        let backlog = {
+            let mut st = self.lock();
+            st.link = Some(link.clone());
+            std::mem::take(&mut st.backlog)
+        };
+        for (channel, message) in backlog {
+            link.send(channel, message).await?;
+        }
         let reply = self.wait_ready(deadline, timeout).await?;
         let mut st = self.lock();
         st.execution_state = ExecutionState::Idle;
@@ -173,6 +188,9 @@ impl Kernel {
     pub fn set_state(&self, state: ExecutionState, announce: bool) {
         let mut st = self.lock();
         st.execution_state = state;
+        if state == ExecutionState::Dead {
+            st.backlog.clear();
+        }
         if announce {
             let content =
                 RawJson::from_value(&serde_json::json!({"execution_state": state.as_str()}));
@@ -221,7 +239,18 @@ impl Kernel {
                 st.clients.note_request(message.msg_id(), session);
             }
             st.last_activity = Utc::now();
-            st.link.clone().ok_or(KernelError::KernelGone)?
+            match st.link.clone() {
+                Some(link) => link,
+                None if matches!(
+                    st.execution_state,
+                    ExecutionState::Starting | ExecutionState::Restarting
+                ) && st.backlog.len() < MAX_BACKLOG =>
+                {
+                    st.backlog.push((channel, message));
+                    return Ok(());
+                }
+                None => return Err(KernelError::KernelGone),
+            }
         };
         link.send(channel, message).await
     }
