@@ -18,6 +18,13 @@ use axum::response::{IntoResponse, Response};
 
 const SCRIPT: &str = include_str!("../../assets/files.py");
 
+// Exit codes of the script (see its header).
+const NOT_FOUND: i64 = 10;
+const BAD_PATH: i64 = 11;
+const IS_DIR: i64 = 12;
+const NOT_DIR: i64 = 13;
+const EXISTS_DIR: i64 = 14;
+
 async fn run(
     state: &AppState,
     id: &str,
@@ -46,9 +53,9 @@ async fn run(
             ))
         }
         0 => return Ok(out.stdout),
-        10 => StatusCode::NOT_FOUND,
-        11 => StatusCode::BAD_REQUEST,
-        12 | 13 | 14 => StatusCode::CONFLICT,
+        NOT_FOUND => StatusCode::NOT_FOUND,
+        BAD_PATH => StatusCode::BAD_REQUEST,
+        IS_DIR | NOT_DIR | EXISTS_DIR => StatusCode::CONFLICT,
         _ => StatusCode::INTERNAL_SERVER_ERROR,
     };
     Err(ApiError::new(
