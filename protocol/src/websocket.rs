@@ -105,8 +105,8 @@ impl Serialize for ParentOut<'_> {
     }
 }
 
-fn legacy_json(channel: Channel, message: &Message) -> Vec<u8> {
-    let out = LegacyOut {
+fn legacy_out<'a>(channel: Channel, message: &'a Message) -> LegacyOut<'a> {
+    LegacyOut {
         header: &message.header,
         parent_header: ParentOut(&message.parent_header),
         metadata: &message.metadata,
@@ -115,19 +115,19 @@ fn legacy_json(channel: Channel, message: &Message) -> Vec<u8> {
         channel: channel.as_str(),
         msg_id: &message.header.msg_id,
         msg_type: &message.header.msg_type,
-    };
-    // Only strings and already-valid JSON: serialization cannot fail.
-    serde_json::to_vec(&out).unwrap_or_default()
+    }
 }
 
 /// The legacy text frame (the message must have no buffers to be complete).
 pub fn encode_legacy_json(channel: Channel, message: &Message) -> String {
-    String::from_utf8(legacy_json(channel, message)).unwrap_or_default()
+    // Only strings and already-valid JSON: serialization cannot fail. `to_string` skips a
+    // second UTF-8 check of what may be megabytes of output.
+    serde_json::to_string(&legacy_out(channel, message)).unwrap_or_default()
 }
 
 /// The legacy binary frame, for messages with buffers.
 pub fn encode_legacy_binary(channel: Channel, message: &Message) -> Bytes {
-    let json = legacy_json(channel, message);
+    let json = serde_json::to_vec(&legacy_out(channel, message)).unwrap_or_default();
     let parts: Vec<&[u8]> = std::iter::once(json.as_slice())
         .chain(message.buffers.iter().map(|b| b.as_ref()))
         .collect();
