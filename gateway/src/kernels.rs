@@ -3,7 +3,7 @@
 //! The only place where a container ([`crate::backend`]) and its sockets
 //! ([`crate::kernel`]) meet.
 
-use crate::backend::{BackendError, KernelBackend, LaunchRequest, Launched};
+use crate::backend::{BackendError, Found, KernelBackend, LaunchRequest, Launched};
 use crate::kernel::clients::ClientLimits;
 use crate::kernel::{heartbeat, Kernel, KernelError};
 use chrono::Utc;
@@ -160,18 +160,61 @@ impl Kernels {
         }
     }
 
-    async fn remove_leftovers(&self) {
-        match self.backend.list().await {
-            Ok(found) => {
-                for f in found {
-                    tracing::info!(kernel = %f.kernel_id, "removing kernel container left by an earlier run");
-                    if let Err(e) = self.backend.remove(&f.handle).await {
-                        tracing::warn!(kernel = %f.kernel_id, error = %e, "cannot remove leftover container");
+    /// Kernels of an earlier run of this gateway (same runtime directory) that still run
+    /// are adopted again with their state; the rest are removed.
+    async fn remove_leftovers(self: &Arc<Self>) {
+        let found = match self.backend.list().await {
+            Ok(found) => found,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot list kernel containers");
+                return;
+            }
+        };
+        for f in found {
+            if let (true, Some(connection)) = (f.running, f.connection.clone()) {
+                match self.adopt(&f, connection).await {
+                    Ok(()) => {
+                        tracing::info!(kernel = %f.kernel_id, "re-adopted kernel left by an earlier run");
+                        continue;
+                    }
+                    Err(e) => {
+                        tracing::warn!(kernel = %f.kernel_id, error = %e, "cannot re-adopt kernel")
                     }
                 }
             }
-            Err(e) => tracing::warn!(error = %e, "cannot list kernel containers"),
+            tracing::info!(kernel = %f.kernel_id, "removing kernel container left by an earlier run");
+            if let Err(e) = self.backend.remove(&f.handle).await {
+                tracing::warn!(kernel = %f.kernel_id, error = %e, "cannot remove leftover container");
+            }
         }
+    }
+
+    async fn adopt(
+        self: &Arc<Self>,
+        found: &Found,
+        connection: ConnectionInfo,
+    ) -> Result<(), CreateError> {
+        if self.lock().live.len() >= self.settings.max_kernels {
+            return Err(CreateError::TooMany {
+                max: self.settings.max_kernels,
+            });
+        }
+        let name = if found.kernel_name.is_empty() {
+            KERNEL_NAME
+        } else {
+            &found.kernel_name
+        };
+        let live = self
+            .connect_kernel(
+                &found.kernel_id,
+                name,
+                found.handle.clone(),
+                connection,
+                Duration::from_secs(10),
+            )
+            .await?;
+        self.lock().live.insert(live.id().to_owned(), live);
+        Ok(())
     }
 
     /// Creates a kernel: checks the spec, environment and limit, then takes one from the
@@ -240,25 +283,40 @@ impl Kernels {
             preload,
         };
         let Launched { handle, connection } = self.backend.launch(&req).await?;
-        let kernel = Kernel::new(&id, self.settings.limits);
+        let startup = self.settings.startup_timeout;
+        let connected = self
+            .connect_kernel(&id, name, handle.clone(), connection, startup)
+            .await;
+        if connected.is_err() {
+            if let Err(re) = self.backend.remove(&handle).await {
+                tracing::warn!(kernel = %id, error = %re, "cannot remove a kernel that failed to start");
+            }
+        }
+        connected
+    }
+
+    /// Connects to a started kernel process, waits until it answers, and watches it.
+    async fn connect_kernel(
+        self: &Arc<Self>,
+        id: &str,
+        name: &str,
+        handle: String,
+        connection: ConnectionInfo,
+        timeout: Duration,
+    ) -> Result<Arc<LiveKernel>, CreateError> {
+        let kernel = Kernel::new(id, self.settings.limits);
         let cancel = self.cancel.child_token();
         // Shutdown may come while this kernel starts: it must not outlive the gateway.
         let connected = tokio::select! {
-            r = kernel.connect(
-                &connection,
-                &self.tracker,
-                // A child: closing this process's link must not cancel the kernel's watcher.
-                cancel.child_token(),
-                self.settings.startup_timeout,
-            ) => r.map_err(CreateError::from),
+            // A child token: closing this process's link must not cancel the watcher.
+            r = kernel.connect(&connection, &self.tracker, cancel.child_token(), timeout) => {
+                r.map_err(CreateError::from)
+            }
             _ = self.cancel.cancelled() => Err(CreateError::ShuttingDown),
         };
         if let Err(e) = connected {
             cancel.cancel();
             kernel.disconnect();
-            if let Err(re) = self.backend.remove(&handle).await {
-                tracing::warn!(kernel = %id, error = %re, "cannot remove a kernel that failed to start");
-            }
             return Err(e);
         }
         let live = Arc::new(LiveKernel {

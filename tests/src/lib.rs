@@ -60,7 +60,13 @@ impl Gateway {
     pub async fn start(extra: &[&str]) -> Result<Gateway> {
         let port = free_port()?;
         let token = format!("test-{}", uuid::Uuid::new_v4().simple());
-        let runtime_dir = PathBuf::from(format!("/run/kg-test-{port}"));
+        let given_dir = extra
+            .iter()
+            .position(|a| *a == "--runtime-dir")
+            .and_then(|i| extra.get(i + 1));
+        let runtime_dir = given_dir
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from(format!("/run/kg-test-{port}")));
         let mut args: Vec<String> = vec![
             "serve".into(),
             "--listen".into(),
@@ -69,9 +75,10 @@ impl Gateway {
             token.clone(),
             "--image".into(),
             image(),
-            "--runtime-dir".into(),
-            runtime_dir.display().to_string(),
         ];
+        if given_dir.is_none() {
+            args.extend(["--runtime-dir".into(), runtime_dir.display().to_string()]);
+        }
         if !extra.contains(&"--pool-size") {
             args.extend(["--pool-size".into(), "0".into()]);
         }
@@ -186,6 +193,16 @@ impl Gateway {
             v1,
             seen: Vec::new(),
         })
+    }
+
+    /// Kills the gateway with SIGKILL, as a crash would: its containers stay.
+    pub async fn crash(mut self) -> Result<()> {
+        let mut child = self
+            .child
+            .take()
+            .ok_or_else(|| anyhow!("already stopped"))?;
+        child.kill().await?;
+        Ok(())
     }
 
     /// Stops the gateway with SIGTERM and waits for it (it removes its containers).

@@ -495,3 +495,25 @@ async fn missing_image_fails_with_a_fix() -> Result<()> {
     assert!(String::from_utf8_lossy(&out.stderr).contains("refused"));
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restarted_gateway_readopts_its_kernels() -> Result<()> {
+    let dir = format!("/run/kg-readopt-{}", std::process::id());
+    let gw = Gateway::start(&["--runtime-dir", &dir]).await?;
+    let id = id_of(&gw.create_kernel().await?);
+    let mut c = gw.channels(&id, "before").await?;
+    c.execute("x = 41").await?;
+    gw.crash().await?;
+
+    let gw = Gateway::start(&["--runtime-dir", &dir]).await?;
+    let (status, model) = gw.get_json(&format!("/api/kernels/{id}")).await?;
+    assert_eq!(status, 200, "{model}");
+    let mut c = gw.channels(&id, "after").await?;
+    assert_eq!(
+        c.execute("x + 1").await?.result_text().as_deref(),
+        Some("42")
+    );
+    assert_eq!(gw.stop().await?.code(), Some(0));
+    assert!(!docker_has(&format!("kernelgate-{id}"))?);
+    Ok(())
+}

@@ -241,6 +241,16 @@ impl DockerBackend {
         Ok(out)
     }
 
+    /// The connection file of a kernel this gateway's runtime directory holds, rewritten
+    /// with host paths.
+    fn host_connection(&self, kernel_id: &str) -> Option<ConnectionInfo> {
+        let dir = socket_dir::path(&self.settings.runtime_dir, kernel_id)?;
+        let text = std::fs::read(dir.join(socket_dir::CONNECTION_FILE)).ok()?;
+        let inside = ConnectionInfo::from_json(&text).ok()?;
+        let info = inside.with_ip(&format!("{}/{}", dir.to_str()?, socket_dir::SOCKET_PREFIX));
+        info.validate().ok().map(|()| info)
+    }
+
     fn known_dirs(&self) -> std::sync::MutexGuard<'_, HashMap<String, PathBuf>> {
         // The map holds plain paths: a panic elsewhere cannot leave it inconsistent.
         self.dirs.lock().unwrap_or_else(|e| e.into_inner())
@@ -418,15 +428,18 @@ impl KernelBackend for DockerBackend {
                 .into_iter()
                 .filter_map(|c| {
                     let handle = c.id?;
-                    let kernel_id = c.labels.and_then(|mut l| l.remove(LABEL_KERNEL_ID));
-                    let Some(kernel_id) = kernel_id else {
+                    let mut labels = c.labels.unwrap_or_default();
+                    let Some(kernel_id) = labels.remove(LABEL_KERNEL_ID) else {
                         tracing::warn!(container = %handle, "managed container without a kernel id label");
                         return None;
                     };
+                    let connection = self.host_connection(&kernel_id);
                     Some(Found {
                         handle,
+                        kernel_name: labels.remove(spec::LABEL_KERNEL_NAME).unwrap_or_default(),
                         kernel_id,
                         running: c.state == Some(ContainerSummaryStateEnum::RUNNING),
+                        connection,
                     })
                 })
                 .collect())

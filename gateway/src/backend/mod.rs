@@ -35,7 +35,11 @@ pub struct Launched {
 pub struct Found {
     pub handle: String,
     pub kernel_id: String,
+    pub kernel_name: String,
     pub running: bool,
+    /// Host-side connection info, when the kernel's connection file is still readable:
+    /// what a restarted gateway needs to re-adopt the kernel.
+    pub connection: Option<ConnectionInfo>,
 }
 
 /// What a command run inside a kernel's sandbox printed, and how it ended.
