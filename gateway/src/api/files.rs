@@ -105,16 +105,22 @@ pub async fn put(
     Path((id, path)): Path<(String, String)>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let body = body.map_err(|e| {
-        ApiError::new(
-            e.status(),
-            format!(
-                "upload refused: {} (the limit is {} MiB)",
-                e.body_text(),
-                state.max_message_bytes >> 20
-            ),
-        )
-    })?;
+    let body = match body {
+        Ok(body) => body,
+        Err(e) => {
+            let error = ApiError::new(
+                e.status(),
+                format!(
+                    "upload refused: {} (the limit is {} MiB)",
+                    e.body_text(),
+                    state.max_message_bytes >> 20
+                ),
+            );
+            // The rest of the body is not read: the connection cannot be reused, and saying
+            // so keeps clients from sending their next request on it.
+            return Ok(([(header::CONNECTION, "close")], error).into_response());
+        }
+    };
     let entry = run(&state, &id, "put", &path, body).await?;
     Ok((StatusCode::CREATED, json(entry)).into_response())
 }
