@@ -97,15 +97,10 @@ def tail(path: Path, lines: int = 40) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-@dataclass
-class Gateway:
-    """A running `kernelgate serve`."""
+class TokenServer:
+    """A server on loopback that wants `Authorization: token ...` (needs url and token)."""
 
-    url: str
-    token: str
-    runtime_dir: Path
-    log_path: Path
-    proc: subprocess.Popen = field(repr=False)
+    request_timeout = 60
 
     @property
     def ws_url(self) -> str:
@@ -115,8 +110,19 @@ class Gateway:
         return {"Authorization": f"token {self.token}"}
 
     def request(self, method: str, path: str, **kw) -> requests.Response:
-        kw.setdefault("timeout", 60)
+        kw.setdefault("timeout", self.request_timeout)
         return requests.request(method, self.url + path, headers=self.headers(), **kw)
+
+
+@dataclass
+class Gateway(TokenServer):
+    """A running `kernelgate serve`."""
+
+    url: str
+    token: str
+    runtime_dir: Path
+    log_path: Path
+    proc: subprocess.Popen = field(repr=False)
 
     def kernels(self) -> list[dict]:
         r = self.request("GET", "/api/kernels")
@@ -198,7 +204,7 @@ def gateway(artifacts: Path) -> Iterator[Gateway]:
 
 
 @dataclass
-class JupyterServer:
+class JupyterServer(TokenServer):
     """A local Jupyter Server (or JupyterLab) whose kernels live on a gateway."""
 
     url: str
@@ -206,17 +212,7 @@ class JupyterServer:
     root_dir: Path
     log_path: Path
     proc: subprocess.Popen = field(repr=False)
-
-    @property
-    def ws_url(self) -> str:
-        return "ws" + self.url[len("http") :]
-
-    def headers(self) -> dict[str, str]:
-        return {"Authorization": f"token {self.token}"}
-
-    def request(self, method: str, path: str, **kw) -> requests.Response:
-        kw.setdefault("timeout", 90)
-        return requests.request(method, self.url + path, headers=self.headers(), **kw)
+    request_timeout = 90
 
     def log(self, lines: int = 60) -> str:
         return tail(self.log_path, lines)

@@ -290,7 +290,36 @@ pub struct Outcome {
     pub msg_types: Vec<String>,
 }
 
+/// What one message meant for the request it belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Progress {
+    Output,
+    Replied,
+    Idle,
+}
+
 impl Outcome {
+    /// Folds one message of the request (type and content) into the outcome.
+    pub fn absorb(&mut self, msg_type: &str, c: &Value) -> Progress {
+        let text = |k: &str| c[k].as_str().unwrap_or_default().to_owned();
+        match msg_type {
+            "stream" if c["name"] == "stdout" => self.stdout += &text("text"),
+            "stream" => self.stderr += &text("text"),
+            "execute_result" | "display_data" => self
+                .displays
+                .push(c["data"].as_object().cloned().unwrap_or_default()),
+            "error" => self.error = Some(c.clone()),
+            "execute_reply" => {
+                self.status = text("status");
+                self.execution_count = c["execution_count"].as_i64();
+                return Progress::Replied;
+            }
+            "status" if c["execution_state"] == "idle" => return Progress::Idle,
+            _ => {}
+        }
+        Progress::Output
+    }
+
     /// The text/plain of the execute_result, if any.
     pub fn result_text(&self) -> Option<String> {
         self.displays.iter().rev().find_map(|d| {
@@ -450,23 +479,10 @@ impl Client {
                 .await
                 .with_context(|| format!("collecting outputs so far: {out:?}"))?;
             let t = m["msg_type"].as_str().unwrap_or_default().to_owned();
-            let c = &m["content"];
-            match t.as_str() {
-                "stream" if c["name"] == "stdout" => {
-                    out.stdout += c["text"].as_str().unwrap_or_default()
-                }
-                "stream" => out.stderr += c["text"].as_str().unwrap_or_default(),
-                "execute_result" | "display_data" => out
-                    .displays
-                    .push(c["data"].as_object().cloned().unwrap_or_default()),
-                "error" => out.error = Some(c.clone()),
-                "execute_reply" => {
-                    replied = true;
-                    out.status = c["status"].as_str().unwrap_or_default().to_owned();
-                    out.execution_count = c["execution_count"].as_i64();
-                }
-                "status" if c["execution_state"] == "idle" => idle = true,
-                _ => {}
+            match out.absorb(&t, &m["content"]) {
+                Progress::Replied => replied = true,
+                Progress::Idle => idle = true,
+                Progress::Output => {}
             }
             out.msg_types.push(t);
         }

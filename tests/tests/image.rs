@@ -9,7 +9,7 @@ use kernelgate::kernel::clients::ClientLimits;
 use kernelgate::kernel::{Attachment, Kernel};
 use kernelgate_protocol::content::ExecuteRequest;
 use kernelgate_protocol::{Channel, RawJson};
-use kernelgate_tests::{decode_png, Outcome};
+use kernelgate_tests::{decode_png, Outcome, Progress};
 use serde_json::Value;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -35,21 +35,10 @@ async fn run(kernel: &Kernel, me: &Attachment, code: &str) -> Result<Outcome> {
                 continue;
             }
             let c: Value = serde_json::from_str(o.message.content.get())?;
-            match o.message.msg_type() {
-                "stream" if c["name"] == "stdout" => {
-                    out.stdout += c["text"].as_str().unwrap_or_default()
-                }
-                "stream" => out.stderr += c["text"].as_str().unwrap_or_default(),
-                "execute_result" | "display_data" => out
-                    .displays
-                    .push(c["data"].as_object().cloned().unwrap_or_default()),
-                "error" => out.error = Some(c),
-                "execute_reply" => {
-                    replied = true;
-                    out.status = c["status"].as_str().unwrap_or_default().to_owned();
-                }
-                "status" if c["execution_state"] == "idle" => idle = true,
-                _ => {}
+            match out.absorb(o.message.msg_type(), &c) {
+                Progress::Replied => replied = true,
+                Progress::Idle => idle = true,
+                Progress::Output => {}
             }
         }
     }
