@@ -120,14 +120,27 @@ fn legacy_out<'a>(channel: Channel, message: &'a Message) -> LegacyOut<'a> {
 
 /// The legacy text frame (the message must have no buffers to be complete).
 pub fn encode_legacy_json(channel: Channel, message: &Message) -> String {
-    // Only strings and already-valid JSON: serialization cannot fail. `to_string` skips a
-    // second UTF-8 check of what may be megabytes of output.
-    serde_json::to_string(&legacy_out(channel, message)).unwrap_or_default()
+    // Serde writes JSON as UTF-8, so the check cannot fail; it is a fast pass next to the
+    // copy, which happens once into a buffer sized up front (output can be megabytes).
+    String::from_utf8(legacy_json(channel, message)).unwrap_or_default()
+}
+
+fn legacy_json(channel: Channel, message: &Message) -> Vec<u8> {
+    let mut buf = Vec::with_capacity(
+        512 + message.content.get().len()
+            + message.metadata.get().len()
+            + message.header.extra.len() * 64,
+    );
+    // Only strings and already-valid JSON: serialization cannot fail.
+    if serde_json::to_writer(&mut buf, &legacy_out(channel, message)).is_err() {
+        buf.clear();
+    }
+    buf
 }
 
 /// The legacy binary frame, for messages with buffers.
 pub fn encode_legacy_binary(channel: Channel, message: &Message) -> Bytes {
-    let json = serde_json::to_vec(&legacy_out(channel, message)).unwrap_or_default();
+    let json = legacy_json(channel, message);
     let parts: Vec<&[u8]> = std::iter::once(json.as_slice())
         .chain(message.buffers.iter().map(|b| b.as_ref()))
         .collect();
