@@ -15,11 +15,6 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-/// Large kernel outputs (megabytes per message) pass through short-lived buffers; mimalloc
-/// reuses those pages where glibc's malloc maps and faults in fresh ones each time.
-#[global_allocator]
-static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
