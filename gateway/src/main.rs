@@ -32,6 +32,9 @@ async fn main() -> anyhow::Result<()> {
 
 async fn serve(config: Config) -> anyhow::Result<()> {
     let (auth, generated) = auth_from(&config)?;
+    if !(config.kernel_cpus.is_finite() && config.kernel_cpus > 0.0) {
+        bail!("--kernel-cpus must be a number above 0 (e.g. 0.5 or 2)");
+    }
     let backend = DockerBackend::connect(DockerSettings::from(&config))
         .await
         .context("cannot start kernels")?;

@@ -50,6 +50,10 @@ impl Outbound {
 /// How many replies' origins are remembered; the oldest are forgotten past this.
 const MAX_PENDING: usize = 16_384;
 
+/// Disconnected sessions kept per kernel for replay; past this the longest-gone is
+/// forgotten, so clients that never come back cannot pile up buffers.
+const MAX_AWAY: usize = 16;
+
 /// Limits that apply to every client session of a kernel.
 #[derive(Debug, Clone, Copy)]
 pub struct ClientLimits {
@@ -275,6 +279,21 @@ impl Clients {
         let keep = self.limits.replay_for;
         self.sessions
             .retain(|_, q| q.connected || q.left_at.is_none_or(|t| t.elapsed() < keep));
+        let mut away: Vec<(Instant, String)> = self
+            .sessions
+            .iter()
+            .filter_map(|(name, q)| {
+                q.left_at
+                    .filter(|_| !q.connected)
+                    .map(|t| (t, name.clone()))
+            })
+            .collect();
+        if away.len() > MAX_AWAY {
+            away.sort();
+            for (_, name) in &away[..away.len() - MAX_AWAY] {
+                self.sessions.remove(name);
+            }
+        }
     }
 }
 
@@ -387,6 +406,19 @@ mod tests {
         assert!(kinds.contains(&"status") && kinds.contains(&"error"));
         let streams = kinds.iter().filter(|k| **k == "stream").count() - 1;
         assert!(streams < 50 && streams > 0, "kept {streams}");
+    }
+
+    #[test]
+    fn only_the_newest_away_sessions_are_kept() {
+        let mut c = Clients::new(limits(1 << 20));
+        for i in 0..(MAX_AWAY + 4) {
+            let t = c.attach(&format!("s{i}"), false);
+            c.detach(&t);
+        }
+        c.route(msg(Channel::IoPub, "stream", None, "x"));
+        assert_eq!(c.sessions.len(), MAX_AWAY);
+        assert!(!c.sessions.contains_key("s0"));
+        assert!(c.sessions.contains_key(&format!("s{}", MAX_AWAY + 3)));
     }
 
     #[test]
