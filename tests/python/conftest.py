@@ -97,6 +97,25 @@ def tail(path: Path, lines: int = 40) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
+class Screens:
+    """Numbered screenshots of a page into a test's artifacts directory."""
+
+    def __init__(self, page, artifacts: Path):
+        self.page = page
+        self.artifacts = artifacts
+        self.shots = 0
+
+    def before_shot(self) -> None:
+        """Hook: bring what the user should see into view."""
+
+    def shot(self, name: str) -> Path:
+        self.shots += 1
+        path = self.artifacts / f"{self.shots:02d}-{name}.png"
+        self.before_shot()
+        self.page.screenshot(path=str(path))
+        return path
+
+
 class TokenServer:
     """A server on loopback that wants `Authorization: token ...` (needs url and token)."""
 

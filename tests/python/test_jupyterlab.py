@@ -10,12 +10,11 @@ from __future__ import annotations
 import json
 import re
 import time
-from pathlib import Path
 from urllib.parse import urlparse
 
-from playwright.sync_api import Locator, Page, expect
+from playwright.sync_api import Locator, expect
 
-from conftest import wait_until
+from conftest import Screens, wait_until
 
 DISPLAY_NAME = "Python 3 (sandboxed)"  # the gateway's kernel spec, as the launcher shows it
 CELL_TIMEOUT_MS = 90_000  # a cell on a loaded 2-core machine; the first one waits for the kernel
@@ -23,19 +22,8 @@ NOTEBOOK = "gateway-demo.ipynb"
 LOOPBACK = {"127.0.0.1", "localhost", "[::1]", "::1"}
 
 
-class Lab:
+class Lab(Screens):
     """The notebook a user works in, with the checks they would make by eye."""
-
-    def __init__(self, page: Page, artifacts: Path):
-        self.page = page
-        self.artifacts = artifacts
-        self.shots = 0
-
-    def shot(self, name: str) -> Path:
-        self.shots += 1
-        path = self.artifacts / f"{self.shots:02d}-{name}.png"
-        self.page.screenshot(path=str(path))
-        return path
 
     @property
     def panel(self) -> Locator:

@@ -8,33 +8,24 @@ step checks what they would look at and leaves a screenshot in artifacts/test_ui
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from urllib.parse import urlparse
 
 import requests
-from playwright.sync_api import Locator, Page, expect
+from playwright.sync_api import Locator, expect
+
+from conftest import Screens
 
 CELL_TIMEOUT_MS = 90_000  # the first cell on a loaded 2-core machine waits for the kernel
 
 
-class Console:
+class Console(Screens):
     """The page, with the checks a user would make by eye."""
 
-    def __init__(self, page: Page, artifacts: Path):
-        self.page = page
-        self.artifacts = artifacts
-        self.shots = 0
-
-    def shot(self, name: str) -> Path:
+    def before_shot(self) -> None:
         """What the user sees: the window scrolled to the newest run."""
-        self.shots += 1
-        path = self.artifacts / f"{self.shots:02d}-{name}.png"
-        runs = self.page.locator("#log .run")
-        if runs.count():
+        if self.page.locator("#log .run").count():
             # The newest run sits just above the editor at the bottom of the page.
             self.page.evaluate("window.scrollTo(0, document.body.scrollHeight)")
-        self.page.screenshot(path=str(path))
-        return path
 
     @property
     def status(self) -> Locator:

@@ -234,18 +234,8 @@ async fn run(opts: &Opts, paths: &Paths, results: &mut Results) -> Result<()> {
         }
         side.direct.clear();
         if let Some(s) = side.server.take() {
-            let runtime_dir = s.runtime_dir.clone();
-            if let Err(e) = s.stop().await {
+            if let Err(e) = stop_and_check(s).await {
                 log(format!("stopping {}: {e:#}", side.name));
-            }
-            if let Some(dir) = runtime_dir {
-                let left = procs::leftover_containers(&dir);
-                if left > 0 {
-                    log(format!(
-                        "warning: {left} containers of {} left",
-                        dir.display()
-                    ));
-                }
             }
         }
     }
@@ -526,17 +516,7 @@ async fn memory(opts: &Opts, paths: &Paths, results: &mut Results) -> Result<()>
             loaded as f64 / 1024.0,
             t0.elapsed().as_secs_f64()
         ));
-        let runtime_dir = server.runtime_dir.clone();
-        server.stop().await?;
-        if let Some(dir) = runtime_dir {
-            let left = procs::leftover_containers(&dir);
-            if left > 0 {
-                log(format!(
-                    "warning: {left} containers of {} left",
-                    dir.display()
-                ));
-            }
-        }
+        stop_and_check(server).await?;
         if ok != n {
             bail!("{name}: only {ok} of {n} kernels started");
         }
@@ -547,6 +527,22 @@ async fn memory(opts: &Opts, paths: &Paths, results: &mut Results) -> Result<()>
                    "kernels": ok,
                    "per_kernel_mib": (loaded as f64 - base as f64) / 1024.0 / ok.max(1) as f64}),
         );
+    }
+    Ok(())
+}
+
+/// Stops a server and warns when it left kernel containers behind.
+async fn stop_and_check(server: procs::Server) -> Result<()> {
+    let runtime_dir = server.runtime_dir.clone();
+    server.stop().await?;
+    if let Some(dir) = runtime_dir {
+        let left = procs::leftover_containers(&dir);
+        if left > 0 {
+            log(format!(
+                "warning: {left} containers of {} left",
+                dir.display()
+            ));
+        }
     }
     Ok(())
 }
