@@ -107,12 +107,6 @@ pub struct Kernels {
     cancel: CancellationToken,
 }
 
-impl std::fmt::Debug for dyn KernelBackend {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("KernelBackend")
-    }
-}
-
 impl Kernels {
     pub fn new(
         backend: Arc<dyn KernelBackend>,

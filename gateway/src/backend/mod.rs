@@ -107,3 +107,9 @@ pub trait KernelBackend: Send + Sync + 'static {
     /// Kernels this gateway's backend started earlier (by label).
     fn list(&self) -> BoxFuture<'_, Result<Vec<Found>, BackendError>>;
 }
+
+impl std::fmt::Debug for dyn KernelBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("KernelBackend")
+    }
+}
