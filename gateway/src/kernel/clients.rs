@@ -211,10 +211,7 @@ impl Clients {
     pub fn route(&mut self, out: Arc<Outbound>) {
         self.expire();
         if out.channel == Channel::IoPub {
-            let names: Vec<String> = self.sessions.keys().cloned().collect();
-            for name in names {
-                self.push(&name, out.clone());
-            }
+            self.broadcast(out);
             return;
         }
         let Some(parent) = out.message.parent_msg_id() else {
@@ -237,7 +234,8 @@ impl Clients {
         self.push(&session, out);
     }
 
-    /// Sends a message to every session (status changes the gateway itself announces).
+    /// Sends a message to every session (IOPub, and status changes the gateway itself
+    /// announces).
     pub fn broadcast(&mut self, out: Arc<Outbound>) {
         let names: Vec<String> = self.sessions.keys().cloned().collect();
         for name in names {
