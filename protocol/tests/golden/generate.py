@@ -104,6 +104,17 @@ def as_json(value):
     return json.loads(json.dumps(value, default=json_default))
 
 
+def expected(spec):
+    """The values a decoder must produce for a message spec."""
+    return {
+        "header": as_json(spec["header"]),
+        "parent_header": as_json(spec["parent"]) if spec["parent"] else None,
+        "metadata": as_json(spec["metadata"]),
+        "content": as_json(spec["content"]),
+        "buffers": [b.hex() for b in spec["buffers"]],
+    }
+
+
 EXECUTE = jupyter_header("5e2a1c1e-0001-golden", "execute_request")
 EXECUTE_CONTENT = {"code": "print('héllo ✓')\n", "silent": False, "store_history": True,
                    "user_expressions": {}, "allow_stdin": True, "stop_on_error": True}
@@ -182,13 +193,7 @@ def wire_vectors():
             "frames": [f.hex() for f in frames],
             "identities": [i.hex() for i in spec["identities"]],
             "signature": rest[0].decode(),
-            "expect": {
-                "header": as_json(spec["header"]),
-                "parent_header": as_json(spec["parent"]) if spec["parent"] else None,
-                "metadata": as_json(spec["metadata"]),
-                "content": as_json(spec["content"]),
-                "buffers": [b.hex() for b in spec["buffers"]],
-            },
+            "expect": expected(spec),
         })
 
     # Frames that Session.deserialize refuses, with the reason it gives.
@@ -265,13 +270,7 @@ def websocket_vectors():
             "v1": v1.hex(),
             "legacy_kind": legacy_kind,
             "legacy": legacy_hex,
-            "expect": {
-                "header": as_json(spec["header"]),
-                "parent_header": as_json(spec["parent"]) if spec["parent"] else None,
-                "metadata": as_json(spec["metadata"]),
-                "content": as_json(spec["content"]),
-                "buffers": [b.hex() for b in spec["buffers"]],
-            },
+            "expect": expected(spec),
         })
     return out
 
