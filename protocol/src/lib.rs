@@ -11,6 +11,7 @@
 pub mod channel;
 pub mod connection;
 pub mod content;
+pub mod execution;
 pub mod message;
 pub mod signature;
 pub mod websocket;
@@ -18,5 +19,6 @@ pub mod wire;
 
 pub use channel::Channel;
 pub use connection::{ConnectionInfo, Transport};
+pub use execution::{Execution, Outcome};
 pub use message::{Header, Message, RawJson, PROTOCOL_VERSION};
 pub use signature::SigningKey;

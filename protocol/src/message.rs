@@ -97,27 +97,91 @@ impl<'de> Deserialize<'de> for RawJson {
 
 /// A message header. Known fields are typed; anything else (`subshell_id`, vendor
 /// fields) is kept in `extra` and written back out.
+///
+/// A known field of the wrong type (a `date` sent as a number, a `msg_id` as an integer)
+/// reads as empty instead of failing the whole message, so [`Header::fill_missing`] can
+/// give it a proper value: clients' headers are normalised, never dropped.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct Header {
-    #[serde(default)]
+    #[serde(default, deserialize_with = "string_or_empty")]
     pub msg_id: String,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "string_or_empty")]
     pub session: String,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "string_or_empty")]
     pub username: String,
     /// ISO 8601, kept as the sender wrote it.
-    #[serde(default, deserialize_with = "string_or_null")]
+    #[serde(default, deserialize_with = "string_or_empty")]
     pub date: String,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "string_or_empty")]
     pub msg_type: String,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "string_or_empty")]
     pub version: String,
     #[serde(flatten)]
     pub extra: Map<String, Value>,
 }
 
-fn string_or_null<'de, D: Deserializer<'de>>(d: D) -> Result<String, D::Error> {
-    Ok(Option::<String>::deserialize(d)?.unwrap_or_default())
+/// A string as itself; any other JSON value (number, null, object, ...) as `""`.
+pub(crate) fn string_or_empty<'de, D: Deserializer<'de>>(d: D) -> Result<String, D::Error> {
+    d.deserialize_any(StringOrEmpty)
+}
+
+struct StringOrEmpty;
+
+impl<'de> serde::de::Visitor<'de> for StringOrEmpty {
+    type Value = String;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("any JSON value")
+    }
+
+    fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<String, E> {
+        Ok(v.to_owned())
+    }
+
+    fn visit_string<E: serde::de::Error>(self, v: String) -> Result<String, E> {
+        Ok(v)
+    }
+
+    fn visit_bool<E: serde::de::Error>(self, _: bool) -> Result<String, E> {
+        Ok(String::new())
+    }
+
+    fn visit_i64<E: serde::de::Error>(self, _: i64) -> Result<String, E> {
+        Ok(String::new())
+    }
+
+    fn visit_u64<E: serde::de::Error>(self, _: u64) -> Result<String, E> {
+        Ok(String::new())
+    }
+
+    fn visit_f64<E: serde::de::Error>(self, _: f64) -> Result<String, E> {
+        Ok(String::new())
+    }
+
+    fn visit_unit<E: serde::de::Error>(self) -> Result<String, E> {
+        Ok(String::new())
+    }
+
+    fn visit_none<E: serde::de::Error>(self) -> Result<String, E> {
+        Ok(String::new())
+    }
+
+    fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<String, D::Error> {
+        d.deserialize_any(self)
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<String, A::Error> {
+        while seq.next_element::<serde::de::IgnoredAny>()?.is_some() {}
+        Ok(String::new())
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<String, A::Error> {
+        while map
+            .next_entry::<serde::de::IgnoredAny, serde::de::IgnoredAny>()?
+            .is_some()
+        {}
+        Ok(String::new())
+    }
 }
 
 impl Header {
@@ -134,8 +198,8 @@ impl Header {
         }
     }
 
-    /// Fills what a WebSocket client left out. Clients send unsigned, often sparse headers;
-    /// the kernel expects all of these.
+    /// Fills what a WebSocket client left out or sent with the wrong type (see the type's
+    /// doc). Clients send unsigned, often sparse headers; the kernel expects all of these.
     pub fn fill_missing(&mut self, session: &str, username: &str, date: &str) {
         if self.msg_id.is_empty() {
             self.msg_id = new_msg_id();
@@ -251,6 +315,24 @@ mod tests {
         assert_eq!(h.username, "user");
         assert_eq!(h.version, PROTOCOL_VERSION);
         assert_eq!(h.msg_id.len(), 32);
+    }
+
+    #[test]
+    fn wrong_types_are_normalised_not_rejected() {
+        let mut h: Header = serde_json::from_str(
+            r#"{"msg_id":7,"session":null,"username":["u"],"date":1700000000.5,"msg_type":"execute_request","version":{"v":5}}"#,
+        )
+        .expect("a header with odd field types still parses");
+        assert_eq!(h.msg_type, "execute_request");
+        h.fill_missing("gw", "user", "2026-01-01T00:00:00Z");
+        assert_eq!(h.msg_id.len(), 32, "a fresh id replaces the number");
+        assert_eq!((h.session.as_str(), h.username.as_str()), ("gw", "user"));
+        assert_eq!(h.date, "2026-01-01T00:00:00Z");
+        assert_eq!(h.version, PROTOCOL_VERSION);
+        assert!(
+            h.extra.is_empty(),
+            "known fields are not duplicated into extra"
+        );
     }
 
     #[test]

@@ -49,8 +49,6 @@ pub enum Frame {
 pub enum WsError {
     #[error("message is not valid JSON: {0}")]
     InvalidJson(#[from] serde_json::Error),
-    #[error("message has no \"channel\" field")]
-    MissingChannel,
     #[error(transparent)]
     UnknownChannel(#[from] UnknownChannel),
     #[error("binary frame is malformed: {0}")]
@@ -171,10 +169,10 @@ struct LegacyIn {
     #[serde(default)]
     channel: Option<String>,
     /// Some clients put these only at the top level.
-    #[serde(default)]
-    msg_id: Option<String>,
-    #[serde(default)]
-    msg_type: Option<String>,
+    #[serde(default, deserialize_with = "crate::message::string_or_empty")]
+    msg_id: String,
+    #[serde(default, deserialize_with = "crate::message::string_or_empty")]
+    msg_type: String,
 }
 
 /// `Some` whenever the field is there, even as `null`: a plain `Option` would read `null`
@@ -185,13 +183,17 @@ fn present<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<RawJson>, D:
 
 fn decode_legacy_json(json: &[u8], buffers: Vec<Bytes>) -> Result<(Channel, Message), WsError> {
     let m: LegacyIn = serde_json::from_slice(json)?;
-    let channel: Channel = m.channel.ok_or(WsError::MissingChannel)?.parse()?;
+    // A message that names no channel is a shell request, as jupyter_server reads it.
+    let channel: Channel = match m.channel {
+        Some(name) => name.parse()?,
+        None => Channel::Shell,
+    };
     let mut header = m.header.unwrap_or_default();
     if header.msg_id.is_empty() {
-        header.msg_id = m.msg_id.unwrap_or_default();
+        header.msg_id = m.msg_id;
     }
     if header.msg_type.is_empty() {
-        header.msg_type = m.msg_type.unwrap_or_default();
+        header.msg_type = m.msg_type;
     }
     let parent_header = match m.parent_header {
         Some(raw) => parse_parent(&raw)?,
@@ -298,9 +300,11 @@ fn decode_v1(frame: &[u8]) -> Result<(Channel, Message), WsError> {
     if parts.len() < 5 {
         return Err(WsError::TooFewParts(parts.len()));
     }
-    let channel: Channel = std::str::from_utf8(parts[0])
-        .map_err(|_| WsError::NotUtf8("channel"))?
-        .parse()?;
+    let channel = match std::str::from_utf8(parts[0]).map_err(|_| WsError::NotUtf8("channel"))? {
+        // No channel named: shell, as for the legacy encoding.
+        "" => Channel::Shell,
+        name => name.parse()?,
+    };
     let header: Header = serde_json::from_slice(parts[1])?;
     let parent_header = parse_parent(&RawJson::from_slice(parts[2])?)?;
     let message = Message {
@@ -379,10 +383,48 @@ mod tests {
     }
 
     #[test]
+    fn a_message_without_channel_goes_to_shell() {
+        let (c, m) = decode(
+            Encoding::Legacy,
+            &Frame::Text(
+                r#"{"header":{"msg_type":"kernel_info_request","msg_id":"m1"},"content":{}}"#
+                    .into(),
+            ),
+        )
+        .expect("decodes");
+        assert_eq!((c, m.header.msg_id.as_str()), (Channel::Shell, "m1"));
+        let mut v1 = sample(0);
+        v1.header.msg_type = "kernel_info_request".into();
+        let mut frame = encode_v1(Channel::Control, &v1).to_vec();
+        // Rewrite the channel part ("control") as an empty one: shift the offsets.
+        let count = u64::from_le_bytes(frame[..8].try_into().expect("8 bytes")) as usize;
+        let table = 8 * (count + 1);
+        frame.drain(table..table + "control".len());
+        for i in 2..=count {
+            let at = 8 * i;
+            let w = u64::from_le_bytes(frame[at..at + 8].try_into().expect("8 bytes"));
+            frame[at..at + 8].copy_from_slice(&(w - "control".len() as u64).to_le_bytes());
+        }
+        let (c, m) = decode(Encoding::V1, &Frame::Binary(Bytes::from(frame))).expect("decodes");
+        assert_eq!((c, m), (Channel::Shell, v1));
+    }
+
+    #[test]
+    fn top_level_ids_of_the_wrong_type_do_not_reject_the_message() {
+        let (c, m) = decode(
+            Encoding::Legacy,
+            &Frame::Text(r#"{"channel":"shell","msg_id":12,"msg_type":"kernel_info_request","header":{"date":5},"content":{}}"#.into()),
+        )
+        .expect("decodes");
+        assert_eq!(c, Channel::Shell);
+        assert_eq!(m.header.msg_type, "kernel_info_request");
+        assert_eq!((m.header.msg_id.as_str(), m.header.date.as_str()), ("", ""));
+    }
+
+    #[test]
     fn bad_frames_are_errors() {
         let text = |s: &str| decode(Encoding::Legacy, &Frame::Text(s.into()));
         assert!(matches!(text("{"), Err(WsError::InvalidJson(_))));
-        assert!(matches!(text("{}"), Err(WsError::MissingChannel)));
         assert!(matches!(
             text(r#"{"channel":"nope"}"#),
             Err(WsError::UnknownChannel(_))

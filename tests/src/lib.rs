@@ -4,6 +4,7 @@
 
 use anyhow::{anyhow, bail, Context, Result};
 use futures::{SinkExt, StreamExt};
+use kernelgate_protocol::{Channel, Execution, Message, RawJson};
 use serde_json::{json, Map, Value};
 use std::path::PathBuf;
 use std::process::Stdio;
@@ -276,7 +277,8 @@ pub fn free_port() -> Result<u16> {
         .port())
 }
 
-/// What one execute request produced, as a notebook user sees it.
+/// What one execute request produced, as a notebook user sees it: the fields of the
+/// protocol crate's [`kernelgate_protocol::Outcome`] in the shapes the tests compare.
 #[derive(Debug, Default, Clone)]
 pub struct Outcome {
     pub status: String,
@@ -290,36 +292,84 @@ pub struct Outcome {
     pub msg_types: Vec<String>,
 }
 
-/// What one message meant for the request it belongs to.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Progress {
-    Output,
-    Replied,
-    Idle,
+/// Follows one request with the gateway's own tracker ([`Execution`]) and keeps what a
+/// test looks at.
+#[derive(Debug)]
+pub struct Tracked {
+    execution: Execution,
+    outcome: kernelgate_protocol::Outcome,
+    msg_types: Vec<String>,
+}
+
+impl Tracked {
+    pub fn new(msg_id: &str) -> Self {
+        Tracked {
+            execution: Execution::new(msg_id),
+            outcome: Default::default(),
+            msg_types: Vec::new(),
+        }
+    }
+
+    /// Feeds one received message; true once the request is over.
+    pub fn feed(&mut self, channel: Channel, message: &Message) -> bool {
+        self.observe(
+            channel,
+            message.msg_type(),
+            message.parent_msg_id(),
+            &message.content,
+        )
+    }
+
+    /// [`Self::feed`] for a message as [`Client::recv`] returns it.
+    pub fn feed_json(&mut self, m: &Value) -> Result<bool> {
+        let channel: Channel = m["channel"].as_str().unwrap_or_default().parse()?;
+        let msg_type = m["msg_type"]
+            .as_str()
+            .or(m["header"]["msg_type"].as_str())
+            .unwrap_or_default();
+        Ok(self.observe(
+            channel,
+            msg_type,
+            m["parent_header"]["msg_id"].as_str(),
+            &RawJson::from_value(&m["content"]),
+        ))
+    }
+
+    fn observe(
+        &mut self,
+        channel: Channel,
+        msg_type: &str,
+        parent: Option<&str>,
+        content: &RawJson,
+    ) -> bool {
+        if let Some(event) = self.execution.observe(channel, msg_type, parent, content) {
+            self.msg_types.push(msg_type.to_owned());
+            self.outcome.apply(&event);
+        }
+        self.execution.is_done()
+    }
+
+    pub fn finish(self) -> Outcome {
+        let o = self.outcome;
+        Outcome {
+            status: o
+                .reply
+                .as_ref()
+                .map(|r| r.status.clone())
+                .unwrap_or_default(),
+            execution_count: o.execution_count(),
+            stdout: o.stdout,
+            stderr: o.stderr,
+            displays: o.displays.into_iter().map(|d| d.data).collect(),
+            error: o
+                .error
+                .map(|e| json!({"ename": e.ename, "evalue": e.evalue, "traceback": e.traceback})),
+            msg_types: self.msg_types,
+        }
+    }
 }
 
 impl Outcome {
-    /// Folds one message of the request (type and content) into the outcome.
-    pub fn absorb(&mut self, msg_type: &str, c: &Value) -> Progress {
-        let text = |k: &str| c[k].as_str().unwrap_or_default().to_owned();
-        match msg_type {
-            "stream" if c["name"] == "stdout" => self.stdout += &text("text"),
-            "stream" => self.stderr += &text("text"),
-            "execute_result" | "display_data" => self
-                .displays
-                .push(c["data"].as_object().cloned().unwrap_or_default()),
-            "error" => self.error = Some(c.clone()),
-            "execute_reply" => {
-                self.status = text("status");
-                self.execution_count = c["execution_count"].as_i64();
-                return Progress::Replied;
-            }
-            "status" if c["execution_state"] == "idle" => return Progress::Idle,
-            _ => {}
-        }
-        Progress::Output
-    }
-
     /// The text/plain of the execute_result, if any.
     pub fn result_text(&self) -> Option<String> {
         self.displays.iter().rev().find_map(|d| {
@@ -469,24 +519,18 @@ impl Client {
 
     /// Collects the outputs of request `id` until both its reply and idle status came.
     pub async fn collect(&mut self, id: &str, timeout: Duration) -> Result<Outcome> {
-        let mut out = Outcome::default();
-        let (mut replied, mut idle) = (false, false);
+        let mut tracked = Tracked::new(id);
         let deadline = tokio::time::Instant::now() + timeout;
-        while !(replied && idle) {
+        loop {
             let left = deadline.saturating_duration_since(tokio::time::Instant::now());
             let m = self
                 .wait_for(left, |m| m["parent_header"]["msg_id"] == id)
                 .await
-                .with_context(|| format!("collecting outputs so far: {out:?}"))?;
-            let t = m["msg_type"].as_str().unwrap_or_default().to_owned();
-            match out.absorb(&t, &m["content"]) {
-                Progress::Replied => replied = true,
-                Progress::Idle => idle = true,
-                Progress::Output => {}
+                .with_context(|| format!("collecting outputs so far: {tracked:?}"))?;
+            if tracked.feed_json(&m)? {
+                return Ok(tracked.finish());
             }
-            out.msg_types.push(t);
         }
-        Ok(out)
     }
 
     pub async fn close(mut self) -> Result<()> {

@@ -9,7 +9,7 @@ use kernelgate::kernel::clients::ClientLimits;
 use kernelgate::kernel::{Attachment, Kernel};
 use kernelgate_protocol::content::ExecuteRequest;
 use kernelgate_protocol::{Channel, RawJson};
-use kernelgate_tests::{decode_png, Outcome, Progress};
+use kernelgate_tests::{decode_png, Outcome, Tracked};
 use serde_json::Value;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -22,27 +22,18 @@ async fn run(kernel: &Kernel, me: &Attachment, code: &str) -> Result<Outcome> {
         "execute_request",
         RawJson::from_value(&ExecuteRequest::new(code)),
     );
-    let id = request.msg_id().to_owned();
+    let mut tracked = Tracked::new(request.msg_id());
     me.send(Channel::Shell, request).await?;
-    let mut out = Outcome::default();
-    let (mut replied, mut idle) = (false, false);
-    while !(replied && idle) {
+    loop {
         let batch = tokio::time::timeout(Duration::from_secs(120), me.recv())
             .await?
             .ok_or_else(|| anyhow!("session closed"))?;
         for o in batch {
-            if o.message.parent_msg_id() != Some(id.as_str()) {
-                continue;
-            }
-            let c: Value = serde_json::from_str(o.message.content.get())?;
-            match out.absorb(o.message.msg_type(), &c) {
-                Progress::Replied => replied = true,
-                Progress::Idle => idle = true,
-                Progress::Output => {}
+            if tracked.feed(o.channel, &o.message) {
+                return Ok(tracked.finish());
             }
         }
     }
-    Ok(out)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

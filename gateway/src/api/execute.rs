@@ -14,8 +14,9 @@ use axum::extract::{Path, State};
 use axum::http::{header, HeaderMap};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use kernelgate_protocol::content::ExecuteRequest;
-use kernelgate_protocol::{Channel, RawJson};
+use kernelgate_protocol::content::{ErrorContent, ExecuteRequest};
+use kernelgate_protocol::execution::{Display, Event, Interruption, Status};
+use kernelgate_protocol::{Channel, Execution, Outcome, RawJson};
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 use std::sync::Arc;
@@ -35,56 +36,41 @@ pub struct ExecuteBody {
     timeout: Option<f64>,
 }
 
-/// One thing a run produced, in order. Serialized as an NDJSON line.
-#[derive(Debug, Clone)]
-enum Event {
-    Stream {
-        name: String,
-        text: String,
-    },
-    Result {
-        data: Value,
-        metadata: Value,
-        is_main_result: bool,
-    },
-    Error {
-        ename: String,
-        evalue: String,
-        traceback: Value,
-    },
-    End {
-        status: &'static str,
-        execution_count: Option<i64>,
-        duration_ms: u64,
-    },
+/// One NDJSON line of a streamed run: an output, or the `end` line with the status.
+fn event_line(event: &Event) -> Option<Value> {
+    Some(match event {
+        Event::Stream { name, text } => json!({"type": name, "text": text}),
+        Event::Display(d) => result_json(d),
+        Event::Error(e) => error_json(e),
+        _ => return None,
+    })
 }
 
-impl Event {
+fn result_json(d: &Display) -> Value {
+    json!({"type": "result", "data": d.data, "metadata": d.metadata, "is_main_result": d.is_result})
+}
+
+fn error_json(e: &ErrorContent) -> Value {
+    json!({"type": "error", "ename": e.ename, "evalue": e.evalue, "traceback": e.traceback})
+}
+
+/// What [`run`] sends: each event as it happens, then how the run ended.
+#[derive(Debug)]
+enum Progress {
+    Event(Event),
+    End(End),
+}
+
+#[derive(Debug)]
+struct End {
+    status: Status,
+    execution_count: Option<i64>,
+    duration_ms: u64,
+}
+
+impl End {
     fn to_json(&self) -> Value {
-        match self {
-            Event::Stream { name, text } => json!({"type": name, "text": text}),
-            Event::Result {
-                data,
-                metadata,
-                is_main_result,
-            } => {
-                json!({"type": "result", "data": data, "metadata": metadata, "is_main_result": is_main_result})
-            }
-            Event::Error {
-                ename,
-                evalue,
-                traceback,
-            } => {
-                json!({"type": "error", "ename": ename, "evalue": evalue, "traceback": traceback})
-            }
-            Event::End {
-                status,
-                execution_count,
-                duration_ms,
-            } => {
-                json!({"type": "end", "status": status, "execution_count": execution_count, "duration_ms": duration_ms})
-            }
-        }
+        json!({"type": "end", "status": self.status.as_str(), "execution_count": self.execution_count, "duration_ms": self.duration_ms})
     }
 }
 
@@ -109,7 +95,7 @@ pub async fn execute(
         }
     };
     let live = find(&state, &id)?;
-    let (tx, rx) = mpsc::channel::<Event>(256);
+    let (tx, rx) = mpsc::channel::<Progress>(256);
     let kernels = state.kernels.clone();
     let code = body.code;
     state
@@ -122,10 +108,17 @@ pub async fn execute(
         .is_some_and(|a| a.contains("application/x-ndjson"));
     if streaming {
         let lines = futures::stream::unfold(rx, |mut rx| async move {
-            let event = rx.recv().await?;
-            let mut line = event.to_json().to_string();
-            line.push('\n');
-            Some((Ok::<_, std::convert::Infallible>(line), rx))
+            loop {
+                let line = match rx.recv().await? {
+                    Progress::Event(e) => event_line(&e),
+                    Progress::End(end) => Some(end.to_json()),
+                };
+                if let Some(line) = line {
+                    let mut line = line.to_string();
+                    line.push('\n');
+                    return Some((Ok::<_, std::convert::Infallible>(line), rx));
+                }
+            }
         });
         return Ok((
             [(header::CONTENT_TYPE, "application/x-ndjson")],
@@ -137,34 +130,39 @@ pub async fn execute(
 }
 
 /// Folds a run's events into the single JSON answer.
-async fn collect(mut rx: mpsc::Receiver<Event>) -> Value {
-    let (mut stdout, mut stderr) = (String::new(), String::new());
-    let mut results = Vec::new();
-    let mut error = Value::Null;
-    let mut end = json!({"status": "error", "execution_count": null, "duration_ms": 0});
-    while let Some(event) = rx.recv().await {
-        match event {
-            Event::Stream { name, text } if name == "stdout" => stdout += &text,
-            Event::Stream { text, .. } => stderr += &text,
-            Event::Result {
-                data,
-                metadata,
-                is_main_result,
-            } => results.push(
-                json!({"data": data, "metadata": metadata, "is_main_result": is_main_result}),
-            ),
-            Event::Error {
-                ename,
-                evalue,
-                traceback,
-            } => error = json!({"ename": ename, "evalue": evalue, "traceback": traceback}),
-            e @ Event::End { .. } => end = e.to_json(),
+async fn collect(mut rx: mpsc::Receiver<Progress>) -> Value {
+    let mut outcome = Outcome::default();
+    let mut end = End {
+        status: Status::Error,
+        execution_count: None,
+        duration_ms: 0,
+    };
+    while let Some(progress) = rx.recv().await {
+        match progress {
+            Progress::Event(e) => outcome.apply(&e),
+            Progress::End(e) => end = e,
         }
     }
+    // The same objects as the streamed lines, without their `type`.
+    let untyped = |mut v: Value| {
+        if let Some(o) = v.as_object_mut() {
+            o.remove("type");
+        }
+        v
+    };
+    let results: Vec<Value> = outcome
+        .displays
+        .iter()
+        .map(|d| untyped(result_json(d)))
+        .collect();
+    let error = outcome
+        .error
+        .as_ref()
+        .map_or(Value::Null, |e| untyped(error_json(e)));
     json!({
-        "status": end["status"], "execution_count": end["execution_count"],
-        "stdout": stdout, "stderr": stderr, "results": results, "error": error,
-        "duration_ms": end["duration_ms"],
+        "status": end.status.as_str(), "execution_count": end.execution_count,
+        "stdout": outcome.stdout, "stderr": outcome.stderr, "results": results, "error": error,
+        "duration_ms": end.duration_ms,
     })
 }
 
@@ -175,7 +173,7 @@ async fn run(
     live: Arc<LiveKernel>,
     code: String,
     timeout: Duration,
-    tx: mpsc::Sender<Event>,
+    tx: mpsc::Sender<Progress>,
 ) {
     let _turn = live.runs.lock().await;
     let started = Instant::now();
@@ -189,42 +187,42 @@ async fn run(
     let message = live
         .kernel
         .request("execute_request", RawJson::from_value(&request));
-    let msg_id = message.msg_id().to_owned();
-    let end = |status, execution_count| Event::End {
-        status,
-        execution_count,
-        duration_ms: started.elapsed().as_millis() as u64,
+    let mut execution = Execution::new(message.msg_id());
+    let end = |execution: &Execution| {
+        Progress::End(End {
+            status: execution.status(),
+            execution_count: execution.reply().and_then(|r| r.execution_count),
+            duration_ms: started.elapsed().as_millis() as u64,
+        })
     };
     if let Err(e) = me.send(Channel::Shell, message).await {
-        let _ = tx
-            .send(Event::Error {
-                ename: "KernelUnavailable".into(),
-                evalue: e.to_string(),
-                traceback: json!([]),
-            })
-            .await;
-        let _ = tx.send(end("error", None)).await;
+        let unavailable = ErrorContent {
+            ename: "KernelUnavailable".into(),
+            evalue: e.to_string(),
+            traceback: Vec::new(),
+            extra: Map::new(),
+        };
+        let _ = tx.send(Progress::Event(Event::Error(unavailable))).await;
+        let _ = tx.send(end(&execution)).await;
         return;
     }
 
     let mut deadline = tokio::time::Instant::now() + timeout;
-    let mut interrupted_for: Option<&'static str> = None;
-    let (mut reply, mut idle) = (None::<(String, Option<i64>)>, false);
-    while reply.is_none() || !idle {
+    while !execution.is_done() {
         let batch = tokio::select! {
             b = me.recv() => b,
             _ = tokio::time::sleep_until(deadline) => {
-                if interrupted_for.is_some() {
+                if execution.interruption().is_some() {
                     break; // the interrupt did not end it either: give up waiting
                 }
-                interrupted_for = Some("timeout");
+                execution.interrupted(Interruption::Timeout);
                 interrupt(&kernels, &live).await;
                 deadline = tokio::time::Instant::now() + INTERRUPT_GRACE;
                 continue;
             }
-            _ = tx.closed(), if interrupted_for.is_none() => {
+            _ = tx.closed(), if execution.interruption().is_none() => {
                 tracing::info!(kernel = %live.id(), "execute caller went away; interrupting its run");
-                interrupted_for = Some("abandoned");
+                execution.interrupted(Interruption::Abandoned);
                 interrupt(&kernels, &live).await;
                 deadline = tokio::time::Instant::now() + INTERRUPT_GRACE;
                 continue;
@@ -232,84 +230,27 @@ async fn run(
         };
         let Some(batch) = batch else { break };
         for out in batch {
-            let m = &out.message;
-            if out.channel == Channel::IoPub
-                && m.parent_header.is_none()
-                && m.msg_type() == "status"
-            {
-                // The gateway's own announcement: the kernel died under this run.
-                let state = m
-                    .content_as::<kernelgate_protocol::content::Status>()
-                    .map(|s| s.execution_state);
-                if let Ok(
-                    s @ (kernelgate_protocol::content::ExecutionState::Dead
-                    | kernelgate_protocol::content::ExecutionState::Restarting),
-                ) = state
-                {
-                    let _ = tx
-                        .send(Event::Error {
-                            ename: "KernelDied".into(),
-                            evalue: format!("the kernel died while running this code (now {}); its variables are lost", s.as_str()),
-                            traceback: json!([]),
-                        })
-                        .await;
-                    let _ = tx.send(end("error", None)).await;
-                    return;
-                }
-            }
-            if m.parent_msg_id() != Some(msg_id.as_str()) {
-                continue;
-            }
-            let Ok(c) = serde_json::from_str::<Map<String, Value>>(m.content.get()) else {
+            let Some(event) = execution.feed(out.channel, &out.message) else {
                 continue;
             };
-            let field = |k: &str| c.get(k).cloned().unwrap_or(Value::Null);
-            let text = |k: &str| {
-                c.get(k)
-                    .and_then(Value::as_str)
-                    .unwrap_or_default()
-                    .to_owned()
-            };
-            let event = match (out.channel, m.msg_type()) {
-                (Channel::IoPub, "stream") => Some(Event::Stream {
-                    name: text("name"),
-                    text: text("text"),
-                }),
-                (Channel::IoPub, t @ ("execute_result" | "display_data")) => Some(Event::Result {
-                    data: field("data"),
-                    metadata: field("metadata"),
-                    is_main_result: t == "execute_result",
-                }),
-                (Channel::IoPub, "error") => Some(Event::Error {
-                    ename: text("ename"),
-                    evalue: text("evalue"),
-                    traceback: field("traceback"),
-                }),
-                (Channel::IoPub, "status") => {
-                    idle |= c.get("execution_state").and_then(Value::as_str) == Some("idle");
-                    None
-                }
-                (Channel::Shell, "execute_reply") => {
-                    reply = Some((
-                        text("status"),
-                        c.get("execution_count").and_then(Value::as_i64),
-                    ));
-                    None
-                }
-                _ => None,
-            };
-            if let Some(event) = event {
-                // A closed receiver is handled by the select above.
-                let _ = tx.send(event).await;
+            if let Event::KernelLost(state) = event {
+                let died = ErrorContent {
+                    ename: "KernelDied".into(),
+                    evalue: format!(
+                        "the kernel died while running this code (now {}); its variables are lost",
+                        state.as_str()
+                    ),
+                    traceback: Vec::new(),
+                    extra: Map::new(),
+                };
+                let _ = tx.send(Progress::Event(Event::Error(died))).await;
+                break;
             }
+            // A closed receiver is handled by the select above.
+            let _ = tx.send(Progress::Event(event)).await;
         }
     }
-    let status = match (interrupted_for, reply.as_ref().map(|r| r.0.as_str())) {
-        (Some("timeout"), _) => "timeout",
-        (_, Some("ok")) => "ok",
-        _ => "error",
-    };
-    let _ = tx.send(end(status, reply.and_then(|r| r.1))).await;
+    let _ = tx.send(end(&execution)).await;
 }
 
 async fn interrupt(kernels: &Kernels, live: &LiveKernel) {

@@ -9,7 +9,7 @@ pub mod link;
 use chrono::{DateTime, Utc};
 use clients::{ClientLimits, Clients, Outbound, Take, Ticket};
 use kernelgate_protocol::content::{ExecutionState, KernelInfoReply};
-use kernelgate_protocol::{Channel, ConnectionInfo, Header, Message, RawJson};
+use kernelgate_protocol::{Channel, ConnectionInfo, Execution, Header, Message, RawJson};
 use link::{Dispatch, Link};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -131,45 +131,35 @@ impl Kernel {
         Ok(reply)
     }
 
-    /// Sends `kernel_info_request` until a reply and an IOPub message arrive: IOPub
-    /// subscriptions take effect asynchronously, so the first status may be missed.
+    /// Sends `kernel_info_request` until one is answered on shell and followed by its
+    /// `idle` on IOPub: IOPub subscriptions take effect asynchronously, so the status
+    /// messages of the first requests may be missed.
     async fn wait_ready(
         self: &Arc<Self>,
         deadline: Instant,
         timeout: Duration,
     ) -> Result<KernelInfoReply, KernelError> {
         let me = self.attach(&format!("kernelgate-ready-{}", uuid::Uuid::new_v4()), true);
-        let mut reply: Option<KernelInfoReply> = None;
-        let mut iopub_seen = false;
         while Instant::now() < deadline {
             let request = self.request("kernel_info_request", RawJson::empty_object());
+            let mut info = Execution::new(request.msg_id());
             // Right after start the writer may race the kernel's bind; retry until the deadline.
             if me.send(Channel::Shell, request).await.is_err() {
                 tokio::time::sleep(Duration::from_millis(100)).await;
                 continue;
             }
             let round = Instant::now() + Duration::from_millis(1000);
-            while reply.is_none() || !iopub_seen {
+            while !info.is_done() {
                 let Ok(Some(batch)) = tokio::time::timeout_at(round.min(deadline), me.recv()).await
                 else {
                     break;
                 };
                 for out in batch {
-                    match out.channel {
-                        Channel::IoPub => iopub_seen = true,
-                        Channel::Shell if out.message.msg_type() == "kernel_info_reply" => {
-                            reply = out
-                                .message
-                                .content_as()
-                                .ok()
-                                .or(Some(KernelInfoReply::default()));
-                        }
-                        _ => {}
-                    }
+                    info.feed(out.channel, &out.message);
                 }
             }
-            if let (Some(r), true) = (&reply, iopub_seen) {
-                return Ok(r.clone());
+            if let (true, Some(reply)) = (info.is_done(), info.reply()) {
+                return Ok(reply.content.parse().unwrap_or_default());
             }
         }
         Err(KernelError::NotReady(timeout))

@@ -3,16 +3,19 @@
 //! Kernel Gateway alike) or ZeroMQ straight to the kernel's sockets (shell DEALER and
 //! IOPub SUB, signed with `kernelgate_protocol::wire`).
 //!
-//! Both kinds do the same client-side work per message: a reader task decodes it into an
-//! [`Incoming`] (header type, parent id, and only the content fields the workload needs),
-//! so the difference between targets is what sits between the client and the kernel.
+//! Both kinds do the same client-side work per message: a reader task decodes it into a
+//! [`Message`] (content left as raw JSON) and the gateway's own tracker
+//! ([`Execution`]) follows each request, so the difference between targets is what sits
+//! between the client and the kernel.
 
 use anyhow::{anyhow, bail, Context, Result};
 use futures::stream::SplitSink;
 use futures::{SinkExt, StreamExt};
-use kernelgate_protocol::{wire, Channel, ConnectionInfo, Header, Message, RawJson, SigningKey};
-use serde::Deserialize;
-use serde_json::value::RawValue;
+use kernelgate_protocol::execution::{Event, Status};
+use kernelgate_protocol::websocket::{self, Encoding, Frame};
+use kernelgate_protocol::{
+    wire, Channel, ConnectionInfo, Execution, Header, Message, Outcome, RawJson, SigningKey,
+};
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};
 use tokio::net::TcpStream;
@@ -25,102 +28,8 @@ use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
 use zeromq::util::PeerIdentity;
 use zeromq::{DealerSocket, Socket, SocketOptions, SocketRecv, SocketSend, SubSocket, ZmqMessage};
 
-/// The parts of a received message the workload looks at.
-#[derive(Debug)]
-pub struct Incoming {
-    pub channel: Channel,
-    pub msg_type: String,
-    pub parent_id: String,
-    pub payload: Payload,
-}
-
-#[derive(Debug)]
-pub enum Payload {
-    Stream {
-        name: String,
-        text: String,
-    },
-    /// `display_data` / `execute_result` with an `image/png` entry (base64).
-    Png(String),
-    Status(String),
-    Reply {
-        status: String,
-    },
-    Other,
-}
-
-#[derive(Deserialize)]
-struct StreamContent {
-    name: String,
-    text: String,
-}
-
-#[derive(Deserialize)]
-struct DisplayContent<'a> {
-    #[serde(borrow)]
-    data: std::collections::HashMap<&'a str, &'a RawValue>,
-}
-
-#[derive(Deserialize)]
-struct StatusContent {
-    execution_state: String,
-}
-
-#[derive(Deserialize)]
-struct ReplyContent {
-    #[serde(default)]
-    status: String,
-}
-
-fn payload(msg_type: &str, content: &str) -> Payload {
-    let parsed = match msg_type {
-        "stream" => serde_json::from_str::<StreamContent>(content)
-            .map(|c| Payload::Stream {
-                name: c.name,
-                text: c.text,
-            })
-            .ok(),
-        "display_data" | "execute_result" => serde_json::from_str::<DisplayContent>(content)
-            .ok()
-            .and_then(|c| {
-                c.data
-                    .get("image/png")
-                    .and_then(|v| serde_json::from_str::<String>(v.get()).ok())
-            })
-            .map(Payload::Png),
-        "status" => serde_json::from_str::<StatusContent>(content)
-            .map(|c| Payload::Status(c.execution_state))
-            .ok(),
-        t if t.ends_with("_reply") => serde_json::from_str::<ReplyContent>(content)
-            .map(|c| Payload::Reply { status: c.status })
-            .ok(),
-        _ => None,
-    };
-    parsed.unwrap_or(Payload::Other)
-}
-
-/// A legacy JSON WebSocket frame, borrowed; unknown fields are skipped.
-#[derive(Deserialize)]
-struct WsFrame<'a> {
-    #[serde(borrow)]
-    channel: &'a str,
-    header: FrameHeader,
-    #[serde(default)]
-    parent_header: FrameParent,
-    #[serde(borrow)]
-    content: &'a RawValue,
-}
-
-#[derive(Deserialize)]
-struct FrameHeader {
-    msg_type: String,
-}
-
-#[derive(Deserialize, Default)]
-struct FrameParent {
-    #[serde(default)]
-    msg_id: String,
-}
+/// A received message and the channel it came on.
+type Incoming = (Channel, Message);
 
 type WsSink = SplitSink<WebSocketStream<MaybeTlsStream<TcpStream>>, WsMessage>;
 
@@ -136,7 +45,6 @@ enum Writer {
 #[derive(Debug, Default)]
 pub struct Run {
     pub elapsed: Duration,
-    pub status: String,
     pub stdout: String,
     pub stream_messages: usize,
     pub png: Option<String>,
@@ -189,7 +97,8 @@ impl Conn {
         let reader = tokio::spawn(async move {
             while let Some(frame) = stream.next().await {
                 let decoded = match frame {
-                    Ok(WsMessage::Text(t)) => decode_ws(t.as_str()),
+                    Ok(WsMessage::Text(t)) => decode_ws(Frame::Text(t.as_str().to_owned())),
+                    Ok(WsMessage::Binary(b)) => decode_ws(Frame::Binary(b)),
                     Ok(WsMessage::Close(_)) => Err(anyhow!("WebSocket closed by the server")),
                     Ok(_) => continue,
                     Err(e) => Err(anyhow!("WebSocket failed: {e}")),
@@ -305,9 +214,10 @@ impl Conn {
         let start = Instant::now();
         let deadline = start + timeout;
         let id = self.send("kernel_info_request", json!({})).await?;
+        let mut info = Execution::new(&id);
         loop {
-            let m = self.next(deadline).await?;
-            if m.channel == Channel::Shell && m.parent_id == id {
+            let (channel, m) = self.next(deadline).await?;
+            if let Some(Event::Reply(_)) = info.feed(channel, &m) {
                 return Ok(start.elapsed());
             }
         }
@@ -319,12 +229,11 @@ impl Conn {
         let deadline = Instant::now() + timeout;
         while Instant::now() < deadline {
             let id = self.send("kernel_info_request", json!({})).await?;
+            let mut info = Execution::new(&id);
             let round = (Instant::now() + Duration::from_millis(500)).min(deadline);
-            loop {
-                match self.next(round).await {
-                    Ok(m) if m.channel == Channel::IoPub && m.parent_id == id => return Ok(()),
-                    Ok(_) => {}
-                    Err(_) => break,
+            while let Ok((channel, m)) = self.next(round).await {
+                if let Some(Event::Busy | Event::Idle) = info.feed(channel, &m) {
+                    return Ok(());
                 }
             }
         }
@@ -343,32 +252,34 @@ impl Conn {
                        "user_expressions": {}, "allow_stdin": false, "stop_on_error": true}),
             )
             .await?;
-        let mut run = Run::default();
-        let (mut replied, mut idle) = (false, false);
-        while !(replied && idle) {
-            let m = self.next(deadline).await?;
-            if m.parent_id != id {
-                continue;
-            }
-            match m.payload {
-                Payload::Stream { name, text } if name == "stdout" => {
-                    run.stdout.push_str(&text);
-                    run.stream_messages += 1;
-                }
-                Payload::Png(png) => run.png = Some(png),
-                Payload::Status(s) if s == "idle" => idle = true,
-                Payload::Reply { status } if m.msg_type == "execute_reply" => {
-                    run.status = status;
-                    replied = true;
-                }
-                _ => {}
+        let mut execution = Execution::new(&id);
+        let mut outcome = Outcome::default();
+        let mut stream_messages = 0;
+        while !execution.is_done() {
+            let (channel, m) = self.next(deadline).await?;
+            if let Some(event) = execution.feed(channel, &m) {
+                stream_messages +=
+                    usize::from(matches!(&event, Event::Stream { name, .. } if name == "stdout"));
+                outcome.apply(&event);
             }
         }
-        run.elapsed = start.elapsed();
-        if run.status != "ok" {
-            bail!("execute of {code:?} ended with status {:?}", run.status);
+        if execution.status() != Status::Ok {
+            bail!(
+                "execute of {code:?} ended with status {:?}",
+                execution.status()
+            );
         }
-        Ok(run)
+        Ok(Run {
+            elapsed: start.elapsed(),
+            png: outcome.displays.iter().find_map(|d| {
+                d.data
+                    .get("image/png")
+                    .and_then(Value::as_str)
+                    .map(str::to_owned)
+            }),
+            stdout: outcome.stdout,
+            stream_messages,
+        })
     }
 
     /// Closes a WebSocket cleanly (a ZeroMQ connection just drops its sockets).
@@ -379,24 +290,11 @@ impl Conn {
     }
 }
 
-fn decode_ws(text: &str) -> Result<Incoming> {
-    let f: WsFrame = serde_json::from_str(text).context("WebSocket frame is not a message")?;
-    Ok(Incoming {
-        channel: f.channel.parse()?,
-        payload: payload(&f.header.msg_type, f.content.get()),
-        msg_type: f.header.msg_type,
-        parent_id: f.parent_header.msg_id,
-    })
+fn decode_ws(frame: Frame) -> Result<Incoming> {
+    websocket::decode(Encoding::Legacy, &frame).context("WebSocket frame is not a message")
 }
 
 fn decode_zmq(channel: Channel, frames: ZmqMessage, key: &SigningKey) -> Result<Incoming> {
     let frames = frames.into_vec();
-    let w = wire::decode(&frames, key)?;
-    let m = w.message;
-    Ok(Incoming {
-        channel,
-        payload: payload(m.msg_type(), m.content.get()),
-        parent_id: m.parent_msg_id().unwrap_or_default().to_owned(),
-        msg_type: m.header.msg_type,
-    })
+    Ok((channel, wire::decode(&frames, key)?.message))
 }
