@@ -626,13 +626,12 @@ mod tests {
 
     #[test]
     fn any_reply_type_counts_with_its_content() {
+        let content = json!({"status": "ok", "protocol_version": "5.3"});
         let mut x = Execution::new("k");
-        let reply = msg(
-            "kernel_info_reply",
-            Some("k"),
-            json!({"status": "ok", "protocol_version": "5.3"}),
-        );
-        let Some(Event::Reply(r)) = x.feed(Channel::Shell, &reply) else {
+        let Some(Event::Reply(r)) = x.feed(
+            Channel::Shell,
+            &msg("kernel_info_reply", Some("k"), content),
+        ) else {
             panic!("a reply");
         };
         assert_eq!(r.msg_type, "kernel_info_reply");

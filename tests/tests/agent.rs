@@ -1,4 +1,4 @@
-//! Issue 6: the agent API (`POST /api/kernels/{id}/execute`) and the files API, against
+//! The agent API (`POST /api/kernels/{id}/execute`) and the files API, against
 //! the real gateway, Docker and kernel image.
 
 use anyhow::Result;

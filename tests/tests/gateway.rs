@@ -1,5 +1,5 @@
 //! End to end: the real `kernelgate` binary, real Docker, the real kernel image.
-//! Issue 4's "must show" list, as a user of Jupyter's kernel API would check it.
+//! What a user of Jupyter's kernel API checks: REST, channels, sandboxing, lifecycle.
 
 use anyhow::Result;
 use kernelgate_tests::{decode_png, Gateway};

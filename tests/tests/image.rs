@@ -1,4 +1,4 @@
-//! Issue 3: the kernel image, started with the hardened settings of design.md by the
+//! The kernel image, started with the hardened settings of docs/architecture.md by the
 //! gateway's Docker backend, reached over its ipc sockets with `kernelgate-protocol`
 //! (through the gateway's kernel module), without the HTTP layer in between.
 

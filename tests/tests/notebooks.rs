@@ -1,6 +1,6 @@
 //! End to end: `kernelgate run` executes every notebook in notebooks/ through the real
 //! gateway, real Docker and the real kernel image, and the written notebooks hold the values
-//! and figures an analyst would look at. Issue 5.
+//! and figures an analyst would look at.
 
 use anyhow::{bail, Context, Result};
 use kernelgate_tests::{binary, decode_png, image, Gateway};

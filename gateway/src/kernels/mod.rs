@@ -5,34 +5,22 @@
 
 use crate::backend::{BackendError, Found, KernelBackend, LaunchRequest, Launched};
 use crate::kernel::clients::ClientLimits;
-use crate::kernel::{heartbeat, Kernel, KernelError};
-use chrono::Utc;
+
+mod pool;
+mod supervise;
+use crate::kernel::{Kernel, KernelError};
 use kernelgate_protocol::content::ExecutionState;
 use kernelgate_protocol::ConnectionInfo;
 use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
-use tokio::sync::Notify;
+use tokio::sync::{oneshot, Notify};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 /// The kernel spec every kernel is started from.
 pub const KERNEL_NAME: &str = "python3";
-
-/// `KERNEL_*` variables that are hints for a gateway (sent by JupyterLab), not settings
-/// for the kernel; a request carrying only these can be served from the warm pool.
-const GATEWAY_HINTS: [&str; 3] = [
-    "KERNEL_LAUNCH_TIMEOUT",
-    "KERNEL_WORKING_DIR",
-    "KERNEL_USERNAME",
-];
-
-/// Heartbeat probing: a kernel missing this many probes in a row is restarted (or
-/// declared dead). Death by exit is noticed at once through the backend instead.
-const HEARTBEAT_EVERY: Duration = Duration::from_secs(3);
-const HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(2);
-const HEARTBEAT_MISSES: u32 = 5;
 
 #[derive(Debug, thiserror::Error)]
 pub enum CreateError {
@@ -85,6 +73,31 @@ impl LiveKernel {
     /// The backend's handle (container id).
     pub fn handle(&self) -> &str {
         &self.handle
+    }
+}
+
+/// A slot of the kernel limit taken by a create under way; given back when dropped
+/// unless the kernel was registered in it.
+struct Slot {
+    kernels: Arc<Kernels>,
+    filled: bool,
+}
+
+impl Slot {
+    /// Registers the kernel in the slot, under the same lock, so the count never dips.
+    fn fill(mut self, live: &Arc<LiveKernel>) {
+        let mut t = self.kernels.lock();
+        t.reserved -= 1;
+        t.live.insert(live.id().to_owned(), live.clone());
+        self.filled = true;
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        if !self.filled {
+            self.kernels.lock().reserved -= 1;
+        }
     }
 }
 
@@ -213,6 +226,10 @@ impl Kernels {
 
     /// Creates a kernel: checks the spec, environment and limit, then takes one from the
     /// warm pool or starts one, and waits until it answers.
+    ///
+    /// Safe to abandon: the work runs in a task of its own, so a caller that goes away
+    /// (an HTTP client hanging up drops this future) frees its slot of the limit, and a
+    /// kernel started for it is removed instead of registered.
     pub async fn create(
         self: &Arc<Self>,
         name: Option<&str>,
@@ -223,21 +240,59 @@ impl Kernels {
             return Err(CreateError::NoSuchSpec(name.to_owned()));
         }
         let env = kernel_env(env)?;
-        {
-            let mut t = self.lock();
-            if t.live.len() + t.reserved >= self.settings.max_kernels {
-                return Err(CreateError::TooMany {
-                    max: self.settings.max_kernels,
-                });
+        let slot = self.reserve()?;
+        let (tx, rx) = oneshot::channel();
+        let me = self.clone();
+        let name = name.to_owned();
+        self.tracker.spawn(async move {
+            let result = me.obtain(&name, env).await;
+            let live = match result {
+                Ok(live) => live,
+                Err(e) => {
+                    drop(slot);
+                    let _ = tx.send(Err(e));
+                    return;
+                }
+            };
+            if tx.is_closed() {
+                drop(slot);
+                me.abandon(&live).await;
+                return;
             }
-            t.reserved += 1;
-        }
-        let result = self.obtain(name, env).await;
+            slot.fill(&live);
+            if let Err(Ok(live)) = tx.send(Ok(live)) {
+                // Gone between the check and the hand-over.
+                let taken = me.lock().live.remove(live.id());
+                if let Some(taken) = taken {
+                    me.abandon(&taken).await;
+                }
+            }
+        });
+        rx.await.unwrap_or(Err(CreateError::ShuttingDown))
+    }
+
+    /// Takes a slot of the kernel limit, held until the kernel is registered or the
+    /// create fails.
+    fn reserve(self: &Arc<Self>) -> Result<Slot, CreateError> {
         let mut t = self.lock();
-        t.reserved -= 1;
-        let live = result?;
-        t.live.insert(live.id().to_owned(), live.clone());
-        Ok(live)
+        if t.live.len() + t.reserved >= self.settings.max_kernels {
+            return Err(CreateError::TooMany {
+                max: self.settings.max_kernels,
+            });
+        }
+        t.reserved += 1;
+        Ok(Slot {
+            kernels: self.clone(),
+            filled: false,
+        })
+    }
+
+    /// Removes a kernel nobody asked for any more (its create was abandoned).
+    async fn abandon(&self, live: &LiveKernel) {
+        tracing::info!(kernel = %live.id(), "create abandoned by its caller; removing the kernel");
+        if let Err(e) = self.discard(live).await {
+            tracing::warn!(kernel = %live.id(), error = %e, "cannot remove abandoned kernel");
+        }
     }
 
     async fn obtain(
@@ -245,19 +300,8 @@ impl Kernels {
         name: &str,
         env: BTreeMap<String, String>,
     ) -> Result<Arc<LiveKernel>, CreateError> {
-        let poolable = env.keys().all(|k| GATEWAY_HINTS.contains(&k.as_str()));
-        if poolable {
-            let pooled = self.lock().pool.pop_front();
-            self.pool_wanted.notify_one();
-            if let Some(live) = pooled {
-                if live.kernel.execution_state() != ExecutionState::Dead {
-                    live.kernel.touch();
-                    return Ok(live);
-                }
-                if let Err(e) = self.discard(&live).await {
-                    tracing::warn!(kernel = %live.id(), error = %e, "cannot remove dead pooled kernel");
-                }
-            }
+        if let Some(live) = self.take_pooled(&env).await {
+            return Ok(live);
         }
         self.launch(name, env, false).await
     }
@@ -327,92 +371,23 @@ impl Kernels {
         Ok(live)
     }
 
-    /// Keeps `pool_size` kernels started, with libraries imported, ready to hand out.
-    async fn fill_pool(self: Arc<Self>) {
-        let mut failures = 0u32;
-        loop {
-            let missing = self
-                .settings
-                .pool_size
-                .saturating_sub(self.lock().pool.len());
-            if missing == 0 {
-                tokio::select! {
-                    _ = self.cancel.cancelled() => return,
-                    _ = self.pool_wanted.notified() => continue,
-                }
-            }
-            // Not raced against shutdown: `launch` cleans up after itself when cancelled,
-            // where dropping it halfway would leave a container behind.
-            let launched = self.launch(KERNEL_NAME, BTreeMap::new(), true).await;
-            if self.cancel.is_cancelled() {
-                if let Ok(live) = launched {
-                    if let Err(e) = self.discard(&live).await {
-                        tracing::warn!(kernel = %live.id(), error = %e, "cannot remove pooled kernel at shutdown");
-                    }
-                }
-                return;
-            }
-            match launched {
-                Ok(live) => {
-                    failures = 0;
-                    self.lock().pool.push_back(live);
-                }
-                Err(e) => {
-                    failures += 1;
-                    let wait = Duration::from_secs(5 * u64::from(failures.min(12)));
-                    tracing::warn!(error = %e, retry_in = ?wait, "cannot fill the warm pool");
-                    tokio::select! {
-                        _ = self.cancel.cancelled() => return,
-                        _ = tokio::time::sleep(wait) => {}
-                    }
-                }
-            }
-        }
-    }
-
-    /// Restarts a kernel's process: state is cleared, the id and connections stay.
-    pub async fn restart(&self, live: &LiveKernel) -> Result<(), CreateError> {
-        let _ops = live.ops.lock().await;
-        live.epoch.fetch_add(1, Ordering::SeqCst);
-        self.restart_locked(live, false).await
-    }
-
-    /// `announce`: tell clients `restarting`. Jupyter Server sends that status only for
-    /// restarts it does on its own (a kernel died); JupyterLab shows "the kernel appears to
-    /// have died" when it sees one after a restart the user asked for.
-    async fn restart_locked(&self, live: &LiveKernel, announce: bool) -> Result<(), CreateError> {
-        live.kernel.set_state(ExecutionState::Restarting, announce);
-        live.kernel.disconnect();
-        let result = async {
-            self.backend.restart(&live.handle).await?;
-            live.kernel
-                .connect(
-                    &live.connection,
-                    &self.tracker,
-                    live.cancel.child_token(),
-                    self.settings.startup_timeout,
-                )
-                .await?;
-            Ok::<_, CreateError>(())
-        }
-        .await;
-        match &result {
-            Ok(()) => tracing::info!(kernel = %live.id(), "kernel restarted"),
-            Err(_) => live.kernel.set_state(ExecutionState::Dead, true),
-        }
-        result
-    }
-
     pub async fn interrupt(&self, live: &LiveKernel) -> Result<(), BackendError> {
         self.backend.interrupt(&live.handle).await
     }
 
     /// Shuts a kernel down: gone from the table at once, clients told `dead` and
-    /// disconnected, container and sockets removed.
-    pub async fn delete(&self, id: &str) -> Option<Result<(), BackendError>> {
+    /// disconnected, container and sockets removed. The removal finishes even when the
+    /// caller goes away.
+    pub async fn delete(self: &Arc<Self>, id: &str) -> Option<Result<(), BackendError>> {
         let live = self.lock().live.remove(id)?;
         self.pool_wanted.notify_one();
-        Some(self.discard(&live).await)
+        let me = self.clone();
+        let removal = self.tracker.spawn(async move { me.discard(&live).await });
+        Some(
+            removal.await.unwrap_or_else(|e| {
+                Err(BackendError::Runtime(format!("kernel removal failed: {e}")))
+            }),
+        )
     }
 
     async fn discard(&self, live: &LiveKernel) -> Result<(), BackendError> {
@@ -435,90 +410,6 @@ impl Kernels {
         for (live, result) in all.iter().zip(futures::future::join_all(removals).await) {
             if let Err(e) = result {
                 tracing::warn!(kernel = %live.id(), error = %e, "cannot remove kernel at shutdown");
-            }
-        }
-    }
-
-    /// Watches one kernel for death: process exit (noticed at once) or a heartbeat that
-    /// stops answering. A dead kernel is restarted when autorestart is on.
-    fn watch(self: &Arc<Self>, live: &Arc<LiveKernel>) {
-        let me = self.clone();
-        let live = live.clone();
-        self.tracker.spawn(async move {
-            let cancel = live.cancel.clone();
-            tokio::select! {
-                _ = cancel.cancelled() => {}
-                _ = me.watch_loop(&live) => {}
-            }
-        });
-    }
-
-    async fn watch_loop(&self, live: &LiveKernel) {
-        loop {
-            let epoch = live.epoch.load(Ordering::SeqCst);
-            let why = tokio::select! {
-                exit = self.backend.wait_exit(&live.handle) => match exit {
-                    Ok(code) => format!("exited with code {code}"),
-                    Err(e) => format!("cannot be watched: {e}"),
-                },
-                () = self.heartbeat_lost(&live.connection) => "stopped answering its heartbeat".to_owned(),
-            };
-            let _ops = live.ops.lock().await;
-            if live.epoch.load(Ordering::SeqCst) != epoch {
-                continue; // the exit of an intentional restart
-            }
-            tracing::warn!(kernel = %live.id(), "kernel {why}");
-            if !self.settings.autorestart {
-                live.kernel.set_state(ExecutionState::Dead, true);
-                live.kernel.disconnect();
-                return;
-            }
-            live.epoch.fetch_add(1, Ordering::SeqCst);
-            if let Err(e) = self.restart_locked(live, true).await {
-                tracing::warn!(kernel = %live.id(), error = %e, "automatic restart failed; kernel is dead");
-                return;
-            }
-        }
-    }
-
-    async fn heartbeat_lost(&self, connection: &ConnectionInfo) {
-        let mut misses = 0;
-        while misses < HEARTBEAT_MISSES {
-            tokio::time::sleep(HEARTBEAT_EVERY).await;
-            if heartbeat::probe(connection, HEARTBEAT_TIMEOUT).await {
-                misses = 0;
-            } else {
-                misses += 1;
-            }
-        }
-    }
-
-    /// Shuts down kernels with no connection that were not busy for `idle`.
-    async fn cull(self: Arc<Self>, idle: Duration) {
-        let every = (idle / 4).clamp(Duration::from_secs(1), Duration::from_secs(30));
-        loop {
-            tokio::select! {
-                _ = self.cancel.cancelled() => return,
-                _ = tokio::time::sleep(every) => {}
-            }
-            let now = Utc::now();
-            let idle_ids: Vec<String> = self
-                .list()
-                .into_iter()
-                .filter(|l| {
-                    let k = &l.kernel;
-                    let quiet = (now - k.last_activity()).to_std().unwrap_or_default();
-                    k.connections() == 0
-                        && k.execution_state() != ExecutionState::Busy
-                        && quiet >= idle
-                })
-                .map(|l| l.id().to_owned())
-                .collect();
-            for id in idle_ids {
-                tracing::info!(kernel = %id, "culling idle kernel");
-                if let Some(Err(e)) = self.delete(&id).await {
-                    tracing::warn!(kernel = %id, error = %e, "cannot remove culled kernel");
-                }
             }
         }
     }
