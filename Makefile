@@ -1,7 +1,8 @@
 # Kernelgate: the two commands are `make run` and `make test`.
 SHELL := /bin/bash
 CARGO ?= cargo
-LISTEN ?= 127.0.0.1:8888
+# Where `make run` listens. Unset, the gateway's own default or KERNELGATE_LISTEN applies.
+LISTEN ?=
 
 include mk/image.mk
 include mk/protocol.mk
@@ -15,9 +16,14 @@ all: build
 build:
 	$(CARGO) build --release -p kernelgate
 
-## Build the kernel image if needed and the gateway, then serve on $(LISTEN).
+# Flags only for what is not set otherwise, so every KERNELGATE_* variable works with
+# `make run`: LISTEN=... on the make command line, else KERNELGATE_LISTEN, else
+# 127.0.0.1:8888; KERNELGATE_IMAGE, else the image `make image` built.
+RUN_FLAGS := $(if $(LISTEN),--listen $(LISTEN)) $(if $(KERNELGATE_IMAGE),,--image $(KERNEL_IMAGE))
+
+## Build the kernel image if needed and the gateway, then serve.
 run: image build
-	./target/release/kernelgate serve --listen $(LISTEN) --image $(KERNEL_IMAGE) $(ARGS)
+	./target/release/kernelgate serve $(strip $(RUN_FLAGS) $(ARGS))
 
 ## Everything CI checks: format, lints, unit tests, fuzzing, end-to-end tests.
 test: lint unit fuzz-smoke e2e python-tests

@@ -148,7 +148,11 @@ async fn hung_up_requests_leave_nothing_behind() -> Result<()> {
 
     // No slot of the limit leaked: exactly LIMIT creates succeed, the next is refused.
     let creates = (0..LIMIT).map(|_| gw.post_json("/api/kernels", serde_json::json!({})));
-    for (status, body) in futures::future::join_all(creates).await.into_iter().flatten() {
+    for (status, body) in futures::future::join_all(creates)
+        .await
+        .into_iter()
+        .flatten()
+    {
         assert_eq!(status, 201, "{body}");
     }
     let (status, body) = gw.post_json("/api/kernels", serde_json::json!({})).await?;
