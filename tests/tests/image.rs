@@ -63,7 +63,7 @@ async fn hardened_container_runs_a_real_kernel() -> Result<()> {
 }
 
 async fn exercise(handle: &str, connection: &kernelgate_protocol::ConnectionInfo) -> Result<()> {
-    // The container has exactly the hardening design.md asks for.
+    // The container has exactly the hardening docs/architecture.md lists.
     let inspect = std::process::Command::new("docker")
         .args(["inspect", handle])
         .output()?;

@@ -50,7 +50,7 @@ impl Link {
     ) -> Result<Link, KernelError> {
         let key = info.signing_key();
         // Shell and stdin share one routing id: ipykernel sends input_request to the
-        // identity the execute_request came from (design.md, zeromq notes).
+        // identity the execute_request came from (docs/architecture.md, "ZeroMQ notes").
         let identity = PeerIdentity::try_from(uuid::Uuid::new_v4().as_bytes().to_vec())
             .map_err(|e| KernelError::Connect(e.to_string()))?;
         let options = |id: Option<PeerIdentity>| {
