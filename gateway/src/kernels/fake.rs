@@ -1,0 +1,362 @@
+//! For unit tests of the kernel table: a backend that runs no container but an in-process
+//! mock kernel per launch. The mock binds the five ZeroMQ sockets (ipc, in a temporary
+//! directory) and answers like ipykernel does for what the table needs: `kernel_info` and
+//! `execute` requests, each wrapped in `busy`/`idle` status messages, and heartbeat
+//! echoes. Tests kill, count and inspect kernels through [`FakeBackend`].
+
+use crate::backend::{BackendError, ExecOutput, Found, KernelBackend, LaunchRequest, Launched};
+use bytes::Bytes;
+use futures::future::BoxFuture;
+use kernelgate_protocol::{wire, Channel, ConnectionInfo, Header, Message, RawJson, SigningKey};
+use serde_json::{json, Value};
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, MutexGuard};
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+use zeromq::{PubSocket, RepSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
+
+/// What the tests can see of one launched kernel.
+#[derive(Debug, Default, Clone)]
+pub struct Record {
+    pub kernel_id: String,
+    pub preload: bool,
+    pub env: BTreeMap<String, String>,
+    /// The code of every execute_request, in order.
+    pub executed: Vec<String>,
+    pub restarts: u32,
+    pub interrupts: u32,
+    pub removed: bool,
+}
+
+struct Running {
+    record: Record,
+    connection: ConnectionInfo,
+    /// Stops the current mock process.
+    stop: CancellationToken,
+    /// `Some(code)` once the current process exited.
+    exit: watch::Sender<Option<i64>>,
+    process: Option<tokio::task::JoinHandle<()>>,
+}
+
+#[derive(Default)]
+struct Kernels(Mutex<HashMap<String, Running>>);
+
+impl Kernels {
+    fn lock(&self) -> MutexGuard<'_, HashMap<String, Running>> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+pub struct FakeBackend {
+    kernels: Arc<Kernels>,
+    dir: PathBuf,
+}
+
+impl Drop for FakeBackend {
+    fn drop(&mut self) {
+        for r in self.kernels.lock().values() {
+            r.stop.cancel();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+impl FakeBackend {
+    pub fn new() -> Arc<Self> {
+        let id = uuid::Uuid::new_v4().simple().to_string();
+        let dir = std::env::temp_dir().join(format!("kgf-{}", &id[..12]));
+        let _ = std::fs::create_dir_all(&dir);
+        Arc::new(FakeBackend {
+            kernels: Arc::default(),
+            dir,
+        })
+    }
+
+    /// Every kernel ever launched, by handle.
+    pub fn records(&self) -> HashMap<String, Record> {
+        self.kernels
+            .lock()
+            .iter()
+            .map(|(h, r)| (h.clone(), r.record.clone()))
+            .collect()
+    }
+
+    /// How many launched kernels were not removed.
+    pub fn running(&self) -> usize {
+        self.kernels
+            .lock()
+            .values()
+            .filter(|r| !r.record.removed)
+            .count()
+    }
+
+    pub fn record_of(&self, kernel_id: &str) -> Option<(String, Record)> {
+        self.kernels
+            .lock()
+            .iter()
+            .find(|(_, r)| r.record.kernel_id == kernel_id)
+            .map(|(h, r)| (h.clone(), r.record.clone()))
+    }
+
+    /// The kernel's process dies with exit code 1, as a crash would.
+    pub fn kill(&self, handle: &str) {
+        if let Some(r) = self.kernels.lock().get(handle) {
+            r.stop.cancel();
+            r.exit.send_replace(Some(1));
+        }
+    }
+
+    /// (Re)starts the mock process of `handle`, once the previous one has let go of
+    /// its sockets (as a container restart does).
+    async fn start_process(&self, handle: &str) -> Result<(), BackendError> {
+        let gone = || BackendError::Gone {
+            handle: handle.to_owned(),
+        };
+        let previous = {
+            let mut kernels = self.kernels.lock();
+            let r = kernels.get_mut(handle).ok_or_else(gone)?;
+            r.stop.cancel();
+            r.process.take()
+        };
+        if let Some(previous) = previous {
+            let _ = previous.await;
+        }
+        // A socket file left by the dead process would refuse connections until the new
+        // process binds; a real restart starts from a fresh socket directory state too.
+        if let Some(r) = self.kernels.lock().get(handle) {
+            for channel in Channel::ALL {
+                let endpoint = r.connection.endpoint(channel);
+                let _ = std::fs::remove_file(endpoint.trim_start_matches("ipc://"));
+            }
+        }
+        let mut kernels = self.kernels.lock();
+        let r = kernels.get_mut(handle).ok_or_else(gone)?;
+        r.stop = CancellationToken::new();
+        r.exit.send_replace(None);
+        let mock = Mock {
+            kernels: self.kernels.clone(),
+            handle: handle.to_owned(),
+            key: r.connection.signing_key(),
+            session: uuid::Uuid::new_v4().to_string(),
+        };
+        r.process = Some(tokio::spawn(
+            mock.serve(r.connection.clone(), r.stop.clone()),
+        ));
+        Ok(())
+    }
+
+    fn update(&self, handle: &str, f: impl FnOnce(&mut Running)) -> Result<(), BackendError> {
+        match self.kernels.lock().get_mut(handle) {
+            Some(r) if !r.record.removed => {
+                f(r);
+                Ok(())
+            }
+            _ => Err(BackendError::Gone {
+                handle: handle.to_owned(),
+            }),
+        }
+    }
+}
+
+impl KernelBackend for FakeBackend {
+    fn check(&self) -> BoxFuture<'_, Result<(), BackendError>> {
+        Box::pin(async { Ok(()) })
+    }
+
+    fn launch<'a>(
+        &'a self,
+        req: &'a LaunchRequest,
+    ) -> BoxFuture<'a, Result<Launched, BackendError>> {
+        Box::pin(async move {
+            let handle = format!("fake-{}", uuid::Uuid::new_v4().simple());
+            let prefix = self.dir.join(&handle[5..17]);
+            let connection = ConnectionInfo::ipc(
+                &prefix.display().to_string(),
+                SigningKey::generate_hex(),
+                &req.kernel_name,
+            );
+            let running = Running {
+                record: Record {
+                    kernel_id: req.kernel_id.clone(),
+                    preload: req.preload,
+                    env: req.env.clone(),
+                    ..Record::default()
+                },
+                connection: connection.clone(),
+                stop: CancellationToken::new(),
+                exit: watch::channel(None).0,
+                process: None,
+            };
+            self.kernels.lock().insert(handle.clone(), running);
+            self.start_process(&handle).await?;
+            Ok(Launched { handle, connection })
+        })
+    }
+
+    fn restart<'a>(&'a self, handle: &'a str) -> BoxFuture<'a, Result<(), BackendError>> {
+        Box::pin(async move {
+            self.update(handle, |r| r.record.restarts += 1)?;
+            self.start_process(handle).await
+        })
+    }
+
+    fn interrupt<'a>(&'a self, handle: &'a str) -> BoxFuture<'a, Result<(), BackendError>> {
+        Box::pin(async move { self.update(handle, |r| r.record.interrupts += 1) })
+    }
+
+    fn remove<'a>(&'a self, handle: &'a str) -> BoxFuture<'a, Result<(), BackendError>> {
+        Box::pin(async move {
+            self.update(handle, |r| {
+                r.record.removed = true;
+                r.stop.cancel();
+                r.exit.send_replace(Some(137));
+            })
+        })
+    }
+
+    fn wait_exit<'a>(&'a self, handle: &'a str) -> BoxFuture<'a, Result<i64, BackendError>> {
+        Box::pin(async move {
+            let mut exit = self
+                .kernels
+                .lock()
+                .get(handle)
+                .map(|r| r.exit.subscribe())
+                .ok_or_else(|| BackendError::Gone {
+                    handle: handle.to_owned(),
+                })?;
+            let code = exit
+                .wait_for(Option::is_some)
+                .await
+                .map_err(|_| BackendError::Gone {
+                    handle: handle.to_owned(),
+                })?;
+            Ok(code.unwrap_or_default())
+        })
+    }
+
+    fn exec<'a>(
+        &'a self,
+        _handle: &'a str,
+        _argv: Vec<String>,
+        _stdin: Bytes,
+        _max_stdout: usize,
+    ) -> BoxFuture<'a, Result<ExecOutput, BackendError>> {
+        Box::pin(async {
+            Err(BackendError::Runtime(
+                "the fake backend runs no commands".into(),
+            ))
+        })
+    }
+
+    fn list(&self) -> BoxFuture<'_, Result<Vec<Found>, BackendError>> {
+        Box::pin(async { Ok(Vec::new()) })
+    }
+}
+
+/// One mock kernel process.
+struct Mock {
+    kernels: Arc<Kernels>,
+    handle: String,
+    key: SigningKey,
+    session: String,
+}
+
+impl Mock {
+    async fn serve(self, info: ConnectionInfo, stop: CancellationToken) {
+        let bind = |channel: Channel| info.endpoint(channel);
+        let mut shell = RouterSocket::new();
+        let mut control = RouterSocket::new();
+        let mut stdin = RouterSocket::new();
+        let mut iopub = PubSocket::new();
+        let mut hb = RepSocket::new();
+        let bound = async {
+            shell.bind(&bind(Channel::Shell)).await?;
+            control.bind(&bind(Channel::Control)).await?;
+            stdin.bind(&bind(Channel::Stdin)).await?;
+            iopub.bind(&bind(Channel::IoPub)).await?;
+            hb.bind(&bind(Channel::Heartbeat)).await?;
+            Ok::<_, zeromq::ZmqError>(())
+        };
+        if bound.await.is_err() {
+            return;
+        }
+        let mut count = 0i64;
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                m = shell.recv() => match m {
+                    Ok(m) => self.answer(m, &mut shell, &mut iopub, &mut count).await,
+                    Err(_) => return,
+                },
+                m = control.recv() => match m {
+                    Ok(m) => self.answer(m, &mut control, &mut iopub, &mut count).await,
+                    Err(_) => return,
+                },
+                m = hb.recv() => match m {
+                    Ok(m) => { let _ = hb.send(m).await; }
+                    Err(_) => return,
+                },
+            }
+        }
+    }
+
+    async fn answer(
+        &self,
+        frames: ZmqMessage,
+        socket: &mut RouterSocket,
+        iopub: &mut PubSocket,
+        count: &mut i64,
+    ) {
+        let frames: Vec<Bytes> = frames.into_vec();
+        let Ok(request) = wire::decode(&frames, &self.key) else {
+            return;
+        };
+        let parent = request.message.header.clone();
+        let reply_content = match parent.msg_type.as_str() {
+            "kernel_info_request" => json!({
+                "status": "ok", "protocol_version": "5.3", "implementation": "mock",
+                "implementation_version": "1", "banner": "",
+                "language_info": {"name": "python"},
+            }),
+            "execute_request" => {
+                let content: Value = request.message.content_as().unwrap_or_default();
+                let code = content["code"].as_str().unwrap_or_default().to_owned();
+                let silent = content["silent"].as_bool().unwrap_or(false);
+                if let Some(r) = self.kernels.lock().get_mut(&self.handle) {
+                    r.record.executed.push(code);
+                }
+                if !silent {
+                    *count += 1;
+                }
+                json!({"status": "ok", "execution_count": *count, "user_expressions": {}})
+            }
+            _ => return,
+        };
+        let reply_type = parent.msg_type.replace("_request", "_reply");
+        self.publish(iopub, &parent, json!({"execution_state": "busy"}))
+            .await;
+        let reply = self.message(&reply_type, &parent, reply_content);
+        let wire = wire::encode(&request.identities, &reply, &self.key);
+        if let Ok(m) = ZmqMessage::try_from(wire) {
+            let _ = socket.send(m).await;
+        }
+        self.publish(iopub, &parent, json!({"execution_state": "idle"}))
+            .await;
+    }
+
+    async fn publish(&self, iopub: &mut PubSocket, parent: &Header, content: Value) {
+        let status = self.message("status", parent, content);
+        if let Ok(m) = ZmqMessage::try_from(wire::encode(&[], &status, &self.key)) {
+            let _ = iopub.send(m).await;
+        }
+    }
+
+    fn message(&self, msg_type: &str, parent: &Header, content: Value) -> Message {
+        Message::new(
+            Header::new(msg_type, &self.session, "mock", &crate::kernel::now_iso()),
+            Some(parent.clone()),
+            RawJson::from_value(&content),
+        )
+    }
+}

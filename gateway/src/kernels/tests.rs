@@ -1,0 +1,210 @@
+//! The kernel table against [`fake::FakeBackend`]: mock kernels in-process, so the pool,
+//! the limit, deaths, culling and restarts are checked in seconds.
+
+use super::fake::FakeBackend;
+use super::*;
+use std::future::Future;
+
+fn settings() -> Settings {
+    Settings {
+        max_kernels: 4,
+        startup_timeout: Duration::from_secs(10),
+        autorestart: true,
+        cull_idle_timeout: None,
+        pool_size: 0,
+        limits: ClientLimits {
+            buffer_bytes: 1 << 20,
+            replay_for: Duration::from_secs(60),
+        },
+    }
+}
+
+async fn table(settings: Settings) -> (Arc<Kernels>, Arc<FakeBackend>) {
+    let fake = FakeBackend::new();
+    let kernels = Kernels::new(
+        fake.clone(),
+        settings,
+        TaskTracker::new(),
+        CancellationToken::new(),
+    );
+    kernels.start().await;
+    (kernels, fake)
+}
+
+/// Polls `done` every 20 ms for up to 10 s.
+async fn eventually<F: Future<Output = bool>>(what: &str, mut done: impl FnMut() -> F) {
+    for _ in 0..500 {
+        if done().await {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("not within 10 s: {what}");
+}
+
+fn env(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+    pairs
+        .iter()
+        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+        .collect()
+}
+
+impl Kernels {
+    fn pooled(&self) -> usize {
+        self.lock().pool.len()
+    }
+
+    fn reserved(&self) -> usize {
+        self.lock().reserved
+    }
+}
+
+#[tokio::test]
+async fn the_pool_hands_out_kernels_with_their_environment_and_refills() {
+    let (kernels, fake) = table(Settings {
+        pool_size: 2,
+        ..settings()
+    })
+    .await;
+    eventually("the pool filled", || async { kernels.pooled() == 2 }).await;
+    let live = kernels
+        .create(None, &env(&[("KERNEL_USERNAME", "alice")]))
+        .await
+        .expect("created");
+    let (_, record) = fake.record_of(live.id()).expect("launched by the fake");
+    assert!(record.preload, "served from the pool");
+    assert!(
+        record
+            .executed
+            .iter()
+            .any(|c| c.contains("environ.update") && c.contains("alice")),
+        "{record:?}"
+    );
+    eventually("the pool refilled", || async { kernels.pooled() == 2 }).await;
+    assert_eq!(fake.records().len(), 3);
+
+    // Other KERNEL_* variables cannot be set after start: such kernels start cold.
+    let cold = kernels
+        .create(None, &env(&[("KERNEL_LANG", "de")]))
+        .await
+        .expect("created");
+    let (_, record) = fake.record_of(cold.id()).expect("launched");
+    assert!(!record.preload);
+    assert_eq!(
+        record.env.get("KERNEL_LANG").map(String::as_str),
+        Some("de")
+    );
+    assert_eq!(kernels.pooled(), 2, "the pool was not touched");
+}
+
+#[tokio::test]
+async fn the_limit_holds_and_abandoned_creates_give_their_slot_back() {
+    let (kernels, fake) = table(Settings {
+        max_kernels: 2,
+        ..settings()
+    })
+    .await;
+    let none = BTreeMap::new();
+    let a = kernels.create(None, &none).await.expect("first");
+    kernels.create(None, &none).await.expect("second");
+    assert!(matches!(
+        kernels.create(None, &none).await,
+        Err(CreateError::TooMany { max: 2 })
+    ));
+    kernels
+        .delete(a.id())
+        .await
+        .expect("listed")
+        .expect("removed");
+
+    // Callers that give up at once: the kernels started for them are removed.
+    for _ in 0..5 {
+        let _ = tokio::time::timeout(Duration::from_millis(1), kernels.create(None, &none)).await;
+    }
+    eventually("abandoned creates rolled back", || async {
+        kernels.reserved() == 0 && fake.running() == kernels.list().len()
+    })
+    .await;
+    assert_eq!(kernels.list().len(), 1);
+    kernels.create(None, &none).await.expect("the freed slot");
+    assert_eq!(fake.running(), 2);
+}
+
+#[tokio::test]
+async fn a_dead_kernel_is_restarted_or_reported_dead() {
+    for autorestart in [true, false] {
+        let (kernels, fake) = table(Settings {
+            autorestart,
+            ..settings()
+        })
+        .await;
+        let live = kernels
+            .create(None, &BTreeMap::new())
+            .await
+            .expect("created");
+        let (handle, _) = fake.record_of(live.id()).expect("launched");
+        fake.kill(&handle);
+        if autorestart {
+            eventually("restarted", || async {
+                fake.records()[&handle].restarts == 1
+                    && live.kernel.execution_state() == ExecutionState::Idle
+            })
+            .await;
+        } else {
+            eventually("reported dead", || async {
+                live.kernel.execution_state() == ExecutionState::Dead
+            })
+            .await;
+            assert_eq!(fake.records()[&handle].restarts, 0);
+        }
+        assert!(kernels.get(live.id()).is_some(), "still listed");
+    }
+}
+
+#[tokio::test]
+async fn idle_kernels_without_connections_are_culled() {
+    let (kernels, fake) = table(Settings {
+        cull_idle_timeout: Some(Duration::from_millis(300)),
+        ..settings()
+    })
+    .await;
+    let live = kernels
+        .create(None, &BTreeMap::new())
+        .await
+        .expect("created");
+    let (handle, _) = fake.record_of(live.id()).expect("launched");
+    eventually("culled", || async { kernels.list().is_empty() }).await;
+    assert!(fake.records()[&handle].removed);
+}
+
+#[tokio::test]
+async fn restart_keeps_the_id_and_answers_again() {
+    let (kernels, fake) = table(settings()).await;
+    let live = kernels
+        .create(None, &BTreeMap::new())
+        .await
+        .expect("created");
+    kernels.restart(&live).await.expect("restarted");
+    let (_, record) = fake.record_of(live.id()).expect("launched");
+    assert_eq!(record.restarts, 1);
+    assert_eq!(live.kernel.execution_state(), ExecutionState::Idle);
+    assert_eq!(kernels.list().len(), 1);
+    kernels.shutdown().await;
+    assert_eq!(fake.running(), 0);
+}
+
+#[test]
+fn env_keeps_only_kernel_vars() {
+    let env: BTreeMap<String, String> = [
+        ("KERNEL_WORKING_DIR", "/home/me"),
+        ("PATH", "/evil"),
+        ("LD_PRELOAD", "x.so"),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_owned(), v.to_owned()))
+    .collect();
+    let kept = kernel_env(&env).expect("valid");
+    assert_eq!(kept.keys().collect::<Vec<_>>(), ["KERNEL_WORKING_DIR"]);
+    let bad: BTreeMap<String, String> = [("KERNEL_x;rm".to_owned(), "1".to_owned())].into();
+    assert!(matches!(kernel_env(&bad), Err(CreateError::BadEnv { .. })));
+}
