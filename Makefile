@@ -9,7 +9,7 @@ include mk/protocol.mk
 include mk/bench.mk
 include mk/python.mk
 
-.PHONY: all build run test lint unit e2e debug-build
+.PHONY: all build run test lint unit e2e debug-build test-tools
 
 all: build
 
@@ -39,8 +39,16 @@ unit:
 debug-build:
 	$(CARGO) build -p kernelgate
 
-e2e: image debug-build
+e2e: image debug-build test-tools
 	KERNELGATE_IMAGE=$(KERNEL_IMAGE) $(CARGO) test -p kernelgate-tests -- --test-threads=3
+
+# Debian's Prometheus: the operability test has it scrape a live gateway on loopback.
+test-tools:
+	@if ! command -v prometheus >/dev/null 2>&1; then \
+		echo 'installing Debian prometheus for the metrics test'; \
+		if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
+		$$SUDO apt-get update && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y --no-install-recommends prometheus; \
+	fi
 
 # The Python suite drives the debug binary too.
 python-tests: image debug-build

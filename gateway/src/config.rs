@@ -65,6 +65,13 @@ pub struct RunArgs {
     pub image: String,
 }
 
+/// How log lines are written (to stderr).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
 /// Everything `kernelgate serve` can be told. Each flag is also an environment variable.
 #[derive(Debug, Clone, Args)]
 pub struct Config {
@@ -138,6 +145,24 @@ pub struct Config {
     /// oldest output messages are dropped and the client is told how many.
     #[arg(long, env = "KERNELGATE_CLIENT_BUFFER_MB", default_value_t = 64, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     pub client_buffer_mb: usize,
+
+    /// Serve `/metrics` to anyone who can reach the gateway, without a token.
+    #[arg(long, env = "KERNELGATE_METRICS_PUBLIC", default_value_t = false)]
+    pub metrics_public: bool,
+
+    /// A token that may read `/metrics` and nothing else (for a Prometheus scraper); the
+    /// gateway's token works too.
+    #[arg(long, env = "KERNELGATE_METRICS_TOKEN", hide_env_values = true)]
+    pub metrics_token: Option<String>,
+
+    /// Log lines as `text` (for people) or `json` (one object per line, for collectors).
+    #[arg(
+        long,
+        env = "KERNELGATE_LOG_FORMAT",
+        value_enum,
+        default_value = "text"
+    )]
+    pub log_format: LogFormat,
 
     /// Largest WebSocket message or HTTP body accepted from a client, in MiB.
     #[arg(long, env = "KERNELGATE_MAX_MESSAGE_MB", default_value_t = 64, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]

@@ -12,4 +12,5 @@ pub mod backend;
 pub mod config;
 pub mod kernel;
 pub mod kernels;
+pub mod metrics;
 pub mod notebook;

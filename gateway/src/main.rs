@@ -4,12 +4,14 @@
 use anyhow::{bail, Context};
 use axum::serve::ListenerExt;
 use clap::Parser;
+use kernelgate::api::ops::{MetricsAccess, Readiness};
 use kernelgate::api::{self, auth::Auth, AppState};
 use kernelgate::backend::docker::{DockerBackend, DockerSettings};
 use kernelgate::backend::KernelBackend;
-use kernelgate::config::{Cli, Command, Config};
+use kernelgate::config::{Cli, Command, Config, LogFormat};
 use kernelgate::kernel::clients::ClientLimits;
 use kernelgate::kernels::{Kernels, Settings};
+use std::io::IsTerminal;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
@@ -17,16 +19,36 @@ use tokio_util::task::TaskTracker;
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("KERNELGATE_LOG")
-                .unwrap_or_else(|_| "kernelgate=info,warn".into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
-    match Cli::parse().command {
+    let cli = Cli::parse();
+    let format = match &cli.command {
+        Command::Serve(config) => config.log_format,
+        Command::Run(_) => LogFormat::Text,
+    };
+    init_logging(format);
+    match cli.command {
         Command::Serve(config) => serve(*config).await,
         Command::Run(args) => Ok(kernelgate::notebook::run(*args).await?),
+    }
+}
+
+/// Logs go to stderr, filtered by `KERNELGATE_LOG` (default: info for the gateway). JSON
+/// lines carry the same fields as text ones: the event's own at the top level, and the
+/// request and kernel they happen in under `span`/`spans`.
+fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("KERNELGATE_LOG")
+        .unwrap_or_else(|_| "kernelgate=info,warn".into());
+    let logs = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => logs.init(),
+        LogFormat::Json => logs
+            .json()
+            .flatten_event(true)
+            .with_current_span(true)
+            .with_span_list(true)
+            .init(),
     }
 }
 
@@ -64,6 +86,8 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         max_message_bytes: config.max_message_mb * 1024 * 1024,
         cancel: cancel.clone(),
         tracker: tracker.clone(),
+        metrics_access: metrics_access(&config)?,
+        readiness: Arc::new(Readiness::default()),
     };
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
@@ -97,6 +121,23 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         tracing::warn!("some tasks did not stop within 10 s");
     }
     Ok(())
+}
+
+/// `/metrics` takes the gateway's token (or a metrics-only one) unless made public.
+fn metrics_access(config: &Config) -> anyhow::Result<MetricsAccess> {
+    match (&config.metrics_token, config.metrics_public) {
+        (Some(_), true) => {
+            bail!("--metrics-public and --metrics-token contradict each other; pass one")
+        }
+        (Some(t), false) if t.is_empty() => {
+            bail!("--metrics-token is empty; give a token or leave it out")
+        }
+        (Some(t), false) => Ok(MetricsAccess::Tokens {
+            scrape: Some(Auth::token(t)),
+        }),
+        (None, true) => Ok(MetricsAccess::Public),
+        (None, false) => Ok(MetricsAccess::Tokens { scrape: None }),
+    }
 }
 
 /// Secure by default: a token unless `--no-auth`, which only loopback may use.

@@ -8,6 +8,7 @@ use kernelgate_protocol::{Channel, Execution, Message, RawJson};
 use serde_json::{json, Map, Value};
 use std::path::PathBuf;
 use std::process::Stdio;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::net::TcpStream;
@@ -53,6 +54,8 @@ pub struct Gateway {
     pub token: String,
     pub runtime_dir: PathBuf,
     http: reqwest::Client,
+    /// Every line the gateway wrote to stderr so far.
+    pub logs: Arc<Mutex<Vec<String>>>,
 }
 
 impl Gateway {
@@ -74,9 +77,10 @@ impl Gateway {
             format!("127.0.0.1:{port}"),
             "--token".into(),
             token.clone(),
-            "--image".into(),
-            image(),
         ];
+        if !extra.contains(&"--image") {
+            args.extend(["--image".into(), image()]);
+        }
         if given_dir.is_none() {
             args.extend(["--runtime-dir".into(), runtime_dir.display().to_string()]);
         }
@@ -92,13 +96,14 @@ impl Gateway {
             .kill_on_drop(true)
             .spawn()
             .with_context(|| format!("cannot start {}", binary().display()))?;
-        forward_logs(&mut child, port);
+        let logs = forward_logs(&mut child, port);
         let gw = Gateway {
             child: Some(child),
             base: format!("http://127.0.0.1:{port}"),
             token,
             runtime_dir,
             http: reqwest::Client::new(),
+            logs,
         };
         for _ in 0..300 {
             if TcpStream::connect(("127.0.0.1", port)).await.is_ok() {
@@ -251,7 +256,8 @@ impl Drop for Gateway {
     }
 }
 
-fn forward_logs(child: &mut Child, port: u16) {
+fn forward_logs(child: &mut Child, port: u16) -> Arc<Mutex<Vec<String>>> {
+    let kept = Arc::new(Mutex::new(Vec::new()));
     if let Some(out) = child.stdout.take() {
         tokio::spawn(async move {
             let mut lines = BufReader::new(out).lines();
@@ -261,13 +267,18 @@ fn forward_logs(child: &mut Child, port: u16) {
         });
     }
     if let Some(err) = child.stderr.take() {
+        let kept = kept.clone();
         tokio::spawn(async move {
             let mut lines = BufReader::new(err).lines();
             while let Ok(Some(l)) = lines.next_line().await {
                 eprintln!("[gw {port}] {l}");
+                if let Ok(mut kept) = kept.lock() {
+                    kept.push(l);
+                }
             }
         });
     }
+    kept
 }
 
 /// A free TCP port on loopback.

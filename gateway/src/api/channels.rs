@@ -8,6 +8,7 @@ use super::error::ApiError;
 use super::kernels::find;
 use super::AppState;
 use crate::kernel::{now_iso, Attachment};
+use crate::metrics::{self, DropReason};
 use axum::extract::ws::{CloseFrame, Message as WsMessage, WebSocket, WebSocketUpgrade};
 use axum::extract::{Path, Query, State};
 use axum::response::Response;
@@ -50,10 +51,12 @@ pub async fn connect(
     Ok(ws.on_upgrade(move |socket: WebSocket| async move {
         let attachment = live.kernel.attach(&session, false);
         tracing::debug!(kernel = %live.id(), %session, ?encoding, "client connected");
+        metrics::websocket_opened();
         tokio::select! {
             _ = cancel.cancelled() => {}
             _ = serve(socket, &attachment, encoding, &session) => {}
         }
+        metrics::websocket_closed();
         tracing::debug!(kernel = %live.id(), %session, "client disconnected");
     }))
 }
@@ -72,7 +75,13 @@ where
             incoming = stream.next() => match incoming {
                 None => return,
                 Some(Err(e)) => {
-                    tracing::warn!(%session, error = %e, "client WebSocket failed");
+                    let kernel = attachment.kernel().id();
+                    let error = e.to_string();
+                    // The WebSocket layer refuses a message over --max-message-mb this way.
+                    if error.contains("too long") {
+                        metrics::dropped(DropReason::TooLarge, 1);
+                    }
+                    tracing::warn!(%kernel, %session, %error, "client WebSocket failed");
                     return;
                 }
                 Some(Ok(WsMessage::Close(_))) => return,
@@ -120,19 +129,22 @@ where
 /// Decodes, completes and forwards one client message. Bad input is logged and skipped;
 /// the connection stays open.
 async fn from_client(attachment: &Attachment, encoding: Encoding, frame: Frame, session: &str) {
+    let kernel = attachment.kernel().id();
     let (channel, mut message) = match websocket::decode(encoding, &frame) {
         Ok(decoded) => decoded,
         Err(e) => {
-            tracing::warn!(%session, error = %e, "ignoring malformed message from client");
+            metrics::dropped(DropReason::Malformed, 1);
+            tracing::warn!(%kernel, %session, error = %e, "ignoring malformed message from client");
             return;
         }
     };
     if matches!(channel, Channel::IoPub | Channel::Heartbeat) {
-        tracing::warn!(%session, %channel, "ignoring client message on a channel clients cannot write");
+        metrics::dropped(DropReason::ReadOnlyChannel, 1);
+        tracing::warn!(%kernel, %session, %channel, "ignoring client message on a channel clients cannot write");
         return;
     }
     message.header.fill_missing(session, "username", &now_iso());
     if let Err(e) = attachment.send(channel, message).await {
-        tracing::warn!(%session, %channel, error = %e, "cannot forward client message");
+        tracing::warn!(%kernel, %session, %channel, error = %e, "cannot forward client message");
     }
 }

@@ -22,6 +22,7 @@ use serde_json::{json, Map, Value};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
+use tracing::Instrument;
 
 /// Used when a call gives no timeout.
 const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
@@ -100,7 +101,7 @@ pub async fn execute(
     let code = body.code;
     state
         .tracker
-        .spawn(async move { run(kernels, live, code, timeout, tx).await });
+        .spawn(run(kernels, live, code, timeout, tx).in_current_span());
 
     let streaming = headers
         .get(header::ACCEPT)

@@ -8,16 +8,22 @@ pub mod execute;
 pub mod files;
 pub mod kernels;
 pub mod kernelspecs;
+pub mod ops;
 pub mod ui;
 
 use crate::kernels::Kernels;
 use auth::Auth;
 use axum::extract::DefaultBodyLimit;
+use axum::extract::Request;
+use axum::http::HeaderValue;
+use axum::middleware::Next;
+use axum::response::Response;
 use axum::routing::{get, post};
 use axum::{middleware, Json, Router};
 use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
+use tracing::Instrument;
 
 /// What every handler can reach.
 #[derive(Debug, Clone)]
@@ -29,6 +35,8 @@ pub struct AppState {
     pub cancel: CancellationToken,
     /// Owns the tasks handlers start (agent API runs).
     pub tracker: TaskTracker,
+    pub metrics_access: ops::MetricsAccess,
+    pub readiness: Arc<ops::Readiness>,
 }
 
 /// The whole HTTP surface.
@@ -59,10 +67,54 @@ pub fn router(state: AppState) -> Router {
         .route("/", get(ui::index))
         .route("/ui/{file}", get(ui::file))
         .route("/api", get(version))
+        .route("/healthz", get(ops::healthz))
+        .route("/readyz", get(ops::readyz))
+        .route("/metrics", get(ops::metrics))
         .merge(protected)
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(state.max_message_bytes))
+        .layer(middleware::from_fn(request_span))
         .with_state(state)
+}
+
+/// Every request runs in a span with its id, so each log line about it carries the id;
+/// the id is sent back as `X-Request-Id` (a client's own, when it sent a sane one).
+async fn request_span(req: Request, next: Next) -> Response {
+    let id = req
+        .headers()
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .filter(|v| {
+            !v.is_empty()
+                && v.len() <= 64
+                && v.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+        })
+        .map(str::to_owned)
+        .unwrap_or_else(|| uuid::Uuid::new_v4().simple().to_string());
+    let span = tracing::info_span!(
+        "request",
+        request_id = %id,
+        method = %req.method(),
+        path = %req.uri().path(),
+        kernel = tracing::field::Empty,
+    );
+    // Requests about one kernel name it as a field of their own.
+    if let Some(kernel) = req
+        .uri()
+        .path()
+        .strip_prefix("/api/kernels/")
+        .and_then(|rest| rest.split('/').next())
+        .filter(|k| !k.is_empty())
+    {
+        span.record("kernel", kernel);
+    }
+    let mut response = next.run(req).instrument(span.clone()).await;
+    span.in_scope(|| tracing::debug!(status = response.status().as_u16(), "answered"));
+    if let Ok(value) = HeaderValue::from_str(&id) {
+        response.headers_mut().insert("x-request-id", value);
+    }
+    response
 }
 
 async fn version() -> Json<serde_json::Value> {

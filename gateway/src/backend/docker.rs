@@ -8,6 +8,7 @@ mod spec;
 
 use super::{BackendError, ExecOutput, Found, KernelBackend, LaunchRequest, Launched};
 use crate::config::Config;
+use crate::metrics;
 use bollard::errors::Error as DockerError;
 use bollard::models::ContainerSummaryStateEnum;
 use bollard::query_parameters::{
@@ -157,7 +158,7 @@ impl DockerBackend {
             let _ = socket_dir::remove(&dir);
             return Err(self.create_error(e));
         }
-        tracing::debug!(kernel_id = %req.kernel_id, container = %id, "kernel container started");
+        tracing::debug!(kernel = %req.kernel_id, container = %id, "kernel container started");
         self.known_dirs().insert(id.clone(), dir);
         Ok(Launched {
             handle: id,
@@ -302,7 +303,7 @@ impl DockerBackend {
 
 impl KernelBackend for DockerBackend {
     fn check(&self) -> BoxFuture<'_, Result<(), BackendError>> {
-        async move {
+        counted("check", async move {
             self.docker.ping().await.map_err(unavailable)?;
             match self.docker.inspect_image(&self.settings.image).await {
                 Ok(_) => Ok(()),
@@ -311,19 +312,18 @@ impl KernelBackend for DockerBackend {
                 }),
                 Err(e) => Err(runtime("inspect image", e)),
             }
-        }
-        .boxed()
+        })
     }
 
     fn launch<'a>(
         &'a self,
         req: &'a LaunchRequest,
     ) -> BoxFuture<'a, Result<Launched, BackendError>> {
-        self.launch_inner(req).boxed()
+        counted("launch", self.launch_inner(req))
     }
 
     fn restart<'a>(&'a self, handle: &'a str) -> BoxFuture<'a, Result<(), BackendError>> {
-        async move {
+        counted("restart", async move {
             let dir = self.dir_of(handle).await?.ok_or_else(|| gone(handle))?;
             // Sockets of the old process must not be found by the next connect; kernel.json
             // stays (same key and paths after the restart).
@@ -336,12 +336,11 @@ impl KernelBackend for DockerBackend {
                 .restart_container(handle, Some(options))
                 .await
                 .map_err(|e| map_handle_error(handle, e))
-        }
-        .boxed()
+        })
     }
 
     fn interrupt<'a>(&'a self, handle: &'a str) -> BoxFuture<'a, Result<(), BackendError>> {
-        async move {
+        counted("interrupt", async move {
             let options = KillContainerOptionsBuilder::default()
                 .signal("SIGINT")
                 .build();
@@ -349,12 +348,11 @@ impl KernelBackend for DockerBackend {
                 .kill_container(handle, Some(options))
                 .await
                 .map_err(|e| map_handle_error(handle, e))
-        }
-        .boxed()
+        })
     }
 
     fn remove<'a>(&'a self, handle: &'a str) -> BoxFuture<'a, Result<(), BackendError>> {
-        async move {
+        counted("remove", async move {
             // Look the directory up first: after the container is gone its label is too.
             let dir = self.dir_of(handle).await?;
             match self.docker.remove_container(handle, Some(force())).await {
@@ -372,12 +370,11 @@ impl KernelBackend for DockerBackend {
             }
             self.known_dirs().remove(handle);
             Ok(())
-        }
-        .boxed()
+        })
     }
 
     fn wait_exit<'a>(&'a self, handle: &'a str) -> BoxFuture<'a, Result<i64, BackendError>> {
-        async move {
+        counted("wait_exit", async move {
             let options = WaitContainerOptionsBuilder::default()
                 .condition("not-running")
                 .build();
@@ -391,8 +388,7 @@ impl KernelBackend for DockerBackend {
                     "waiting for container {handle} ended without an exit code"
                 ))),
             }
-        }
-        .boxed()
+        })
     }
 
     fn exec<'a>(
@@ -402,11 +398,11 @@ impl KernelBackend for DockerBackend {
         stdin: bytes::Bytes,
         max_stdout: usize,
     ) -> BoxFuture<'a, Result<ExecOutput, BackendError>> {
-        self.exec_inner(handle, argv, stdin, max_stdout).boxed()
+        counted("exec", self.exec_inner(handle, argv, stdin, max_stdout))
     }
 
     fn list(&self) -> BoxFuture<'_, Result<Vec<Found>, BackendError>> {
-        async move {
+        counted("list", async move {
             // Several label filters must all match.
             let filters = HashMap::from([(
                 "label",
@@ -425,27 +421,41 @@ impl KernelBackend for DockerBackend {
                 .await
                 .map_err(|e| runtime("list", e))?;
             Ok(containers
-                .into_iter()
-                .filter_map(|c| {
-                    let handle = c.id?;
-                    let mut labels = c.labels.unwrap_or_default();
-                    let Some(kernel_id) = labels.remove(LABEL_KERNEL_ID) else {
-                        tracing::warn!(container = %handle, "managed container without a kernel id label");
-                        return None;
-                    };
-                    let connection = self.host_connection(&kernel_id);
-                    Some(Found {
-                        handle,
-                        kernel_name: labels.remove(spec::LABEL_KERNEL_NAME).unwrap_or_default(),
-                        kernel_id,
-                        running: c.state == Some(ContainerSummaryStateEnum::RUNNING),
-                        connection,
+                    .into_iter()
+                    .filter_map(|c| {
+                        let handle = c.id?;
+                        let mut labels = c.labels.unwrap_or_default();
+                        let Some(kernel_id) = labels.remove(LABEL_KERNEL_ID) else {
+                            tracing::warn!(container = %handle, "managed container without a kernel id label");
+                            return None;
+                        };
+                        let connection = self.host_connection(&kernel_id);
+                        Some(Found {
+                            handle,
+                            kernel_name: labels.remove(spec::LABEL_KERNEL_NAME).unwrap_or_default(),
+                            kernel_id,
+                            running: c.state == Some(ContainerSummaryStateEnum::RUNNING),
+                            connection,
+                        })
                     })
-                })
-                .collect())
-        }
-        .boxed()
+                    .collect())
+        })
     }
+}
+
+/// Counts a failed Docker call in the metrics.
+fn counted<'a, T: Send + 'a>(
+    call: &'static str,
+    work: impl std::future::Future<Output = Result<T, BackendError>> + Send + 'a,
+) -> BoxFuture<'a, Result<T, BackendError>> {
+    async move {
+        let result = work.await;
+        if result.is_err() {
+            metrics::docker_error(call);
+        }
+        result
+    }
+    .boxed()
 }
 
 fn force() -> bollard::query_parameters::RemoveContainerOptions {

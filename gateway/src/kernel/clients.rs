@@ -6,6 +6,7 @@
 //! session is over it, the oldest output is dropped and the session is told how many
 //! messages it lost, in a stderr stream message, before the next messages it receives.
 
+use crate::metrics::{self, DropReason};
 use kernelgate_protocol::{Channel, Header, Message, RawJson};
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -22,10 +23,7 @@ pub struct Outbound {
 
 impl Outbound {
     pub fn new(channel: Channel, message: Message) -> Arc<Self> {
-        let size = 256
-            + message.content.get().len()
-            + message.metadata.get().len()
-            + message.buffers.iter().map(|b| b.len()).sum::<usize>();
+        let size = 256 + super::wire_size(&message);
         Arc::new(Outbound {
             channel,
             message,
@@ -219,6 +217,7 @@ impl Clients {
                 msg_type = out.message.msg_type(),
                 "reply without parent; dropped"
             );
+            metrics::dropped(DropReason::NoRecipient, 1);
             return;
         };
         let Some(session) = self.origins.get(parent).cloned() else {
@@ -226,6 +225,7 @@ impl Clients {
                 msg_type = out.message.msg_type(),
                 "reply to an unknown request; dropped"
             );
+            metrics::dropped(DropReason::NoRecipient, 1);
             return;
         };
         if out.message.msg_type().ends_with("_reply") && out.channel != Channel::Stdin {
@@ -250,6 +250,11 @@ impl Clients {
         }
         self.origins.clear();
         self.origin_order.clear();
+    }
+
+    /// Bytes queued across all sessions.
+    pub fn buffered_bytes(&self) -> usize {
+        self.sessions.values().map(|q| q.bytes).sum()
     }
 
     /// Connected, non-internal sessions: the `connections` of the REST model.
@@ -297,6 +302,7 @@ impl Clients {
 
 /// Drops the oldest output messages until the queue fits its budget again.
 fn shed_output(queue: &mut Queue, budget: usize) {
+    let before = queue.dropped;
     let mut kept = VecDeque::with_capacity(queue.items.len());
     while let Some(item) = queue.items.pop_front() {
         if queue.bytes > budget && item.is_output() {
@@ -310,6 +316,7 @@ fn shed_output(queue: &mut Queue, budget: usize) {
         }
     }
     queue.items = kept;
+    metrics::dropped(DropReason::ClientBehind, queue.dropped - before);
 }
 
 fn overflow_notice(dropped: u64, parent: Option<Header>, budget: usize) -> Arc<Outbound> {

@@ -94,7 +94,7 @@ impl Link {
 
         let spawn_reader = |channel: Channel, mut socket: Box<dyn SocketRecv + Send>| {
             let (sink, key, cancel) = (sink.clone(), key.clone(), cancel.clone());
-            tracker.spawn(async move {
+            tracker.spawn(tracing::Instrument::in_current_span(async move {
                 loop {
                     let received = tokio::select! {
                         _ = cancel.cancelled() => return,
@@ -109,12 +109,12 @@ impl Link {
                         }
                     }
                 }
-            });
+            }));
         };
         let spawn_writer = |channel: Channel, mut socket: Box<dyn SocketSend + Send>| {
             let (key, cancel) = (key.clone(), cancel.clone());
             let (tx, mut rx) = mpsc::channel::<Message>(WRITE_QUEUE);
-            tracker.spawn(async move {
+            tracker.spawn(tracing::Instrument::in_current_span(async move {
                 loop {
                     let message = tokio::select! {
                         _ = cancel.cancelled() => return,
@@ -129,7 +129,7 @@ impl Link {
                         return;
                     }
                 }
-            });
+            }));
             tx
         };
 

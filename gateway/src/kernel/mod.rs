@@ -6,16 +6,19 @@ pub mod clients;
 pub mod heartbeat;
 pub mod link;
 
+use crate::metrics::{self, Direction};
 use chrono::{DateTime, Utc};
 use clients::{ClientLimits, Clients, Outbound, Take, Ticket};
 use kernelgate_protocol::content::{ExecutionState, KernelInfoReply};
 use kernelgate_protocol::{Channel, ConnectionInfo, Execution, Header, Message, RawJson};
 use link::{Dispatch, Link};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
+use tracing::Instrument;
 
 #[derive(Debug, thiserror::Error)]
 pub enum KernelError {
@@ -47,10 +50,14 @@ struct State {
     /// Client messages sent while the kernel process restarts, delivered in order once it
     /// is back (as libzmq would queue them), so a cell run during a restart is not lost.
     backlog: Vec<(Channel, Message)>,
+    /// When each execute_request in flight was sent, for the execution metrics.
+    executing: HashMap<String, std::time::Instant>,
 }
 
 /// Most client messages held while a kernel restarts; past this, sends fail.
 const MAX_BACKLOG: usize = 1024;
+/// Most executions timed at once; requests never answered are forgotten past this.
+const MAX_EXECUTING: usize = 4096;
 
 /// A kernel's messaging side.
 #[derive(Debug)]
@@ -72,6 +79,7 @@ impl Kernel {
                 last_activity: Utc::now(),
                 link: None,
                 backlog: Vec::new(),
+                executing: HashMap::new(),
             }),
         })
     }
@@ -99,6 +107,11 @@ impl Kernel {
         self.lock().clients.connections()
     }
 
+    /// Bytes queued for this kernel's client sessions.
+    pub fn buffered_bytes(&self) -> usize {
+        self.lock().clients.buffered_bytes()
+    }
+
     /// Connects to a freshly started kernel process and waits until it answers
     /// `kernel_info` and IOPub delivers. Replaces any previous link.
     pub async fn connect(
@@ -111,10 +124,13 @@ impl Kernel {
         self.disconnect();
         let deadline = Instant::now() + timeout;
         let sink: Arc<dyn Dispatch> = self.clone();
-        let link =
-            tokio::time::timeout(timeout, Link::connect(info, sink, tracker, cancel, timeout))
-                .await
-                .map_err(|_| KernelError::NotReady(timeout))??;
+        let link = tokio::time::timeout(
+            timeout,
+            Link::connect(info, sink, tracker, cancel, timeout)
+                .instrument(tracing::info_span!("kernel", kernel = %self.id)),
+        )
+        .await
+        .map_err(|_| KernelError::NotReady(timeout))??;
         let link = Arc::new(link);
         let backlog = {
             let mut st = self.lock();
@@ -228,6 +244,14 @@ impl Kernel {
             if matches!(channel, Channel::Shell | Channel::Control) {
                 st.clients.note_request(message.msg_id(), session);
             }
+            if message.msg_type() == "execute_request" {
+                if st.executing.len() >= MAX_EXECUTING {
+                    st.executing.clear();
+                }
+                let started = std::time::Instant::now();
+                st.executing.insert(message.msg_id().to_owned(), started);
+            }
+            metrics::relayed(Direction::ClientToKernel, wire_size(&message));
             st.last_activity = Utc::now();
             match st.link.clone() {
                 Some(link) => link,
@@ -255,12 +279,39 @@ impl Dispatch for Kernel {
                 st.execution_state = s.execution_state;
             }
         }
+        if channel == Channel::Shell && message.msg_type() == "execute_reply" {
+            let started = message
+                .parent_msg_id()
+                .and_then(|id| st.executing.remove(id));
+            if let Some(started) = started {
+                let status = message
+                    .content_as::<ReplyStatus>()
+                    .map(|r| r.status)
+                    .unwrap_or_default();
+                metrics::execution_ended(&status, started.elapsed());
+            }
+        }
+        metrics::relayed(Direction::KernelToClient, wire_size(&message));
         st.clients.route(Outbound::new(channel, message));
     }
 
     fn link_lost(&self, channel: Channel) {
         tracing::debug!(kernel = %self.id, %channel, "kernel link lost");
     }
+}
+
+/// The `status` of a reply, without parsing the rest (a traceback may be long).
+#[derive(serde::Deserialize)]
+struct ReplyStatus {
+    #[serde(default)]
+    status: String,
+}
+
+/// Bytes of a message as the metrics count them: content, metadata and buffers.
+pub(crate) fn wire_size(message: &Message) -> usize {
+    message.content.get().len()
+        + message.metadata.get().len()
+        + message.buffers.iter().map(|b| b.len()).sum::<usize>()
 }
 
 /// A client connection to a kernel: what it sends is routed back to it; dropping it

@@ -5,6 +5,7 @@
 
 use crate::backend::{BackendError, Found, KernelBackend, LaunchRequest, Launched};
 use crate::kernel::clients::ClientLimits;
+use crate::metrics::{self, Source, TableSnapshot};
 
 mod pool;
 mod supervise;
@@ -18,6 +19,7 @@ use std::time::Duration;
 use tokio::sync::{oneshot, Notify};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
+use tracing::Instrument;
 
 /// The kernel spec every kernel is started from.
 pub const KERNEL_NAME: &str = "python3";
@@ -244,30 +246,37 @@ impl Kernels {
         let (tx, rx) = oneshot::channel();
         let me = self.clone();
         let name = name.to_owned();
-        self.tracker.spawn(async move {
-            let result = me.obtain(&name, env).await;
-            let live = match result {
-                Ok(live) => live,
-                Err(e) => {
+        self.tracker.spawn(
+            async move {
+                let started = std::time::Instant::now();
+                let result = me.obtain(&name, env).await;
+                let live = match result {
+                    Ok((live, source)) => {
+                        metrics::kernel_created(source, started.elapsed());
+                        live
+                    }
+                    Err(e) => {
+                        drop(slot);
+                        let _ = tx.send(Err(e));
+                        return;
+                    }
+                };
+                if tx.is_closed() {
                     drop(slot);
-                    let _ = tx.send(Err(e));
+                    me.abandon(&live).await;
                     return;
                 }
-            };
-            if tx.is_closed() {
-                drop(slot);
-                me.abandon(&live).await;
-                return;
-            }
-            slot.fill(&live);
-            if let Err(Ok(live)) = tx.send(Ok(live)) {
-                // Gone between the check and the hand-over.
-                let taken = me.lock().live.remove(live.id());
-                if let Some(taken) = taken {
-                    me.abandon(&taken).await;
+                slot.fill(&live);
+                if let Err(Ok(live)) = tx.send(Ok(live)) {
+                    // Gone between the check and the hand-over.
+                    let taken = me.lock().live.remove(live.id());
+                    if let Some(taken) = taken {
+                        me.abandon(&taken).await;
+                    }
                 }
             }
-        });
+            .in_current_span(),
+        );
         rx.await.unwrap_or(Err(CreateError::ShuttingDown))
     }
 
@@ -299,11 +308,44 @@ impl Kernels {
         self: &Arc<Self>,
         name: &str,
         env: BTreeMap<String, String>,
-    ) -> Result<Arc<LiveKernel>, CreateError> {
+    ) -> Result<(Arc<LiveKernel>, Source), CreateError> {
         if let Some(live) = self.take_pooled(&env).await {
-            return Ok(live);
+            return Ok((live, Source::Pool));
         }
-        self.launch(name, env, false).await
+        let live = self.launch(name, env, false).await?;
+        Ok((live, Source::Cold))
+    }
+
+    /// The table's state for the metrics.
+    pub fn snapshot(&self) -> TableSnapshot {
+        let t = self.lock();
+        let mut states: BTreeMap<&'static str, i64> = [
+            ExecutionState::Starting,
+            ExecutionState::Idle,
+            ExecutionState::Busy,
+            ExecutionState::Restarting,
+            ExecutionState::Dead,
+        ]
+        .into_iter()
+        .map(|s| (s.as_str(), 0))
+        .collect();
+        let mut buffered = 0;
+        for live in t.live.values() {
+            *states
+                .entry(live.kernel.execution_state().as_str())
+                .or_default() += 1;
+            buffered += live.kernel.buffered_bytes();
+        }
+        TableSnapshot {
+            states: states.into_iter().collect(),
+            pooled: i64::try_from(t.pool.len()).unwrap_or(i64::MAX),
+            buffered_bytes: i64::try_from(buffered).unwrap_or(i64::MAX),
+        }
+    }
+
+    /// Warm kernels ready, and how many the pool should hold.
+    pub fn pool_fill(&self) -> (usize, usize) {
+        (self.lock().pool.len(), self.settings.pool_size)
     }
 
     /// Starts a kernel, waits until it answers, and starts watching it.
@@ -382,7 +424,9 @@ impl Kernels {
         let live = self.lock().live.remove(id)?;
         self.pool_wanted.notify_one();
         let me = self.clone();
-        let removal = self.tracker.spawn(async move { me.discard(&live).await });
+        let removal = self
+            .tracker
+            .spawn(async move { me.discard(&live).await }.in_current_span());
         Some(
             removal.await.unwrap_or_else(|e| {
                 Err(BackendError::Runtime(format!("kernel removal failed: {e}")))

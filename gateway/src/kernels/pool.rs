@@ -3,6 +3,7 @@
 //! before anyone can attach to it, so it sees what a kernel started for the request would.
 
 use super::{Kernels, LiveKernel, KERNEL_NAME};
+use crate::metrics;
 use kernelgate_protocol::content::{ExecuteRequest, ExecutionState};
 use kernelgate_protocol::{Channel, Execution, RawJson};
 use std::collections::BTreeMap;
@@ -125,6 +126,7 @@ impl Kernels {
             match launched {
                 Ok(live) => {
                     failures = 0;
+                    metrics::pool_refilled();
                     self.lock().pool.push_back(live);
                 }
                 Err(e) => {

@@ -10,6 +10,7 @@ use kernelgate_protocol::ConnectionInfo;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
+use tracing::Instrument;
 
 /// Heartbeat probing: a kernel missing this many probes in a row is restarted (or
 /// declared dead). Death by exit is noticed at once through the backend instead.
@@ -22,11 +23,14 @@ impl Kernels {
     /// Finishes even when the caller goes away.
     pub async fn restart(self: &Arc<Self>, live: &Arc<LiveKernel>) -> Result<(), CreateError> {
         let (me, live) = (self.clone(), live.clone());
-        let restart = self.tracker.spawn(async move {
-            let _ops = live.ops.lock().await;
-            live.epoch.fetch_add(1, Ordering::SeqCst);
-            me.restart_locked(&live, false).await
-        });
+        let restart = self.tracker.spawn(
+            async move {
+                let _ops = live.ops.lock().await;
+                live.epoch.fetch_add(1, Ordering::SeqCst);
+                me.restart_locked(&live, false).await
+            }
+            .in_current_span(),
+        );
         restart.await.unwrap_or(Err(CreateError::ShuttingDown))
     }
 
@@ -61,13 +65,17 @@ impl Kernels {
     pub(super) fn watch(self: &Arc<Self>, live: &Arc<LiveKernel>) {
         let me = self.clone();
         let live = live.clone();
-        self.tracker.spawn(async move {
-            let cancel = live.cancel.clone();
-            tokio::select! {
-                _ = cancel.cancelled() => {}
-                _ = me.watch_loop(&live) => {}
+        let id = live.id().to_owned();
+        self.tracker.spawn(
+            async move {
+                let cancel = live.cancel.clone();
+                tokio::select! {
+                    _ = cancel.cancelled() => {}
+                    _ = me.watch_loop(&live) => {}
+                }
             }
-        });
+            .instrument(tracing::info_span!("kernel", kernel = %id)),
+        );
     }
 
     async fn watch_loop(&self, live: &LiveKernel) {

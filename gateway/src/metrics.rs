@@ -1,0 +1,326 @@
+//! What an operator watches, in the Prometheus exposition format (`GET /metrics`).
+//!
+//! One registry for the process. Counters and histograms are updated where things happen,
+//! through the one-line functions below; gauges that describe the kernel table (kernels by
+//! state, pool size, replay buffer bytes) are read from it at scrape time.
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+use std::sync::LazyLock;
+use std::time::Duration;
+
+/// Where a new kernel came from.
+#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq)]
+pub enum Source {
+    Pool,
+    Cold,
+}
+
+/// Which way a relayed message went.
+#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq)]
+pub enum Direction {
+    KernelToClient,
+    ClientToKernel,
+}
+
+/// Why a message did not reach its destination.
+#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq)]
+pub enum DropReason {
+    /// A client fell behind and its session went over its buffer: oldest output dropped.
+    ClientBehind,
+    /// A client frame that could not be decoded.
+    Malformed,
+    /// A client message on a channel clients may not write (iopub, hb).
+    ReadOnlyChannel,
+    /// A client message over `--max-message-mb` (its socket is closed).
+    TooLarge,
+    /// A reply whose request no connected session sent.
+    NoRecipient,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StateLabel {
+    state: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct SourceLabel {
+    source: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StatusLabel {
+    status: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct DirectionLabel {
+    direction: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabel {
+    reason: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct CallLabel {
+    call: String,
+}
+
+fn seconds_histogram() -> Histogram {
+    // 1 ms .. about 16 min.
+    Histogram::new(prometheus_client::metrics::histogram::exponential_buckets(
+        0.001, 2.0, 20,
+    ))
+}
+
+struct Metrics {
+    registry: Registry,
+    kernels: Family<StateLabel, Gauge>,
+    creates: Family<SourceLabel, Counter>,
+    create_seconds: Family<SourceLabel, Histogram, fn() -> Histogram>,
+    executions: Family<StatusLabel, Counter>,
+    execution_seconds: Histogram,
+    websockets: Gauge,
+    messages: Family<DirectionLabel, Counter>,
+    bytes: Family<DirectionLabel, Counter>,
+    dropped: Family<ReasonLabel, Counter>,
+    replay_bytes: Gauge,
+    pool_kernels: Gauge,
+    pool_refills: Counter,
+    docker_errors: Family<CallLabel, Counter>,
+}
+
+static METRICS: LazyLock<Metrics> = LazyLock::new(|| {
+    let mut registry = Registry::with_prefix("kernelgate");
+    let m = Metrics {
+        kernels: Family::default(),
+        creates: Family::default(),
+        create_seconds: Family::new_with_constructor(seconds_histogram as fn() -> Histogram),
+        executions: Family::default(),
+        execution_seconds: seconds_histogram(),
+        websockets: Gauge::default(),
+        messages: Family::default(),
+        bytes: Family::default(),
+        dropped: Family::default(),
+        replay_bytes: Gauge::default(),
+        pool_kernels: Gauge::default(),
+        pool_refills: Counter::default(),
+        docker_errors: Family::default(),
+        registry: Registry::default(),
+    };
+    registry.register(
+        "kernels",
+        "Kernels in the table, by execution state",
+        m.kernels.clone(),
+    );
+    registry.register(
+        "kernel_creates",
+        "Kernels created, by source (warm pool or cold start)",
+        m.creates.clone(),
+    );
+    registry.register(
+        "kernel_create_seconds",
+        "Time to create a kernel until it answers, by source",
+        m.create_seconds.clone(),
+    );
+    registry.register(
+        "executions",
+        "Executions that ended with a reply, by reply status",
+        m.executions.clone(),
+    );
+    registry.register(
+        "execution_seconds",
+        "Time from execute_request to its execute_reply",
+        m.execution_seconds.clone(),
+    );
+    registry.register(
+        "websocket_connections",
+        "Open channels WebSockets",
+        m.websockets.clone(),
+    );
+    registry.register(
+        "relayed_messages",
+        "Messages relayed between clients and kernels, by direction",
+        m.messages.clone(),
+    );
+    registry.register(
+        "relayed_bytes",
+        "Bytes of messages relayed between clients and kernels, by direction",
+        m.bytes.clone(),
+    );
+    registry.register(
+        "dropped_messages",
+        "Messages that did not reach their destination, by reason",
+        m.dropped.clone(),
+    );
+    registry.register(
+        "replay_buffer_bytes",
+        "Bytes queued for clients (connected and away) across all kernels",
+        m.replay_bytes.clone(),
+    );
+    registry.register(
+        "pool_kernels",
+        "Warm kernels ready to hand out",
+        m.pool_kernels.clone(),
+    );
+    registry.register(
+        "pool_refills",
+        "Kernels started to refill the warm pool",
+        m.pool_refills.clone(),
+    );
+    registry.register(
+        "docker_errors",
+        "Docker calls that failed, by call",
+        m.docker_errors.clone(),
+    );
+    Metrics { registry, ..m }
+});
+
+pub fn kernel_created(source: Source, took: Duration) {
+    let source = match source {
+        Source::Pool => "pool",
+        Source::Cold => "cold",
+    };
+    let label = SourceLabel { source };
+    METRICS.creates.get_or_create(&label).inc();
+    METRICS
+        .create_seconds
+        .get_or_create(&label)
+        .observe(took.as_secs_f64());
+}
+
+/// An execute_reply passed through the gateway, `took` after its request.
+pub fn execution_ended(status: &str, took: Duration) {
+    let status = match status {
+        "ok" | "error" | "aborted" => status,
+        _ => "other",
+    };
+    METRICS
+        .executions
+        .get_or_create(&StatusLabel {
+            status: status.to_owned(),
+        })
+        .inc();
+    METRICS.execution_seconds.observe(took.as_secs_f64());
+}
+
+pub fn websocket_opened() {
+    METRICS.websockets.inc();
+}
+
+pub fn websocket_closed() {
+    METRICS.websockets.dec();
+}
+
+pub fn relayed(direction: Direction, bytes: usize) {
+    let direction = match direction {
+        Direction::KernelToClient => "kernel_to_client",
+        Direction::ClientToKernel => "client_to_kernel",
+    };
+    let label = DirectionLabel { direction };
+    METRICS.messages.get_or_create(&label).inc();
+    METRICS
+        .bytes
+        .get_or_create(&label)
+        .inc_by(u64::try_from(bytes).unwrap_or(u64::MAX));
+}
+
+pub fn dropped(reason: DropReason, count: u64) {
+    METRICS
+        .dropped
+        .get_or_create(&ReasonLabel {
+            reason: match reason {
+                DropReason::ClientBehind => "client_behind",
+                DropReason::Malformed => "malformed",
+                DropReason::ReadOnlyChannel => "read_only_channel",
+                DropReason::TooLarge => "too_large",
+                DropReason::NoRecipient => "no_recipient",
+            },
+        })
+        .inc_by(count);
+}
+
+pub fn pool_refilled() {
+    METRICS.pool_refills.inc();
+}
+
+pub fn docker_error(call: &str) {
+    METRICS
+        .docker_errors
+        .get_or_create(&CallLabel {
+            call: call.to_owned(),
+        })
+        .inc();
+}
+
+/// The state of the kernel table, set just before a scrape.
+#[derive(Debug, Default)]
+pub struct TableSnapshot {
+    /// Execution state name and how many kernels are in it.
+    pub states: Vec<(&'static str, i64)>,
+    pub pooled: i64,
+    pub buffered_bytes: i64,
+}
+
+/// The exposition text, with the table gauges set from `snapshot`.
+pub fn render(snapshot: &TableSnapshot) -> String {
+    for (state, n) in &snapshot.states {
+        METRICS
+            .kernels
+            .get_or_create(&StateLabel {
+                state: (*state).to_owned(),
+            })
+            .set(*n);
+    }
+    METRICS.pool_kernels.set(snapshot.pooled);
+    METRICS.replay_bytes.set(snapshot.buffered_bytes);
+    let mut text = String::new();
+    // Writing into a String cannot fail.
+    let _ = prometheus_client::encoding::text::encode(&mut text, &METRICS.registry);
+    text
+}
+
+/// The content type of [`render`]'s text.
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_series_is_exposed_with_its_labels() {
+        kernel_created(Source::Pool, Duration::from_millis(5));
+        execution_ended("error", Duration::from_millis(30));
+        relayed(Direction::KernelToClient, 100);
+        dropped(DropReason::ClientBehind, 3);
+        docker_error("launch");
+        let text = render(&TableSnapshot {
+            states: vec![("idle", 2), ("busy", 1)],
+            pooled: 1,
+            buffered_bytes: 42,
+        });
+        for needle in [
+            r#"kernelgate_kernels{state="idle"} 2"#,
+            r#"kernelgate_kernel_creates_total{source="pool"}"#,
+            r#"kernelgate_kernel_create_seconds_bucket{le="0.008",source="pool"}"#,
+            r#"kernelgate_executions_total{status="error"}"#,
+            "kernelgate_execution_seconds_count",
+            "kernelgate_websocket_connections",
+            r#"kernelgate_relayed_bytes_total{direction="kernel_to_client"}"#,
+            r#"kernelgate_dropped_messages_total{reason="client_behind"}"#,
+            "kernelgate_replay_buffer_bytes 42",
+            "kernelgate_pool_kernels 1",
+            "kernelgate_pool_refills_total",
+            r#"kernelgate_docker_errors_total{call="launch"}"#,
+            "# EOF",
+        ] {
+            assert!(text.contains(needle), "{needle} missing in:\n{text}");
+        }
+    }
+}
