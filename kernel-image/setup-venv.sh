@@ -26,8 +26,9 @@ install -d -o 1000 -g 1000 -m 0770 /run/kernel
 "$venv/bin/python" -m pip install --no-cache-dir --no-compile --only-binary=:all: \
     --disable-pip-version-check --no-input --progress-bar off -r "$kdir/requirements.txt"
 "$venv/bin/python" -m pip check
-# The kernel has no network: pip and setuptools in the venv would be dead weight.
-"$venv/bin/python" -m pip uninstall --yes --quiet --disable-pip-version-check setuptools pip
+# pip stays: derived images install their wheels with it (docs/custom-images.md); with no
+# network in a kernel it cannot fetch anything there. setuptools is dead weight.
+"$venv/bin/python" -m pip uninstall --yes --quiet --disable-pip-version-check setuptools
 
 site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 stdlib=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')

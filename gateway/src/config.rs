@@ -113,9 +113,26 @@ pub struct Config {
     #[arg(long, env = "KERNELGATE_CULL_IDLE_TIMEOUT", default_value_t = 3600)]
     pub cull_idle_timeout: u64,
 
-    /// Kernels started ahead of time and handed out by `POST /api/kernels`.
-    #[arg(long, env = "KERNELGATE_POOL_SIZE", default_value_t = 2)]
-    pub pool_size: usize,
+    /// Kernels started ahead of time and handed out by `POST /api/kernels`: `N` for
+    /// python3, `NAME=N` for another spec (repeatable or comma-separated; specs added
+    /// with --kernelspec keep none unless given).
+    #[arg(
+        long,
+        env = "KERNELGATE_POOL_SIZE",
+        value_delimiter = ',',
+        default_value = "2"
+    )]
+    pub pool_size: Vec<String>,
+
+    /// More kernel specs: `NAME=IMAGE` (repeatable or comma-separated), each running
+    /// its kernels in its own image (e.g. one derived as docs/custom-images.md shows).
+    /// `python3` is --image.
+    #[arg(
+        long = "kernelspec",
+        env = "KERNELGATE_KERNELSPEC",
+        value_delimiter = ','
+    )]
+    pub kernelspecs: Vec<String>,
 
     /// Memory limit per kernel in MiB (swap is not allowed beyond it).
     #[arg(long, env = "KERNELGATE_KERNEL_MEMORY_MB", default_value_t = 1024, value_parser = clap::value_parser!(u64).range(64..))]

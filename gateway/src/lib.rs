@@ -12,5 +12,6 @@ pub mod backend;
 pub mod config;
 pub mod kernel;
 pub mod kernels;
+pub mod kernelspecs;
 pub mod metrics;
 pub mod notebook;

@@ -11,6 +11,7 @@ use kernelgate::backend::KernelBackend;
 use kernelgate::config::{Cli, Command, Config, LogFormat};
 use kernelgate::kernel::clients::ClientLimits;
 use kernelgate::kernels::{Kernels, Settings};
+use kernelgate::kernelspecs::KernelSpecs;
 use std::io::IsTerminal;
 use std::sync::Arc;
 use std::time::Duration;
@@ -57,10 +58,13 @@ async fn serve(config: Config) -> anyhow::Result<()> {
     if !(config.kernel_cpus.is_finite() && config.kernel_cpus > 0.0) {
         bail!("--kernel-cpus must be a number above 0 (e.g. 0.5 or 2)");
     }
+    let mut specs = KernelSpecs::parse(&config.image, &config.kernelspecs, &config.pool_size)
+        .map_err(anyhow::Error::msg)?;
     let backend = DockerBackend::connect(DockerSettings::from(&config))
         .await
         .context("cannot start kernels")?;
     backend.check().await.context("cannot start kernels")?;
+    specs.describe(&backend).await;
     let backend: Arc<dyn KernelBackend> = Arc::new(backend);
 
     let tracker = TaskTracker::new();
@@ -71,7 +75,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         autorestart: config.autorestart,
         cull_idle_timeout: (config.cull_idle_timeout > 0)
             .then(|| Duration::from_secs(config.cull_idle_timeout)),
-        pool_size: config.pool_size,
+        specs: Arc::new(specs),
         limits: ClientLimits {
             buffer_bytes: config.client_buffer_mb * 1024 * 1024,
             replay_for: Duration::from_secs(600),

@@ -53,6 +53,7 @@ async fn hardened_container_runs_a_real_kernel() -> Result<()> {
         .launch(&LaunchRequest {
             kernel_id: kernel_id.clone(),
             kernel_name: "python3".into(),
+            image: kernelgate_tests::image(),
             env: BTreeMap::new(),
             preload: false,
         })

@@ -67,7 +67,7 @@ impl From<KernelError> for ApiError {
 impl From<CreateError> for ApiError {
     fn from(e: CreateError) -> Self {
         match e {
-            CreateError::NoSuchSpec(_) => ApiError::new(StatusCode::NOT_FOUND, e.to_string()),
+            CreateError::NoSuchSpec { .. } => ApiError::new(StatusCode::NOT_FOUND, e.to_string()),
             CreateError::TooMany { .. } => ApiError::new(StatusCode::FORBIDDEN, e.to_string()),
             CreateError::BadEnv { .. } => ApiError::bad_request(e.to_string()),
             CreateError::ShuttingDown => {

@@ -6,7 +6,7 @@
 mod socket_dir;
 mod spec;
 
-use super::{BackendError, ExecOutput, Found, KernelBackend, LaunchRequest, Launched};
+use super::{BackendError, ExecOutput, Found, ImageFacts, KernelBackend, LaunchRequest, Launched};
 use crate::config::Config;
 use crate::metrics;
 use bollard::errors::Error as DockerError;
@@ -129,7 +129,7 @@ impl DockerBackend {
 
         let created = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
         let body = ContainerSpec {
-            image: &self.settings.image,
+            image: &req.image,
             kernel_id: &req.kernel_id,
             kernel_name: &req.kernel_name,
             created: &created,
@@ -150,13 +150,13 @@ impl DockerBackend {
             Ok(created) => created.id,
             Err(e) => {
                 let _ = socket_dir::remove(&dir);
-                return Err(self.create_error(e));
+                return Err(self.create_error(&req.image, e));
             }
         };
         if let Err(e) = self.docker.start_container(&id, None).await {
             let _ = self.docker.remove_container(&id, Some(force())).await;
             let _ = socket_dir::remove(&dir);
-            return Err(self.create_error(e));
+            return Err(self.create_error(&req.image, e));
         }
         tracing::debug!(kernel = %req.kernel_id, container = %id, "kernel container started");
         self.known_dirs().insert(id.clone(), dir);
@@ -288,15 +288,27 @@ impl DockerBackend {
         socket_dir::path(&self.settings.runtime_dir, labels.get(LABEL_KERNEL_ID)?)
     }
 
-    fn create_error(&self, e: DockerError) -> BackendError {
+    fn create_error(&self, image: &str, e: DockerError) -> BackendError {
         match &e {
             DockerError::DockerResponseServerError {
                 status_code: 404,
                 message,
-            } if message.contains("No such image") => BackendError::ImageMissing {
-                image: self.settings.image.clone(),
-            },
+            } if message.contains("No such image") => self.image_missing(image),
             _ => runtime("create", e),
+        }
+    }
+
+    /// The error for a missing image, with how to build it: ours with `make image`, a
+    /// derived one as docs/custom-images.md shows.
+    fn image_missing(&self, image: &str) -> BackendError {
+        let fix = if image == self.settings.image {
+            "build it with `make image`"
+        } else {
+            "build it with kernel-image/derive.sh (see docs/custom-images.md) or fix its --kernelspec"
+        };
+        BackendError::ImageMissing {
+            image: image.to_owned(),
+            fix,
         }
     }
 }
@@ -307,9 +319,26 @@ impl KernelBackend for DockerBackend {
             self.docker.ping().await.map_err(unavailable)?;
             match self.docker.inspect_image(&self.settings.image).await {
                 Ok(_) => Ok(()),
-                Err(e) if status(&e) == Some(404) => Err(BackendError::ImageMissing {
-                    image: self.settings.image.clone(),
-                }),
+                Err(e) if status(&e) == Some(404) => Err(self.image_missing(&self.settings.image)),
+                Err(e) => Err(runtime("inspect image", e)),
+            }
+        })
+    }
+
+    fn describe_image<'a>(
+        &'a self,
+        image: &'a str,
+    ) -> BoxFuture<'a, Result<ImageFacts, BackendError>> {
+        counted("describe_image", async move {
+            match self.docker.inspect_image(image).await {
+                Ok(inspect) => {
+                    let config = inspect.config.unwrap_or_default();
+                    Ok(ImageFacts {
+                        labels: config.labels.unwrap_or_default(),
+                        cmd: config.cmd.unwrap_or_default(),
+                    })
+                }
+                Err(e) if status(&e) == Some(404) => Err(self.image_missing(image)),
                 Err(e) => Err(runtime("inspect image", e)),
             }
         })

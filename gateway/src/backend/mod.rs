@@ -15,10 +15,20 @@ pub struct LaunchRequest {
     pub kernel_id: String,
     /// The kernel spec name (`python3`).
     pub kernel_name: String,
+    /// The image the spec's kernels run in.
+    pub image: String,
     /// Extra environment for the kernel process: already filtered to `KERNEL_*` names.
     pub env: BTreeMap<String, String>,
     /// Import the common libraries before the kernel reports ready (warm pool).
     pub preload: bool,
+}
+
+/// What an image says about itself.
+#[derive(Debug, Clone, Default)]
+pub struct ImageFacts {
+    pub labels: std::collections::HashMap<String, String>,
+    /// The command a container of it runs (its `CMD`).
+    pub cmd: Vec<String>,
 }
 
 /// A started kernel.
@@ -58,8 +68,8 @@ pub struct ExecOutput {
 pub enum BackendError {
     #[error("cannot reach the Docker daemon ({detail}); start Docker (e.g. `systemctl start docker`) and check that this user may use /var/run/docker.sock")]
     DockerUnavailable { detail: String },
-    #[error("kernel image {image:?} not found; build it with `make image`")]
-    ImageMissing { image: String },
+    #[error("kernel image {image:?} not found; {fix}")]
+    ImageMissing { image: String, fix: &'static str },
     #[error("kernel container {handle} is gone")]
     Gone { handle: String },
     #[error("container runtime error: {0}")]
@@ -75,6 +85,12 @@ pub enum BackendError {
 pub trait KernelBackend: Send + Sync + 'static {
     /// Checks that kernels can be started at all (daemon reachable, image present).
     fn check(&self) -> BoxFuture<'_, Result<(), BackendError>>;
+
+    /// The labels and command of an image, or [`BackendError::ImageMissing`].
+    fn describe_image<'a>(
+        &'a self,
+        image: &'a str,
+    ) -> BoxFuture<'a, Result<ImageFacts, BackendError>>;
 
     /// Starts one kernel and returns once its process was started (not yet answering).
     fn launch<'a>(

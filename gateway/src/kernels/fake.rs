@@ -4,7 +4,9 @@
 //! `execute` requests, each wrapped in `busy`/`idle` status messages, and heartbeat
 //! echoes. Tests kill, count and inspect kernels through [`FakeBackend`].
 
-use crate::backend::{BackendError, ExecOutput, Found, KernelBackend, LaunchRequest, Launched};
+use crate::backend::{
+    BackendError, ExecOutput, Found, ImageFacts, KernelBackend, LaunchRequest, Launched,
+};
 use bytes::Bytes;
 use futures::future::BoxFuture;
 use kernelgate_protocol::{wire, Channel, ConnectionInfo, Header, Message, RawJson, SigningKey};
@@ -20,6 +22,7 @@ use zeromq::{PubSocket, RepSocket, RouterSocket, Socket, SocketRecv, SocketSend,
 #[derive(Debug, Default, Clone)]
 pub struct Record {
     pub kernel_id: String,
+    pub image: String,
     pub preload: bool,
     pub env: BTreeMap<String, String>,
     /// The code of every execute_request, in order.
@@ -164,6 +167,13 @@ impl KernelBackend for FakeBackend {
         Box::pin(async { Ok(()) })
     }
 
+    fn describe_image<'a>(
+        &'a self,
+        _image: &'a str,
+    ) -> BoxFuture<'a, Result<ImageFacts, BackendError>> {
+        Box::pin(async { Ok(ImageFacts::default()) })
+    }
+
     fn launch<'a>(
         &'a self,
         req: &'a LaunchRequest,
@@ -179,6 +189,7 @@ impl KernelBackend for FakeBackend {
             let running = Running {
                 record: Record {
                     kernel_id: req.kernel_id.clone(),
+                    image: req.image.clone(),
                     preload: req.preload,
                     env: req.env.clone(),
                     ..Record::default()

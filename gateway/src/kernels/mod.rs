@@ -5,6 +5,7 @@
 
 use crate::backend::{BackendError, Found, KernelBackend, LaunchRequest, Launched};
 use crate::kernel::clients::ClientLimits;
+use crate::kernelspecs::{KernelSpecs, DEFAULT_SPEC};
 use crate::metrics::{self, Source, TableSnapshot};
 
 mod pool;
@@ -21,13 +22,10 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
-/// The kernel spec every kernel is started from.
-pub const KERNEL_NAME: &str = "python3";
-
 #[derive(Debug, thiserror::Error)]
 pub enum CreateError {
-    #[error("no kernel spec named {0:?}; this gateway offers \"python3\"")]
-    NoSuchSpec(String),
+    #[error("no kernel spec named {name:?}; this gateway offers {offered}")]
+    NoSuchSpec { name: String, offered: String },
     #[error("{max} kernels are running, the most this gateway allows; shut one down first")]
     TooMany { max: usize },
     #[error("environment variable {name}: {reason}")]
@@ -47,7 +45,8 @@ pub struct Settings {
     pub startup_timeout: Duration,
     pub autorestart: bool,
     pub cull_idle_timeout: Option<Duration>,
-    pub pool_size: usize,
+    /// The kernel specs, with their images and pool sizes.
+    pub specs: Arc<KernelSpecs>,
     pub limits: ClientLimits,
 }
 
@@ -108,7 +107,8 @@ struct Table {
     live: HashMap<String, Arc<LiveKernel>>,
     /// Creates under way, counted against the limit so concurrent creates cannot pass it.
     reserved: usize,
-    pool: VecDeque<Arc<LiveKernel>>,
+    /// Warm kernels by spec name.
+    pool: HashMap<String, VecDeque<Arc<LiveKernel>>>,
 }
 
 /// All kernels of this gateway.
@@ -161,8 +161,12 @@ impl Kernels {
     /// behind by an earlier run of the gateway.
     pub async fn start(self: &Arc<Self>) {
         self.remove_leftovers().await;
-        let me = self.clone();
-        self.tracker.spawn(async move { me.fill_pool().await });
+        for spec in self.settings.specs.iter().filter(|s| s.pool_size > 0) {
+            let me = self.clone();
+            let (name, size) = (spec.name.clone(), spec.pool_size);
+            self.tracker
+                .spawn(async move { me.fill_pool(name, size).await });
+        }
         if let Some(idle) = self.settings.cull_idle_timeout {
             let me = self.clone();
             self.tracker.spawn(async move { me.cull(idle).await });
@@ -209,7 +213,7 @@ impl Kernels {
             });
         }
         let name = if found.kernel_name.is_empty() {
-            KERNEL_NAME
+            DEFAULT_SPEC
         } else {
             &found.kernel_name
         };
@@ -237,9 +241,12 @@ impl Kernels {
         name: Option<&str>,
         env: &BTreeMap<String, String>,
     ) -> Result<Arc<LiveKernel>, CreateError> {
-        let name = name.filter(|n| !n.is_empty()).unwrap_or(KERNEL_NAME);
-        if name != KERNEL_NAME {
-            return Err(CreateError::NoSuchSpec(name.to_owned()));
+        let name = name.filter(|n| !n.is_empty()).unwrap_or(DEFAULT_SPEC);
+        if self.settings.specs.get(name).is_none() {
+            return Err(CreateError::NoSuchSpec {
+                name: name.to_owned(),
+                offered: self.settings.specs.names(),
+            });
         }
         let env = kernel_env(env)?;
         let slot = self.reserve()?;
@@ -309,7 +316,7 @@ impl Kernels {
         name: &str,
         env: BTreeMap<String, String>,
     ) -> Result<(Arc<LiveKernel>, Source), CreateError> {
-        if let Some(live) = self.take_pooled(&env).await {
+        if let Some(live) = self.take_pooled(name, &env).await {
             return Ok((live, Source::Pool));
         }
         let live = self.launch(name, env, false).await?;
@@ -338,14 +345,20 @@ impl Kernels {
         }
         TableSnapshot {
             states: states.into_iter().collect(),
-            pooled: i64::try_from(t.pool.len()).unwrap_or(i64::MAX),
+            pooled: i64::try_from(t.pool.values().map(VecDeque::len).sum::<usize>())
+                .unwrap_or(i64::MAX),
             buffered_bytes: i64::try_from(buffered).unwrap_or(i64::MAX),
         }
     }
 
-    /// Warm kernels ready, and how many the pool should hold.
+    /// Warm kernels ready in all pools, and how many they should hold.
     pub fn pool_fill(&self) -> (usize, usize) {
-        (self.lock().pool.len(), self.settings.pool_size)
+        let ready = self.lock().pool.values().map(VecDeque::len).sum();
+        (ready, self.settings.specs.pool_target())
+    }
+
+    pub fn specs(&self) -> &KernelSpecs {
+        &self.settings.specs
     }
 
     /// Starts a kernel, waits until it answers, and starts watching it.
@@ -356,9 +369,19 @@ impl Kernels {
         preload: bool,
     ) -> Result<Arc<LiveKernel>, CreateError> {
         let id = uuid::Uuid::new_v4().to_string();
+        let image = match self.settings.specs.get(name) {
+            Some(spec) => spec.image.clone(),
+            None => {
+                return Err(CreateError::NoSuchSpec {
+                    name: name.to_owned(),
+                    offered: self.settings.specs.names(),
+                })
+            }
+        };
         let req = LaunchRequest {
             kernel_id: id.clone(),
             kernel_name: name.to_owned(),
+            image,
             env,
             preload,
         };
@@ -422,7 +445,7 @@ impl Kernels {
     /// caller goes away.
     pub async fn delete(self: &Arc<Self>, id: &str) -> Option<Result<(), BackendError>> {
         let live = self.lock().live.remove(id)?;
-        self.pool_wanted.notify_one();
+        self.pool_wanted.notify_waiters();
         let me = self.clone();
         let removal = self
             .tracker
@@ -447,7 +470,7 @@ impl Kernels {
         let all: Vec<Arc<LiveKernel>> = {
             let mut t = self.lock();
             let mut all: Vec<_> = t.live.drain().map(|(_, v)| v).collect();
-            all.extend(t.pool.drain(..));
+            all.extend(t.pool.drain().flat_map(|(_, p)| p));
             all
         };
         let removals = all.iter().map(|live| self.discard(live));

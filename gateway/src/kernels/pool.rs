@@ -2,11 +2,11 @@
 //! handed out by create. A pooled kernel is given the create's `KERNEL_*` environment
 //! before anyone can attach to it, so it sees what a kernel started for the request would.
 
-use super::{Kernels, LiveKernel, KERNEL_NAME};
+use super::{Kernels, LiveKernel};
 use crate::metrics;
 use kernelgate_protocol::content::{ExecuteRequest, ExecutionState};
 use kernelgate_protocol::{Channel, Execution, RawJson};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -27,13 +27,14 @@ impl Kernels {
     /// be read while Python starts, so their kernels start cold).
     pub(super) async fn take_pooled(
         self: &Arc<Self>,
+        spec: &str,
         env: &BTreeMap<String, String>,
     ) -> Option<Arc<LiveKernel>> {
         if !env.keys().all(|k| GATEWAY_HINTS.contains(&k.as_str())) {
             return None;
         }
-        let pooled = self.lock().pool.pop_front();
-        self.pool_wanted.notify_one();
+        let pooled = self.lock().pool.get_mut(spec).and_then(VecDeque::pop_front);
+        self.pool_wanted.notify_waiters();
         let live = pooled?;
         if live.kernel.execution_state() != ExecutionState::Dead {
             match self.set_env(&live, env).await {
@@ -98,23 +99,25 @@ impl Kernels {
         }
     }
 
-    /// Keeps `pool_size` kernels started, with libraries imported, ready to hand out.
-    pub(super) async fn fill_pool(self: Arc<Self>) {
+    /// Keeps the spec's pool size of kernels started, with libraries imported, ready to
+    /// hand out. One such task runs per spec with a pool.
+    pub(super) async fn fill_pool(self: Arc<Self>, spec: String, size: usize) {
         let mut failures = 0u32;
         loop {
-            let missing = self
-                .settings
-                .pool_size
-                .saturating_sub(self.lock().pool.len());
-            if missing == 0 {
+            // Registered before the count is read, so a take in between is not missed.
+            let wanted = self.pool_wanted.notified();
+            tokio::pin!(wanted);
+            wanted.as_mut().enable();
+            let ready = self.lock().pool.get(&spec).map_or(0, VecDeque::len);
+            if ready >= size {
                 tokio::select! {
                     _ = self.cancel.cancelled() => return,
-                    _ = self.pool_wanted.notified() => continue,
+                    _ = wanted => continue,
                 }
             }
             // Not raced against shutdown: `launch` cleans up after itself when cancelled,
             // where dropping it halfway would leave a container behind.
-            let launched = self.launch(KERNEL_NAME, BTreeMap::new(), true).await;
+            let launched = self.launch(&spec, BTreeMap::new(), true).await;
             if self.cancel.is_cancelled() {
                 if let Ok(live) = launched {
                     if let Err(e) = self.discard(&live).await {
@@ -127,12 +130,16 @@ impl Kernels {
                 Ok(live) => {
                     failures = 0;
                     metrics::pool_refilled();
-                    self.lock().pool.push_back(live);
+                    self.lock()
+                        .pool
+                        .entry(spec.clone())
+                        .or_default()
+                        .push_back(live);
                 }
                 Err(e) => {
                     failures += 1;
                     let wait = Duration::from_secs(5 * u64::from(failures.min(12)));
-                    tracing::warn!(error = %e, retry_in = ?wait, "cannot fill the warm pool");
+                    tracing::warn!(%spec, error = %e, retry_in = ?wait, "cannot fill the warm pool");
                     tokio::select! {
                         _ = self.cancel.cancelled() => return,
                         _ = tokio::time::sleep(wait) => {}

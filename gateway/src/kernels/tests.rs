@@ -5,13 +5,18 @@ use super::fake::FakeBackend;
 use super::*;
 use std::future::Future;
 
+fn specs(extra: &[&str], pools: &[&str]) -> Arc<KernelSpecs> {
+    let strings = |v: &[&str]| v.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
+    Arc::new(KernelSpecs::parse("kernel:1", &strings(extra), &strings(pools)).expect("valid"))
+}
+
 fn settings() -> Settings {
     Settings {
         max_kernels: 4,
         startup_timeout: Duration::from_secs(10),
         autorestart: true,
         cull_idle_timeout: None,
-        pool_size: 0,
+        specs: specs(&[], &["0"]),
         limits: ClientLimits {
             buffer_bytes: 1 << 20,
             replay_for: Duration::from_secs(60),
@@ -51,7 +56,7 @@ fn env(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
 
 impl Kernels {
     fn pooled(&self) -> usize {
-        self.lock().pool.len()
+        self.lock().pool.values().map(VecDeque::len).sum()
     }
 
     fn reserved(&self) -> usize {
@@ -62,7 +67,7 @@ impl Kernels {
 #[tokio::test]
 async fn the_pool_hands_out_kernels_with_their_environment_and_refills() {
     let (kernels, fake) = table(Settings {
-        pool_size: 2,
+        specs: specs(&["extra=extra:2"], &["2"]),
         ..settings()
     })
     .await;
@@ -95,6 +100,45 @@ async fn the_pool_hands_out_kernels_with_their_environment_and_refills() {
         Some("de")
     );
     assert_eq!(kernels.pooled(), 2, "the pool was not touched");
+
+    // Another spec: its own image, no pool unless asked for.
+    let extra = kernels
+        .create(Some("extra"), &BTreeMap::new())
+        .await
+        .expect("created");
+    let (_, record) = fake.record_of(extra.id()).expect("launched");
+    assert_eq!((record.image.as_str(), record.preload), ("extra:2", false));
+    assert_eq!(extra.name, "extra");
+    assert!(matches!(
+        kernels.create(Some("nope"), &BTreeMap::new()).await,
+        Err(CreateError::NoSuchSpec { .. })
+    ));
+}
+
+#[tokio::test]
+async fn each_spec_keeps_its_own_pool() {
+    let (kernels, fake) = table(Settings {
+        specs: specs(&["extra=extra:2"], &["0", "extra=1"]),
+        ..settings()
+    })
+    .await;
+    eventually("the extra pool filled", || async { kernels.pooled() == 1 }).await;
+    let live = kernels
+        .create(Some("extra"), &BTreeMap::new())
+        .await
+        .expect("created");
+    let (_, record) = fake.record_of(live.id()).expect("launched");
+    assert_eq!((record.image.as_str(), record.preload), ("extra:2", true));
+    let py = kernels
+        .create(None, &BTreeMap::new())
+        .await
+        .expect("created");
+    let (_, record) = fake.record_of(py.id()).expect("launched");
+    assert_eq!((record.image.as_str(), record.preload), ("kernel:1", false));
+    eventually("the extra pool refilled", || async {
+        kernels.pooled() == 1
+    })
+    .await;
 }
 
 #[tokio::test]
