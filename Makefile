@@ -39,8 +39,13 @@ unit:
 debug-build:
 	$(CARGO) build -p kernelgate
 
-e2e: image debug-build test-tools
-	KERNELGATE_IMAGE=$(KERNEL_IMAGE) $(CARGO) test -p kernelgate-tests -- --test-threads=3
+e2e: image debug-build test-tools fixture-image
+	KERNELGATE_IMAGE=$(KERNEL_IMAGE) KERNELGATE_FIXTURE_IMAGE=$(FIXTURE_IMAGE) \
+		$(CARGO) test -p kernelgate-tests -- --test-threads=3
+
+# The derived image of the custom-image tests is built with the test venv's pip.
+FIXTURE_PYTHON := $(PY_VENV)/bin/python
+fixture-image: python-venv
 
 # Debian's Prometheus: the operability test has it scrape a live gateway on loopback.
 test-tools:
@@ -51,4 +56,4 @@ test-tools:
 	fi
 
 # The Python suite drives the debug binary too.
-python-tests: image debug-build
+python-tests: image debug-build fixture-image

@@ -187,6 +187,19 @@ async fn prometheus_scrapes_what_happened() -> Result<()> {
     Ok(())
 }
 
+/// Removes an image tag of the test's own, also when the test fails.
+struct Untag(String);
+
+impl Drop for Untag {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("docker")
+            .args(["rmi", &self.0])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+    }
+}
+
 /// Polls `/readyz` until its pool state is `pool`; returns the answer.
 async fn wait_ready(gw: &Gateway, pool: &str) -> Result<Value> {
     let http = reqwest::Client::new();
@@ -211,6 +224,7 @@ async fn health_endpoints_and_metrics_access() -> Result<()> {
         .args(["tag", &kernelgate_tests::image(), &tag])
         .status()?;
     assert!(tagged.success());
+    let _untag = Untag(tag.clone());
     let gw = Gateway::start(&["--image", &tag]).await?;
     let http = reqwest::Client::new();
 

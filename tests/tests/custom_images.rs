@@ -1,0 +1,187 @@
+//! End to end: a kernel image derived from ours with the fixture package
+//! (tests/fixtures/kg_fixture), built by the documented command (`make fixture-image` runs
+//! kernel-image/derive.sh), offered as its own kernel spec with its own warm pool, next to
+//! python3 and a spec whose image is missing.
+
+use anyhow::{bail, Context, Result};
+use kernelgate_tests::Gateway;
+use serde_json::{json, Value};
+use std::time::Duration;
+
+/// The derived image: from `make e2e`, or built now through the same make target.
+fn fixture_image() -> Result<String> {
+    if let Ok(image) = std::env::var("KERNELGATE_FIXTURE_IMAGE") {
+        if !image.is_empty() {
+            return Ok(image);
+        }
+    }
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let make = |args: &[&str]| {
+        std::process::Command::new("make")
+            .current_dir(&root)
+            .args(["--no-print-directory", "-s"])
+            .args(args)
+            .output()
+    };
+    let built = make(&["fixture-image"])?;
+    if !built.status.success() {
+        bail!(
+            "make fixture-image: {}",
+            String::from_utf8_lossy(&built.stderr)
+        );
+    }
+    let name = make(&[
+        "-f",
+        "mk/image.mk",
+        "--eval",
+        "print:\n\t@echo $(FIXTURE_IMAGE)",
+        "print",
+    ])?;
+    Ok(String::from_utf8(name.stdout)?.trim().to_owned())
+}
+
+/// The image's command, as the kernelspec should advertise it.
+fn image_cmd(image: &str) -> Result<Vec<String>> {
+    let out = std::process::Command::new("docker")
+        .args([
+            "image",
+            "inspect",
+            "--format",
+            "{{json .Config.Cmd}}",
+            image,
+        ])
+        .output()?;
+    let cmd: Vec<String> = serde_json::from_slice(&out.stdout).context("image Cmd")?;
+    Ok(cmd
+        .into_iter()
+        .map(|a| {
+            if a == "/run/kernel/kernel.json" {
+                "{connection_file}".to_owned()
+            } else {
+                a
+            }
+        })
+        .collect())
+}
+
+async fn run(gw: &Gateway, id: &str, code: &str) -> Result<Value> {
+    let (status, body) = gw
+        .post_json(&format!("/api/kernels/{id}/execute"), json!({"code": code}))
+        .await?;
+    assert_eq!(status, 200, "{body}");
+    Ok(body)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_derived_image_serves_its_own_kernelspec_and_pool() -> Result<()> {
+    let fixture = fixture_image()?;
+    let spec = format!("fixture={fixture}");
+    let gw = Gateway::start(&[
+        "--kernelspec",
+        &spec,
+        "--kernelspec",
+        "ghost=kernelgate-missing:none",
+        "--pool-size",
+        "0,fixture=1",
+    ])
+    .await?;
+
+    // The listing: all three, with what launchers show and the command containers run.
+    let (status, specs) = gw.get_json("/api/kernelspecs").await?;
+    assert_eq!(status, 200);
+    assert_eq!(specs["default"], "python3");
+    let fx = &specs["kernelspecs"]["fixture"];
+    assert_eq!(fx["spec"]["display_name"], "Python 3 + kg_fixture", "{fx}");
+    assert_eq!(fx["spec"]["argv"], json!(image_cmd(&fixture)?));
+    let py = &specs["kernelspecs"]["python3"];
+    assert_eq!(
+        py["spec"]["argv"],
+        json!(image_cmd(&kernelgate_tests::image())?)
+    );
+    assert_eq!(
+        specs["kernelspecs"]["ghost"]["spec"]["metadata"]["kernelgate"]["image_present"],
+        false
+    );
+    let logo = gw
+        .request(reqwest::Method::GET, "/kernelspecs/fixture/logo-64x64.png")
+        .send()
+        .await?
+        .bytes()
+        .await?;
+    let expected = std::fs::read(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/kg_fixture/logo-64x64.png"),
+    )?;
+    assert_eq!(
+        logo.as_ref(),
+        expected.as_slice(),
+        "the logo from the image's label"
+    );
+
+    // Its own pool: the only pooled create of this gateway is the fixture kernel.
+    let mut filled = false;
+    for _ in 0..120 {
+        let r: Value = reqwest::get(gw.url("/readyz")).await?.json().await?;
+        if r["pool"]["state"] == "filled" {
+            filled = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    assert!(filled, "the fixture pool did not fill");
+    let (status, model) = gw
+        .post_json("/api/kernels", json!({"name": "fixture"}))
+        .await?;
+    assert_eq!(status, 201, "{model}");
+    assert_eq!(model["name"], "fixture");
+    let id = model["id"].as_str().unwrap_or_default().to_owned();
+    let metrics = gw
+        .request(reqwest::Method::GET, "/metrics")
+        .send()
+        .await?
+        .text()
+        .await?;
+    assert!(
+        metrics.contains("kernelgate_kernel_creates_total{source=\"pool\"} 1"),
+        "{metrics}"
+    );
+    let r = run(
+        &gw,
+        &id,
+        "import kg_fixture\nprint(kg_fixture.greet('agent'))",
+    )
+    .await?;
+    assert_eq!(r["stdout"], "hello agent from kg_fixture 1.2.3\n", "{r}");
+
+    // python3 kernels run the base image: no fixture there.
+    let py = gw.create_kernel().await?;
+    let r = run(
+        &gw,
+        py["id"].as_str().unwrap_or_default(),
+        "import kg_fixture",
+    )
+    .await?;
+    assert_eq!(r["error"]["ename"], "ModuleNotFoundError", "{r}");
+
+    // A spec whose image is missing: 503 with how to build it; unknown specs: 404.
+    let (status, body) = gw
+        .post_json("/api/kernels", json!({"name": "ghost"}))
+        .await?;
+    assert_eq!(status, 503, "{body}");
+    assert!(
+        body["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("derive.sh")),
+        "{body}"
+    );
+    let (status, body) = gw
+        .post_json("/api/kernels", json!({"name": "nope"}))
+        .await?;
+    assert_eq!(status, 404, "{body}");
+    assert!(
+        body["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("fixture")),
+        "{body}"
+    );
+    Ok(())
+}
