@@ -22,6 +22,7 @@ import signal
 import socket
 import subprocess
 import sys
+from urllib.parse import urlparse
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -55,6 +56,25 @@ def free_port() -> int:
 
 class ProcessExited(AssertionError):
     """Raised by a wait_until check when the process it waits for is gone: no use waiting."""
+
+
+LOOPBACK = {"127.0.0.1", "localhost", "[::1]", "::1"}
+
+
+def loopback_only(context) -> list[str]:
+    """Lets a browser context reach loopback only: every other http(s)/ws(s) request is
+    refused and its URL recorded in the returned list (which a test asserts is empty)."""
+    outside: list[str] = []
+
+    def guard(route):
+        host = urlparse(route.request.url).hostname or ""
+        if route.request.url.startswith(("http:", "https:", "ws:", "wss:")) and host not in LOOPBACK:
+            outside.append(route.request.url)
+            return route.abort()
+        return route.continue_()
+
+    context.route("**/*", guard)
+    return outside
 
 
 def wait_until(what: str, check: Callable[[], object], timeout: float, interval: float = 0.2):

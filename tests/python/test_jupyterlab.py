@@ -10,16 +10,14 @@ from __future__ import annotations
 import json
 import re
 import time
-from urllib.parse import urlparse
 
 from playwright.sync_api import Locator, expect
 
-from conftest import Screens, wait_until
+from conftest import Screens, loopback_only, wait_until
 
 DISPLAY_NAME = "Python 3 (sandboxed)"  # the gateway's kernel spec, as the launcher shows it
 CELL_TIMEOUT_MS = 90_000  # a cell on a loaded 2-core machine; the first one waits for the kernel
 NOTEBOOK = "gateway-demo.ipynb"
-LOOPBACK = {"127.0.0.1", "localhost", "[::1]", "::1"}
 
 
 class Lab(Screens):
@@ -115,16 +113,7 @@ def test_jupyterlab_notebook_on_gateway(gateway, jupyter_factory, chromium, arti
     context.set_default_timeout(30_000)
 
     # Only loopback is reachable here, and Lab must not try anything else: record and refuse.
-    outside: list[str] = []
-
-    def guard(route):
-        host = urlparse(route.request.url).hostname or ""
-        if route.request.url.startswith(("http:", "https:", "ws:", "wss:")) and host not in LOOPBACK:
-            outside.append(route.request.url)
-            return route.abort()
-        return route.continue_()
-
-    context.route("**/*", guard)
+    outside = loopback_only(context)
     page = context.new_page()
     console = open(artifacts / "browser-console.log", "w")
     page.on("console", lambda m: console.write(f"[{m.type}] {m.text}\n"))

@@ -164,6 +164,33 @@ impl Gateway {
         Ok((status, r.json().await.unwrap_or(Value::Null)))
     }
 
+    /// Runs code through the agent API (`POST /api/kernels/{id}/execute`); its JSON answer.
+    pub async fn execute(&self, id: &str, code: &str) -> Result<Value> {
+        let (status, body) = self
+            .post_json(&format!("/api/kernels/{id}/execute"), json!({"code": code}))
+            .await?;
+        if status != 200 {
+            bail!("execute answered {status}: {body}");
+        }
+        Ok(body)
+    }
+
+    /// Polls `/readyz` (up to 60 s) until its warm pools are in `state` (`filled`,
+    /// `filling`, `off`); returns the answer.
+    pub async fn wait_pool(&self, state: &str) -> Result<Value> {
+        let mut last = Value::Null;
+        for _ in 0..120 {
+            let r = self.http.get(self.url("/readyz")).send().await?;
+            let status = r.status().as_u16();
+            last = r.json().await?;
+            if status == 200 && last["pool"]["state"] == state {
+                return Ok(last);
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+        bail!("/readyz never reported the pools {state}: {last}")
+    }
+
     /// Opens the channels WebSocket of a kernel.
     pub async fn channels(&self, kernel_id: &str, session_id: &str) -> Result<Client> {
         self.channels_with(kernel_id, session_id, None).await
@@ -381,6 +408,14 @@ impl Tracked {
 }
 
 impl Outcome {
+    /// The first PNG among the outputs (base64), or an error naming what came instead.
+    pub fn png(&self) -> Result<&str> {
+        self.displays
+            .iter()
+            .find_map(|d| d.get("image/png").and_then(|v| v.as_str()))
+            .ok_or_else(|| anyhow!("no image/png in {:?}", self.msg_types))
+    }
+
     /// The text/plain of the execute_result, if any.
     pub fn result_text(&self) -> Option<String> {
         self.displays.iter().rev().find_map(|d| {

@@ -5,8 +5,7 @@
 
 use anyhow::{bail, Context, Result};
 use kernelgate_tests::Gateway;
-use serde_json::{json, Value};
-use std::time::Duration;
+use serde_json::json;
 
 /// The derived image: from `make e2e`, or built now through the same make target.
 fn fixture_image() -> Result<String> {
@@ -64,14 +63,6 @@ fn image_cmd(image: &str) -> Result<Vec<String>> {
         .collect())
 }
 
-async fn run(gw: &Gateway, id: &str, code: &str) -> Result<Value> {
-    let (status, body) = gw
-        .post_json(&format!("/api/kernels/{id}/execute"), json!({"code": code}))
-        .await?;
-    assert_eq!(status, 200, "{body}");
-    Ok(body)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_derived_image_serves_its_own_kernelspec_and_pool() -> Result<()> {
     let fixture = fixture_image()?;
@@ -118,16 +109,7 @@ async fn a_derived_image_serves_its_own_kernelspec_and_pool() -> Result<()> {
     );
 
     // Its own pool: the only pooled create of this gateway is the fixture kernel.
-    let mut filled = false;
-    for _ in 0..120 {
-        let r: Value = reqwest::get(gw.url("/readyz")).await?.json().await?;
-        if r["pool"]["state"] == "filled" {
-            filled = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
-    assert!(filled, "the fixture pool did not fill");
+    gw.wait_pool("filled").await?;
     let (status, model) = gw
         .post_json("/api/kernels", json!({"name": "fixture"}))
         .await?;
@@ -144,22 +126,15 @@ async fn a_derived_image_serves_its_own_kernelspec_and_pool() -> Result<()> {
         metrics.contains("kernelgate_kernel_creates_total{source=\"pool\"} 1"),
         "{metrics}"
     );
-    let r = run(
-        &gw,
-        &id,
-        "import kg_fixture\nprint(kg_fixture.greet('agent'))",
-    )
-    .await?;
+    let r = gw
+        .execute(&id, "import kg_fixture\nprint(kg_fixture.greet('agent'))")
+        .await?;
     assert_eq!(r["stdout"], "hello agent from kg_fixture 1.2.3\n", "{r}");
 
     // python3 kernels run the base image: no fixture there.
     let py = gw.create_kernel().await?;
-    let r = run(
-        &gw,
-        py["id"].as_str().unwrap_or_default(),
-        "import kg_fixture",
-    )
-    .await?;
+    let py_id = py["id"].as_str().unwrap_or_default();
+    let r = gw.execute(py_id, "import kg_fixture").await?;
     assert_eq!(r["error"]["ename"], "ModuleNotFoundError", "{r}");
 
     // A spec whose image is missing: 503 with how to build it; unknown specs: 404.

@@ -4,26 +4,15 @@
 
 use anyhow::{bail, Result};
 use kernelgate_tests::Gateway;
-use serde_json::{json, Value};
+use serde_json::json;
 use std::time::Duration;
-
-async fn pool_filled(gw: &Gateway) -> Result<()> {
-    for _ in 0..120 {
-        let r: Value = reqwest::get(gw.url("/readyz")).await?.json().await?;
-        if r["pool"]["state"] == "filled" {
-            return Ok(());
-        }
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
-    bail!("the warm pool did not fill")
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kernel_env_reaches_pooled_and_cold_kernels_alike() -> Result<()> {
     for pool in ["1", "0"] {
         let gw = Gateway::start(&["--pool-size", pool]).await?;
         if pool == "1" {
-            pool_filled(&gw).await?;
+            gw.wait_pool("filled").await?;
         }
         let (status, model) = gw
             .post_json(

@@ -129,12 +129,7 @@ async fn notebook_session_runs_code_and_keeps_state() -> Result<()> {
             "import matplotlib.pyplot as plt\nplt.plot([1, 3, 2])\nplt.title('chart')\nplt.show()",
         )
         .await?;
-    let png = r
-        .displays
-        .iter()
-        .find_map(|d| d.get("image/png").and_then(|v| v.as_str()))
-        .ok_or_else(|| anyhow::anyhow!("no image/png in {:?}", r.msg_types))?;
-    let (w, h) = decode_png(png)?;
+    let (w, h) = decode_png(r.png()?)?;
     assert!(w > 100 && h > 100, "{w}x{h}");
 
     let r = c.execute("1/0").await?;

@@ -117,12 +117,7 @@ async fn exercise(handle: &str, connection: &kernelgate_protocol::ConnectionInfo
         "import matplotlib.pyplot as plt\nplt.plot([3, 1, 2])\nplt.show()",
     )
     .await?;
-    let png = r
-        .displays
-        .iter()
-        .find_map(|d| d.get("image/png").and_then(|v| v.as_str()))
-        .ok_or_else(|| anyhow!("no image/png"))?;
-    let (w, h) = decode_png(png)?;
+    let (w, h) = decode_png(r.png()?)?;
     assert!(w > 100 && h > 100);
 
     let r = run(&kernel, &me, "1/0").await?;

@@ -97,14 +97,6 @@ impl Prometheus {
     }
 }
 
-async fn execute(gw: &Gateway, id: &str, code: &str) -> Result<Value> {
-    let (status, body) = gw
-        .post_json(&format!("/api/kernels/{id}/execute"), json!({"code": code}))
-        .await?;
-    assert_eq!(status, 200, "{body}");
-    Ok(body)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prometheus_scrapes_what_happened() -> Result<()> {
     let scrape_token = "scrape-only-token";
@@ -117,7 +109,7 @@ async fn prometheus_scrapes_what_happened() -> Result<()> {
         .await?;
     assert_eq!(r.status().as_u16(), 403);
 
-    let ready = wait_ready(&gw, "filled").await?;
+    let ready = gw.wait_pool("filled").await?;
     assert_eq!(ready["pool"]["target"], 1, "{ready}");
     let pooled = gw.create_kernel().await?;
     let (status, cold) = gw
@@ -125,8 +117,8 @@ async fn prometheus_scrapes_what_happened() -> Result<()> {
         .await?;
     assert_eq!(status, 201, "{cold}");
     let id = pooled["id"].as_str().unwrap_or_default();
-    assert_eq!(execute(&gw, id, "6 * 7").await?["status"], "ok");
-    assert_eq!(execute(&gw, id, "1/0").await?["status"], "error");
+    assert_eq!(gw.execute(id, "6 * 7").await?["status"], "ok");
+    assert_eq!(gw.execute(id, "1/0").await?["status"], "error");
     let mut ws = gw.channels(id, "watcher").await?;
     assert_eq!(ws.execute("print('over the socket')").await?.status, "ok");
 
@@ -200,22 +192,6 @@ impl Drop for Untag {
     }
 }
 
-/// Polls `/readyz` until its pool state is `pool`; returns the answer.
-async fn wait_ready(gw: &Gateway, pool: &str) -> Result<Value> {
-    let http = reqwest::Client::new();
-    let mut last = Value::Null;
-    for _ in 0..120 {
-        let r = http.get(gw.url("/readyz")).send().await?;
-        let status = r.status().as_u16();
-        last = r.json().await?;
-        if status == 200 && last["pool"]["state"] == pool {
-            return Ok(last);
-        }
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
-    bail!("/readyz never reported pool {pool}: {last}")
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn health_endpoints_and_metrics_access() -> Result<()> {
     // An image tag of our own, so it can be taken away while the gateway runs.
@@ -231,7 +207,7 @@ async fn health_endpoints_and_metrics_access() -> Result<()> {
     let r = http.get(gw.url("/healthz")).send().await?;
     assert_eq!(r.status().as_u16(), 200);
     assert_eq!(r.text().await?.trim(), "ok");
-    let ready = wait_ready(&gw, "off").await?;
+    let ready = gw.wait_pool("off").await?;
     assert_eq!(
         (ready["docker"].as_str(), ready["image"].as_str()),
         (Some("ok"), Some("ok"))
@@ -296,7 +272,7 @@ async fn json_logs_parse_line_by_line_with_kernel_and_request_ids() -> Result<()
         .as_str()
         .unwrap_or_default()
         .to_owned();
-    execute(&gw, &id, "1 + 1").await?;
+    gw.execute(&id, "1 + 1").await?;
     gw.delete_kernel(&id).await?;
     tokio::time::sleep(Duration::from_millis(500)).await;
 

@@ -47,6 +47,16 @@ async fn eventually<F: Future<Output = bool>>(what: &str, mut done: impl FnMut()
     panic!("not within 10 s: {what}");
 }
 
+/// A python3 kernel and its handle in the fake backend.
+async fn one_kernel(kernels: &Arc<Kernels>, fake: &FakeBackend) -> (Arc<LiveKernel>, String) {
+    let live = kernels
+        .create(None, &BTreeMap::new())
+        .await
+        .expect("created");
+    let (handle, _) = fake.record_of(live.id()).expect("launched");
+    (live, handle)
+}
+
 fn env(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
     pairs
         .iter()
@@ -182,11 +192,7 @@ async fn a_dead_kernel_is_restarted_or_reported_dead() {
             ..settings()
         })
         .await;
-        let live = kernels
-            .create(None, &BTreeMap::new())
-            .await
-            .expect("created");
-        let (handle, _) = fake.record_of(live.id()).expect("launched");
+        let (live, handle) = one_kernel(&kernels, &fake).await;
         fake.kill(&handle);
         if autorestart {
             eventually("restarted", || async {
@@ -212,11 +218,7 @@ async fn idle_kernels_without_connections_are_culled() {
         ..settings()
     })
     .await;
-    let live = kernels
-        .create(None, &BTreeMap::new())
-        .await
-        .expect("created");
-    let (handle, _) = fake.record_of(live.id()).expect("launched");
+    let (_, handle) = one_kernel(&kernels, &fake).await;
     eventually("culled", || async { kernels.list().is_empty() }).await;
     assert!(fake.records()[&handle].removed);
 }
