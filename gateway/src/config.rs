@@ -163,6 +163,12 @@ pub struct Config {
     #[arg(long, env = "KERNELGATE_CLIENT_BUFFER_MB", default_value_t = 64, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     pub client_buffer_mb: usize,
 
+    /// Origins (`https://lab.example.org`) whose web pages may use this gateway from a
+    /// browser; `*` allows any. Repeatable or comma-separated. The gateway's own origin
+    /// and clients that send no Origin (programs) need nothing.
+    #[arg(long, env = "KERNELGATE_ALLOW_ORIGIN", value_delimiter = ',')]
+    pub allow_origin: Vec<String>,
+
     /// Serve `/metrics` to anyone who can reach the gateway, without a token.
     #[arg(long, env = "KERNELGATE_METRICS_PUBLIC", default_value_t = false)]
     pub metrics_public: bool,

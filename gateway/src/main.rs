@@ -5,6 +5,7 @@ use anyhow::{bail, Context};
 use axum::serve::ListenerExt;
 use clap::Parser;
 use kernelgate::api::ops::{MetricsAccess, Readiness};
+use kernelgate::api::origin::OriginPolicy;
 use kernelgate::api::{self, auth::Auth, AppState};
 use kernelgate::backend::docker::{DockerBackend, DockerSettings};
 use kernelgate::backend::KernelBackend;
@@ -92,6 +93,10 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         tracker: tracker.clone(),
         metrics_access: metrics_access(&config)?,
         readiness: Arc::new(Readiness::default()),
+        origins: Arc::new(OriginPolicy {
+            allowed: config.allow_origin.clone(),
+            loopback_hosts_only: config.no_auth,
+        }),
     };
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await

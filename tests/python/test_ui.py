@@ -267,3 +267,23 @@ def test_ui_restart(gateway, chromium, artifacts):
         raise
     finally:
         context.close()
+
+
+def test_ui_printed_url_logs_in_and_forgets_the_token(gateway, chromium, artifacts):
+    """The URL the gateway prints (`/?token=T`) logs the page in; the token then leaves the
+    address bar (and the history), so a copied or shared URL does not carry it."""
+    context = chromium.new_context(viewport={"width": 1280, "height": 900})
+    context.set_default_timeout(30_000)
+    page = context.new_page()
+    ui = Console(page, artifacts)
+    try:
+        page.goto(f"{gateway.url}/?token={gateway.token}")
+        expect(page.locator("#kernel-bar")).to_be_visible()
+        assert "token" not in page.url, page.url
+        assert gateway.token not in page.evaluate("location.href + history.length + document.referrer")
+        ui.shot("logged-in-from-url")
+    except BaseException:
+        ui.shot("failure")
+        raise
+    finally:
+        context.close()

@@ -62,8 +62,21 @@ impl Gateway {
     /// Starts a gateway with a fresh token, no warm pool and its own runtime directory,
     /// plus `extra` flags; returns once it serves HTTP.
     pub async fn start(extra: &[&str]) -> Result<Gateway> {
+        Self::launch(extra, true).await
+    }
+
+    /// A gateway started with `--no-auth` (loopback only).
+    pub async fn start_without_token() -> Result<Gateway> {
+        Self::launch(&["--no-auth"], false).await
+    }
+
+    async fn launch(extra: &[&str], with_token: bool) -> Result<Gateway> {
         let port = free_port()?;
-        let token = format!("test-{}", uuid::Uuid::new_v4().simple());
+        let token = if with_token {
+            format!("test-{}", uuid::Uuid::new_v4().simple())
+        } else {
+            String::new()
+        };
         let given_dir = extra
             .iter()
             .position(|a| *a == "--runtime-dir")
@@ -75,9 +88,10 @@ impl Gateway {
             "serve".into(),
             "--listen".into(),
             format!("127.0.0.1:{port}"),
-            "--token".into(),
-            token.clone(),
         ];
+        if with_token {
+            args.extend(["--token".into(), token.clone()]);
+        }
         if !extra.contains(&"--image") {
             args.extend(["--image".into(), image()]);
         }

@@ -815,6 +815,14 @@
   // For tests and the curious: the pure parts.
   window.kernelgate = Object.freeze({ ansiSegments, foldCarriageReturns, sessionId });
 
+  // The URL the gateway prints carries the token: take it, then drop it from the address
+  // bar, and so from the history and from anything copied or shared from there.
+  const fromUrl = new URLSearchParams(location.search).get('token');
+  if (fromUrl) {
+    app.token = fromUrl;
+    history.replaceState(null, '', location.pathname + location.hash);
+  }
+
   setStatus('unknown');
   ui.statusText.textContent = 'no kernel';
   if (app.token) connect(app.token);

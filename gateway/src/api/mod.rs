@@ -9,6 +9,7 @@ pub mod files;
 pub mod kernels;
 pub mod kernelspecs;
 pub mod ops;
+pub mod origin;
 pub mod ui;
 
 use crate::kernels::Kernels;
@@ -37,6 +38,7 @@ pub struct AppState {
     pub tracker: TaskTracker,
     pub metrics_access: ops::MetricsAccess,
     pub readiness: Arc<ops::Readiness>,
+    pub origins: Arc<origin::OriginPolicy>,
 }
 
 /// The whole HTTP surface.
@@ -73,6 +75,7 @@ pub fn router(state: AppState) -> Router {
         .merge(protected)
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(state.max_message_bytes))
+        .layer(middleware::from_fn_with_state(state.clone(), origin::guard))
         .layer(middleware::from_fn(request_span))
         .with_state(state)
 }
