@@ -224,7 +224,7 @@ async fn kernels_are_sandboxed_and_isolated() -> Result<()> {
     assert_eq!(r.stdout, "False False False\n");
 
     let probe = r#"
-import os, json
+import os, json, resource
 def writable(p):
     try:
         open(p, 'w').close(); return True
@@ -239,6 +239,9 @@ print(json.dumps({
     'docker_sock': os.path.exists('/var/run/docker.sock') or os.path.exists('/run/docker.sock'),
     'env': dict(os.environ),
     'nnp': [l.split()[1] for l in open('/proc/self/status') if l.startswith('NoNewPrivs')],
+    'core': resource.getrlimit(resource.RLIMIT_CORE),
+    'nofile': resource.getrlimit(resource.RLIMIT_NOFILE),
+    'cgroup': open('/proc/self/cgroup').read(),
 }))
 "#;
     let r = ca.execute(probe).await?;
@@ -252,6 +255,14 @@ print(json.dumps({
     assert_eq!(facts["root_writable"], false);
     assert_eq!(facts["docker_sock"], false);
     assert_eq!(facts["nnp"], json!(["1"]));
+    assert_eq!(facts["core"], json!([0, 0]), "no core dumps");
+    assert_eq!(facts["nofile"], json!([4096, 4096]));
+    // A private cgroup namespace: the kernel sees itself at the root, not the host's paths.
+    let cgroup = facts["cgroup"].as_str().unwrap_or_default();
+    assert!(
+        !cgroup.contains("docker") && cgroup.lines().all(|l| l.ends_with(":/")),
+        "{cgroup}"
+    );
     let env = facts["env"].to_string();
     assert!(
         !env.contains(&gw.token),

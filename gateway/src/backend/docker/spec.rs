@@ -2,7 +2,10 @@
 //! `ContainerCreateBody`. Pure, so the hardening is asserted by unit tests.
 
 use super::socket_dir::{CONTAINER_DIR, KERNEL_GID, KERNEL_UID};
-use bollard::models::{ContainerCreateBody, HostConfig, HostConfigLogConfig};
+use bollard::models::{
+    ContainerCreateBody, HostConfig, HostConfigCgroupnsModeEnum, HostConfigLogConfig,
+    ResourcesUlimits,
+};
 use std::collections::{BTreeMap, HashMap};
 
 /// The user kernels run as (and exec runs as).
@@ -89,6 +92,13 @@ impl ContainerSpec<'_> {
             nano_cpus: Some((self.cpus.max(0.0) * 1e9).round() as i64),
             binds: Some(vec![format!("{}:{CONTAINER_DIR}:rw", self.socket_dir)]),
             ipc_mode: Some("private".to_owned()),
+            // Its own view of the cgroup tree, not the host's paths.
+            cgroupns_mode: Some(HostConfigCgroupnsModeEnum::PRIVATE),
+            ulimits: Some(vec![
+                // A crash must not write a core file the size of its memory.
+                limit("core", 0),
+                limit("nofile", NOFILE),
+            ]),
             // The image's entrypoint is tini.
             init: Some(false),
             auto_remove: Some(false),
@@ -115,6 +125,17 @@ impl ContainerSpec<'_> {
             cmd: None,
             ..Default::default()
         }
+    }
+}
+
+/// Open files per kernel process: ample for analyses, bounded for everything else.
+pub const NOFILE: i64 = 4096;
+
+fn limit(name: &str, value: i64) -> ResourcesUlimits {
+    ResourcesUlimits {
+        name: Some(name.to_owned()),
+        soft: Some(value),
+        hard: Some(value),
     }
 }
 
@@ -162,6 +183,12 @@ mod tests {
         );
         assert_eq!(host.nano_cpus, Some(1_500_000_000));
         assert_eq!(host.ipc_mode.as_deref(), Some("private"));
+        assert_eq!(
+            host.cgroupns_mode,
+            Some(HostConfigCgroupnsModeEnum::PRIVATE)
+        );
+        let ulimits = host.ulimits.clone().expect("ulimits");
+        assert_eq!(ulimits, vec![limit("core", 0), limit("nofile", NOFILE)]);
         assert_eq!(host.init, Some(false));
         assert_eq!(host.auto_remove, Some(false));
         assert_eq!(host.group_add, None);
