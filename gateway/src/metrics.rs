@@ -40,6 +40,8 @@ pub enum DropReason {
     TooLarge,
     /// A reply whose request no connected session sent.
     NoRecipient,
+    /// A message from a kernel that failed its signature check or could not be parsed.
+    FromKernel,
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -241,6 +243,7 @@ pub fn dropped(reason: DropReason, count: u64) {
                 DropReason::ReadOnlyChannel => "read_only_channel",
                 DropReason::TooLarge => "too_large",
                 DropReason::NoRecipient => "no_recipient",
+                DropReason::FromKernel => "bad_from_kernel",
             },
         })
         .inc_by(count);

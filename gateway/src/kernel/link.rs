@@ -7,6 +7,7 @@
 //! per kernel process and replaced when the process restarts.
 
 use super::KernelError;
+use crate::metrics::{self, DropReason};
 use bytes::Bytes;
 use kernelgate_protocol::{wire, Channel, ConnectionInfo, Message, SigningKey};
 use std::sync::Arc;
@@ -95,13 +96,14 @@ impl Link {
         let spawn_reader = |channel: Channel, mut socket: Box<dyn SocketRecv + Send>| {
             let (sink, key, cancel) = (sink.clone(), key.clone(), cancel.clone());
             tracker.spawn(tracing::Instrument::in_current_span(async move {
+                let mut complaints = Complaints::default();
                 loop {
                     let received = tokio::select! {
                         _ = cancel.cancelled() => return,
                         r = socket.recv() => r,
                     };
                     match received {
-                        Ok(frames) => deliver(&*sink, &key, channel, frames),
+                        Ok(frames) => deliver(&*sink, &key, channel, frames, &mut complaints),
                         Err(e) => {
                             tracing::debug!(%channel, error = %e, "kernel socket closed");
                             sink.link_lost(channel);
@@ -173,12 +175,61 @@ impl Drop for Link {
     }
 }
 
-fn deliver(sink: &dyn Dispatch, key: &SigningKey, channel: Channel, frames: ZmqMessage) {
+fn deliver(
+    sink: &dyn Dispatch,
+    key: &SigningKey,
+    channel: Channel,
+    frames: ZmqMessage,
+    complaints: &mut Complaints,
+) {
     let frames: Vec<Bytes> = frames.into_vec();
     match wire::decode(&frames, key) {
         Ok(w) => sink.dispatch(channel, w.message),
         // A bad signature means someone other than the kernel wrote to the socket, or a
         // corrupted message: drop it, never relay it.
-        Err(e) => tracing::warn!(%channel, error = %e, "dropping message from kernel"),
+        Err(e) => {
+            metrics::dropped(DropReason::FromKernel, 1);
+            complaints.note(channel, &e);
+        }
+    }
+}
+
+/// Logs of messages dropped from a kernel, bounded: a hostile kernel sending garbage as
+/// fast as it can must not fill the host's disk through the gateway's log.
+#[derive(Debug)]
+struct Complaints {
+    window: std::time::Instant,
+    logged: u32,
+    suppressed: u64,
+}
+
+/// At most this many dropped messages are logged per socket and minute; the rest are
+/// counted and summed up in one line.
+const COMPLAINTS_PER_MINUTE: u32 = 5;
+
+impl Default for Complaints {
+    fn default() -> Self {
+        Complaints {
+            window: std::time::Instant::now(),
+            logged: 0,
+            suppressed: 0,
+        }
+    }
+}
+
+impl Complaints {
+    fn note(&mut self, channel: Channel, error: &dyn std::fmt::Display) {
+        if self.window.elapsed() >= Duration::from_secs(60) {
+            if self.suppressed > 0 {
+                tracing::warn!(%channel, count = self.suppressed, "more messages from the kernel dropped in the last minute without a log line each");
+            }
+            *self = Complaints::default();
+        }
+        if self.logged < COMPLAINTS_PER_MINUTE {
+            self.logged += 1;
+            tracing::warn!(%channel, %error, "dropping message from kernel");
+        } else {
+            self.suppressed += 1;
+        }
     }
 }
