@@ -63,3 +63,73 @@ print('sent')
     watcher.close().await?;
     Ok(())
 }
+
+/// Calls each syscall an attacker would want with harmless arguments, from inside a kernel:
+/// every one fails with EPERM, and the ones an analysis uses still work.
+const SYSCALL_PROBE: &str = r#"
+import ctypes, json, os, platform
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+NR = {
+    'x86_64': dict(ptrace=101, process_vm_readv=310, process_vm_writev=311, userfaultfd=323,
+                   io_uring_setup=425, io_uring_enter=426, io_uring_register=427, add_key=248,
+                   request_key=249, keyctl=250, bpf=321, perf_event_open=298, personality=135),
+    'aarch64': dict(ptrace=117, process_vm_readv=270, process_vm_writev=271, userfaultfd=282,
+                    io_uring_setup=425, io_uring_enter=426, io_uring_register=427, add_key=217,
+                    request_key=218, keyctl=219, bpf=280, perf_event_open=241, personality=92),
+}[platform.machine()]
+buf = ctypes.create_string_buffer(256)
+def call(name, *args):
+    ctypes.set_errno(0)
+    r = libc.syscall(ctypes.c_long(NR[name]), *[ctypes.c_long(a) if isinstance(a, int) else a for a in args])
+    return [r, ctypes.get_errno()]
+out = {
+    'ptrace': call('ptrace', 0x4206, 1, 0, 0),                     # PTRACE_SEIZE tini
+    'process_vm_readv': call('process_vm_readv', os.getpid(), 0, 0, 0, 0, 0),
+    'process_vm_writev': call('process_vm_writev', os.getpid(), 0, 0, 0, 0, 0),
+    'userfaultfd': call('userfaultfd', 0),
+    'io_uring_setup': call('io_uring_setup', 1, buf),
+    'io_uring_enter': call('io_uring_enter', -1, 0, 0, 0, 0, 0),
+    'io_uring_register': call('io_uring_register', -1, 0, 0, 0),
+    'add_key': call('add_key', b'user', b'k', b'v', 1, -2),
+    'request_key': call('request_key', b'user', b'k', 0, -2),
+    'keyctl': call('keyctl', 0, -3, 0),
+    'bpf': call('bpf', 5, buf, 128),
+    'perf_event_open': call('perf_event_open', buf, 0, -1, -1, 0),
+    'personality_exec': call('personality', 0x0400000),            # READ_IMPLIES_EXEC
+}
+allowed = {'personality_query': call('personality', 0xffffffff), 'getpid': [os.getpid(), 0]}
+if platform.machine() == 'x86_64':
+    out['x32_getpid'] = [libc.syscall(ctypes.c_long(0x40000000 + 39)), ctypes.get_errno()]
+print(json.dumps({'denied': out, 'allowed': allowed}))
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dangerous_syscalls_fail_with_eperm() -> Result<()> {
+    let gw = Gateway::start(&[]).await?;
+    let model = gw.create_kernel().await?;
+    let id = model["id"].as_str().unwrap_or_default();
+    let r = gw.execute(id, SYSCALL_PROBE).await?;
+    assert_eq!(r["status"], "ok", "{r}");
+    let facts: serde_json::Value = serde_json::from_str(r["stdout"].as_str().unwrap_or("").trim())?;
+    let denied = facts["denied"].as_object().cloned().unwrap_or_default();
+    assert!(denied.len() >= 13, "{facts}");
+    for (name, result) in &denied {
+        assert_eq!(
+            result,
+            &serde_json::json!([-1, 1]),
+            "{name} must fail with EPERM: {facts}"
+        );
+    }
+    let query = &facts["allowed"]["personality_query"];
+    assert!(
+        query[0].as_i64().is_some_and(|v| v >= 0),
+        "personality query still works: {facts}"
+    );
+    // The filter does not get in an analysis' way.
+    let r = gw
+        .execute(id, "import numpy, pandas, threading, subprocess\nt = threading.Thread(target=lambda: None); t.start(); t.join()\nprint(subprocess.run(['echo', 'ok'], capture_output=True, text=True).stdout, pandas.DataFrame({'a': numpy.arange(3)}).a.sum())")
+        .await?;
+    assert_eq!(r["stdout"], "ok\n 3\n", "{r}");
+    Ok(())
+}
