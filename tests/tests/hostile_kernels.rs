@@ -133,3 +133,61 @@ async fn dangerous_syscalls_fail_with_eperm() -> Result<()> {
     assert_eq!(r["stdout"], "ok\n 3\n", "{r}");
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_socket_directory_holds_one_mib_and_no_more() -> Result<()> {
+    let gw = Gateway::start(&[]).await?;
+    let model = gw.create_kernel().await?;
+    let id = model["id"].as_str().unwrap_or_default().to_owned();
+    let fill = r#"
+import errno, json, os
+def fill(path, size):
+    written = 0
+    try:
+        with open(path, 'wb') as f:
+            while written < size:
+                f.write(b'x' * 65536); f.flush(); written += 65536
+    except OSError as e:
+        return [written, errno.errorcode[e.errno]]
+    return [written, None]
+big = fill('/run/kernel/big', 64 << 20)
+os.remove('/run/kernel/big')
+files = 0
+try:
+    while files < 10000:
+        open('/run/kernel/f%d' % files, 'w').close(); files += 1
+except OSError as e:
+    files = [files, errno.errorcode[e.errno]]
+for name in os.listdir('/run/kernel'):
+    if name.startswith('f'):
+        os.remove('/run/kernel/' + name)
+print(json.dumps({'big': big, 'files': files}))
+"#;
+    let r = gw.execute(&id, fill).await?;
+    let out = r["stdout"].as_str().unwrap_or_default().to_owned();
+    let facts: serde_json::Value = serde_json::from_str(out.trim())?;
+    let (big, files) = (&facts["big"], &facts["files"]);
+    assert_eq!(big[1], "ENOSPC", "{out}");
+    assert!(big[0].as_u64().is_some_and(|b| b <= 1 << 20), "{out}");
+    assert_eq!(files[1], "ENOSPC", "{out}");
+    assert!(files[0].as_u64().is_some_and(|n| n < 64), "{out}");
+    // The kernel still works, and its directory and mount go with it.
+    assert_eq!(
+        gw.execute(&id, "6 * 7").await?["results"][0]["data"]["text/plain"],
+        "42"
+    );
+    let dir = gw.runtime_dir.join(&id);
+    let mounts = std::fs::read_to_string("/proc/self/mounts")?;
+    assert!(
+        mounts.contains(&*dir.to_string_lossy()),
+        "a tmpfs of its own: {mounts}"
+    );
+    gw.delete_kernel(&id).await?;
+    let mounts = std::fs::read_to_string("/proc/self/mounts")?;
+    assert!(
+        !mounts.contains(&*dir.to_string_lossy()),
+        "unmounted at delete"
+    );
+    assert!(!dir.exists());
+    Ok(())
+}

@@ -23,6 +23,12 @@ pub const CONNECTION_FILE: &str = "kernel.json";
 /// sockets are `kernel-1` .. `kernel-5`.
 pub const SOCKET_PREFIX: &str = "kernel";
 
+/// What a kernel may store in its socket directory, in bytes and files: the directory is a
+/// tmpfs of this size of its own, so a kernel writing there cannot fill the host's disk or
+/// memory (the socket files and `kernel.json` need a few KiB).
+pub const BUDGET_BYTES: u64 = 1024 * 1024;
+pub const BUDGET_FILES: u64 = 64;
+
 const RUNTIME_DIR_MODE: u32 = 0o711;
 const SOCKET_DIR_MODE: u32 = 0o2770;
 const CONNECTION_FILE_MODE: u32 = 0o640;
@@ -120,11 +126,45 @@ pub fn create(
     }
     // Not recursive: an existing directory means a stale or foreign one; refuse it.
     DirBuilder::new().mode(0o700).create(dir)?;
-    let filled = fill(dir, owner, connection_json);
+    let filled = budget(dir, owner).and_then(|()| fill(dir, owner, connection_json));
     if filled.is_err() {
-        let _ = fs::remove_dir_all(dir);
+        let _ = remove(dir);
     }
     filled
+}
+
+/// Mounts the directory's own small tmpfs. Only root can; a gateway running as a member of
+/// the `docker` group leaves the directory on the host's filesystem (the README says so).
+fn budget(dir: &Path, owner: &Ownership) -> io::Result<()> {
+    if owner.chown.is_none() {
+        return Ok(());
+    }
+    let options =
+        format!("size={BUDGET_BYTES},nr_inodes={BUDGET_FILES},mode=0700,nosuid,nodev,noexec");
+    let out = std::process::Command::new("mount")
+        .args(["-t", "tmpfs", "-o", &options, "kernelgate-sockets"])
+        .arg(dir)
+        .output()?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(io::Error::other(format!(
+            "mount of the socket directory's tmpfs failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        )))
+    }
+}
+
+/// True when `dir` is a mount point (its device differs from its parent's).
+fn is_mount_point(dir: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let (Ok(own), Some(Ok(parent))) = (
+        fs::symlink_metadata(dir),
+        dir.parent().map(fs::symlink_metadata),
+    ) else {
+        return false;
+    };
+    own.is_dir() && own.dev() != parent.dev()
 }
 
 fn fill(dir: &Path, owner: &Ownership, connection_json: &[u8]) -> io::Result<()> {
@@ -167,8 +207,18 @@ pub fn remove_sockets(dir: &Path) -> io::Result<usize> {
     Ok(removed)
 }
 
-/// Removes the socket directory; a missing one is fine.
+/// Removes the socket directory, and its tmpfs; a missing one is fine. Nothing the kernel
+/// put there is followed: symlinks are removed as links.
 pub fn remove(dir: &Path) -> io::Result<()> {
+    if is_mount_point(dir) {
+        let out = std::process::Command::new("umount").arg(dir).output()?;
+        if !out.status.success() {
+            return Err(io::Error::other(format!(
+                "umount of the socket directory failed: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            )));
+        }
+    }
     match fs::remove_dir_all(dir) {
         Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e),
         _ => Ok(()),
@@ -265,10 +315,31 @@ mod tests {
             assert_eq!((dmeta.uid(), dmeta.gid()), (ids.uid, ids.gid));
         }
 
+        // As root, the directory is a small tmpfs of its own.
+        let mounts = fs::read_to_string("/proc/self/mounts").expect("mounts");
+        let mounted = mounts
+            .lines()
+            .find(|l| l.split(' ').nth(1) == Some(&*dir.to_string_lossy()));
+        if ids.uid == 0 {
+            let line = mounted.expect("a tmpfs on the socket directory");
+            assert!(
+                line.starts_with("kernelgate-sockets ") && line.contains("size=1024k"),
+                "{line}"
+            );
+            assert!(
+                line.contains("nr_inodes=64") && line.contains("noexec"),
+                "{line}"
+            );
+        }
+
         // A second kernel with the same id is refused, and the first one is left alone.
         assert!(create(&runtime, &dir, &own, b"{}").is_err());
         assert!(dir.join(CONNECTION_FILE).exists());
 
+        remove(&dir).expect("remove");
+        assert!(!dir.exists());
+        let mounts = fs::read_to_string("/proc/self/mounts").expect("mounts");
+        assert!(!mounts.contains(&*dir.to_string_lossy()), "unmounted");
         fs::remove_dir_all(&base).expect("cleanup");
     }
 
