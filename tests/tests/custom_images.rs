@@ -96,9 +96,17 @@ async fn a_derived_image_serves_its_own_kernelspec_and_pool() -> Result<()> {
     let logo = gw
         .request(reqwest::Method::GET, "/kernelspecs/fixture/logo-64x64.png")
         .send()
-        .await?
-        .bytes()
         .await?;
+    // A logo comes from an image label: it may not run script in the gateway's origin.
+    let csp = logo.headers()["content-security-policy"]
+        .to_str()?
+        .to_owned();
+    assert!(
+        csp.contains("default-src 'none'") && csp.contains("sandbox"),
+        "{csp}"
+    );
+    assert_eq!(logo.headers()["x-content-type-options"], "nosniff");
+    let logo = logo.bytes().await?;
     let expected = std::fs::read(
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/kg_fixture/logo-64x64.png"),
     )?;
