@@ -191,3 +191,59 @@ print(json.dumps({'big': big, 'files': files}))
     assert!(!dir.exists());
     Ok(())
 }
+
+/// A kernel that swaps its connection file for a FIFO and plants symlinks to host sockets,
+/// then waits for the gateway to come back after a crash: the new gateway starts, neither
+/// blocks on the FIFO nor follows a link, and removes the kernel instead of adopting it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_booby_trapped_socket_directory_is_not_trusted() -> Result<()> {
+    let dir = format!("/run/kg-trap-{}", std::process::id());
+    let gw = Gateway::start(&["--runtime-dir", &dir]).await?;
+    let model = gw.create_kernel().await?;
+    let id = model["id"].as_str().unwrap_or_default().to_owned();
+    let trap = r#"
+import os
+os.remove('/run/kernel/kernel.json')
+os.mkfifo('/run/kernel/kernel.json')
+os.symlink('/var/run/docker.sock', '/run/kernel/kernel-9')
+print(sorted(os.listdir('/run/kernel')))
+"#;
+    let r = gw.execute(&id, trap).await?;
+    assert!(
+        r["stdout"]
+            .as_str()
+            .is_some_and(|s| s.contains("kernel.json")),
+        "{r}"
+    );
+    // With nosymfollow on the directory's own mount, the link leads nowhere from the host.
+    let planted = std::path::Path::new(&dir).join(&id).join("kernel-9");
+    assert!(std::fs::symlink_metadata(&planted)?
+        .file_type()
+        .is_symlink());
+    assert!(std::os::unix::net::UnixStream::connect(&planted).is_err());
+    gw.crash().await?;
+
+    let started = std::time::Instant::now();
+    let gw = Gateway::start(&["--runtime-dir", &dir]).await?;
+    assert!(started.elapsed() < std::time::Duration::from_secs(20));
+    let (status, kernels) = gw.get_json("/api/kernels").await?;
+    assert_eq!(status, 200);
+    assert_eq!(
+        kernels,
+        serde_json::json!([]),
+        "the trapped kernel is not adopted"
+    );
+    assert!(
+        !std::path::Path::new(&dir).join(&id).exists(),
+        "its directory is removed"
+    );
+    let fresh = gw.create_kernel().await?;
+    let fresh_id = fresh["id"].as_str().unwrap_or_default();
+    assert_eq!(
+        gw.execute(fresh_id, "1 + 1").await?["results"][0]["data"]["text/plain"],
+        "2"
+    );
+    assert_eq!(gw.stop().await?.code(), Some(0));
+    let _ = std::fs::remove_dir(&dir);
+    Ok(())
+}

@@ -246,7 +246,13 @@ impl DockerBackend {
     /// with host paths.
     fn host_connection(&self, kernel_id: &str) -> Option<ConnectionInfo> {
         let dir = socket_dir::path(&self.settings.runtime_dir, kernel_id)?;
-        let text = std::fs::read(dir.join(socket_dir::CONNECTION_FILE)).ok()?;
+        let text = match socket_dir::read_connection(&dir) {
+            Ok(text) => text,
+            Err(e) => {
+                tracing::warn!(kernel = %kernel_id, error = %e, "cannot read the connection file back");
+                return None;
+            }
+        };
         let inside = ConnectionInfo::from_json(&text).ok()?;
         let info = inside.with_ip(&format!("{}/{}", dir.to_str()?, socket_dir::SOCKET_PREFIX));
         info.validate().ok().map(|()| info)

@@ -139,8 +139,11 @@ fn budget(dir: &Path, owner: &Ownership) -> io::Result<()> {
     if owner.chown.is_none() {
         return Ok(());
     }
-    let options =
-        format!("size={BUDGET_BYTES},nr_inodes={BUDGET_FILES},mode=0700,nosuid,nodev,noexec");
+    // nosymfollow: a symlink the kernel leaves there leads nowhere, for the gateway too
+    // (ZeroMQ reconnects to a socket by its path).
+    let options = format!(
+        "size={BUDGET_BYTES},nr_inodes={BUDGET_FILES},mode=0700,nosuid,nodev,noexec,nosymfollow"
+    );
     let out = std::process::Command::new("mount")
         .args(["-t", "tmpfs", "-o", &options, "kernelgate-sockets"])
         .arg(dir)
@@ -186,6 +189,46 @@ fn fill(dir: &Path, owner: &Ownership, connection_json: &[u8]) -> io::Result<()>
     fs::set_permissions(&file, fs::Permissions::from_mode(CONNECTION_FILE_MODE))?;
     fs::set_permissions(dir, fs::Permissions::from_mode(SOCKET_DIR_MODE))?;
     Ok(())
+}
+
+/// Largest connection file the gateway reads back.
+const MAX_CONNECTION_FILE: u64 = 64 * 1024;
+/// `O_NONBLOCK` (the same on every Linux architecture): opening a FIFO the kernel put in
+/// place of the file must not block the gateway.
+const O_NONBLOCK: i32 = 0o4000;
+
+/// Reads the connection file back (to re-adopt a kernel after a restart of the gateway).
+/// The kernel could have replaced it: anything but a small regular file is refused, and
+/// neither a symlink nor a FIFO is followed or waited on.
+pub fn read_connection(dir: &Path) -> io::Result<Vec<u8>> {
+    use std::io::Read;
+    let path = dir.join(CONNECTION_FILE);
+    let refuse = |what: &str| {
+        Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!(
+                "{} is {what}, not the connection file the gateway wrote",
+                path.display()
+            ),
+        ))
+    };
+    if !fs::symlink_metadata(&path)?.file_type().is_file() {
+        return refuse("no regular file");
+    }
+    let file = OpenOptions::new()
+        .read(true)
+        .custom_flags(O_NONBLOCK)
+        .open(&path)?;
+    let meta = file.metadata()?;
+    if !meta.is_file() {
+        return refuse("no regular file");
+    }
+    if meta.len() > MAX_CONNECTION_FILE {
+        return refuse("too large");
+    }
+    let mut bytes = Vec::new();
+    file.take(MAX_CONNECTION_FILE).read_to_end(&mut bytes)?;
+    Ok(bytes)
 }
 
 /// Removes the kernel's socket files (`kernel-*`), keeping `kernel.json`, so that after a
@@ -330,6 +373,7 @@ mod tests {
                 line.contains("nr_inodes=64") && line.contains("noexec"),
                 "{line}"
             );
+            assert!(line.contains("nosymfollow"), "{line}");
         }
 
         // A second kernel with the same id is refused, and the first one is left alone.
@@ -340,6 +384,31 @@ mod tests {
         assert!(!dir.exists());
         let mounts = fs::read_to_string("/proc/self/mounts").expect("mounts");
         assert!(!mounts.contains(&*dir.to_string_lossy()), "unmounted");
+        fs::remove_dir_all(&base).expect("cleanup");
+    }
+
+    #[test]
+    fn a_replaced_connection_file_is_refused() {
+        let base = scratch("read");
+        fs::create_dir_all(&base).expect("mkdir");
+        fs::write(base.join(CONNECTION_FILE), b"{\"a\": 1}").expect("write");
+        assert_eq!(read_connection(&base).expect("read"), b"{\"a\": 1}");
+        fs::remove_file(base.join(CONNECTION_FILE)).expect("rm");
+        std::os::unix::fs::symlink("/etc/passwd", base.join(CONNECTION_FILE)).expect("ln");
+        assert!(read_connection(&base).is_err(), "a symlink is not followed");
+        fs::remove_file(base.join(CONNECTION_FILE)).expect("rm");
+        let made = std::process::Command::new("mkfifo")
+            .arg(base.join(CONNECTION_FILE))
+            .status()
+            .expect("mkfifo");
+        assert!(made.success());
+        assert!(
+            read_connection(&base).is_err(),
+            "a FIFO is refused, not waited on"
+        );
+        fs::remove_file(base.join(CONNECTION_FILE)).expect("rm");
+        fs::write(base.join(CONNECTION_FILE), vec![b' '; 70_000]).expect("write");
+        assert!(read_connection(&base).is_err(), "too large");
         fs::remove_dir_all(&base).expect("cleanup");
     }
 
