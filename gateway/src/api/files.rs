@@ -33,6 +33,11 @@ async fn run(
     body: Bytes,
 ) -> Result<Vec<u8>, ApiError> {
     let live = find(state, id)?;
+    if path.chars().any(char::is_control) {
+        return Err(ApiError::bad_request(
+            "file paths may not contain NUL or other control characters",
+        ));
+    }
     let argv = ["python3", "-c", SCRIPT, op, path]
         .map(str::to_owned)
         .to_vec();
