@@ -189,6 +189,17 @@ impl Gateway {
         Ok(body)
     }
 
+    /// The `/metrics` text, read with the gateway's token.
+    pub async fn metrics(&self) -> Result<String> {
+        Ok(self
+            .request(reqwest::Method::GET, "/metrics")
+            .send()
+            .await?
+            .error_for_status()?
+            .text()
+            .await?)
+    }
+
     /// Polls `/readyz` (up to 60 s) until its warm pools are in `state` (`filled`,
     /// `filling`, `off`); returns the answer.
     pub async fn wait_pool(&self, state: &str) -> Result<Value> {

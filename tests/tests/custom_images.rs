@@ -124,12 +124,7 @@ async fn a_derived_image_serves_its_own_kernelspec_and_pool() -> Result<()> {
     assert_eq!(status, 201, "{model}");
     assert_eq!(model["name"], "fixture");
     let id = model["id"].as_str().unwrap_or_default().to_owned();
-    let metrics = gw
-        .request(reqwest::Method::GET, "/metrics")
-        .send()
-        .await?
-        .text()
-        .await?;
+    let metrics = gw.metrics().await?;
     assert!(
         metrics.contains("kernelgate_kernel_creates_total{source=\"pool\"} 1"),
         "{metrics}"

@@ -29,12 +29,7 @@ print('sent')
         "the kernel still answers: {r}"
     );
 
-    let metrics = gw
-        .request(reqwest::Method::GET, "/metrics")
-        .send()
-        .await?
-        .text()
-        .await?;
+    let metrics = gw.metrics().await?;
     let dropped: f64 = metrics
         .lines()
         .find(|l| l.starts_with("kernelgate_dropped_messages_total{reason=\"bad_from_kernel\"}"))
