@@ -305,6 +305,8 @@ impl Drop for Gateway {
                 }
             }
         }
+        // Empty once the gateway removed its kernels; a crashed one's is kept for the next.
+        let _ = std::fs::remove_dir(&self.runtime_dir);
     }
 }
 
