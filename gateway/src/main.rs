@@ -11,7 +11,7 @@ use kernelgate::backend::docker::{DockerBackend, DockerSettings};
 use kernelgate::backend::KernelBackend;
 use kernelgate::config::{Cli, Command, Config, LogFormat};
 use kernelgate::kernel::clients::ClientLimits;
-use kernelgate::kernels::{Kernels, Settings};
+use kernelgate::kernels::{HeartbeatCheck, Kernels, Settings};
 use kernelgate::kernelspecs::KernelSpecs;
 use std::io::IsTerminal;
 use std::sync::Arc;
@@ -76,6 +76,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         autorestart: config.autorestart,
         cull_idle_timeout: (config.cull_idle_timeout > 0)
             .then(|| Duration::from_secs(config.cull_idle_timeout)),
+        heartbeat: HeartbeatCheck::default(),
         specs: Arc::new(specs),
         limits: ClientLimits {
             buffer_bytes: config.client_buffer_mb * 1024 * 1024,

@@ -2,7 +2,9 @@
 //! mock kernel per launch. The mock binds the five ZeroMQ sockets (ipc, in a temporary
 //! directory) and answers like ipykernel does for what the table needs: `kernel_info` and
 //! `execute` requests, each wrapped in `busy`/`idle` status messages, and heartbeat
-//! echoes. Tests kill, count and inspect kernels through [`FakeBackend`].
+//! echoes. Tests kill, hang, count and inspect kernels through [`FakeBackend`].
+//! Launching, restarting and removing take [`RUNTIME_LATENCY`], as a container runtime's
+//! calls take time: a caller that goes away can leave them half done.
 
 use crate::backend::{
     BackendError, ExecOutput, Found, ImageFacts, KernelBackend, LaunchRequest, Launched,
@@ -14,9 +16,13 @@ use serde_json::{json, Value};
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use zeromq::{PubSocket, RepSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
+
+/// How long each call that changes a container takes.
+pub const RUNTIME_LATENCY: Duration = Duration::from_millis(20);
 
 /// What the tests can see of one launched kernel.
 #[derive(Debug, Default, Clone)]
@@ -110,6 +116,14 @@ impl FakeBackend {
         }
     }
 
+    /// The kernel's process stops answering on every socket, heartbeat included, but
+    /// does not exit, as a hung process would.
+    pub fn hang(&self, handle: &str) {
+        if let Some(r) = self.kernels.lock().get(handle) {
+            r.stop.cancel();
+        }
+    }
+
     /// (Re)starts the mock process of `handle`, once the previous one has let go of
     /// its sockets (as a container restart does).
     async fn start_process(&self, handle: &str) -> Result<(), BackendError> {
@@ -179,6 +193,7 @@ impl KernelBackend for FakeBackend {
         req: &'a LaunchRequest,
     ) -> BoxFuture<'a, Result<Launched, BackendError>> {
         Box::pin(async move {
+            tokio::time::sleep(RUNTIME_LATENCY).await;
             let handle = format!("fake-{}", uuid::Uuid::new_v4().simple());
             let prefix = self.dir.join(&handle[5..17]);
             let connection = ConnectionInfo::ipc(
@@ -207,6 +222,7 @@ impl KernelBackend for FakeBackend {
 
     fn restart<'a>(&'a self, handle: &'a str) -> BoxFuture<'a, Result<(), BackendError>> {
         Box::pin(async move {
+            tokio::time::sleep(RUNTIME_LATENCY).await;
             self.update(handle, |r| r.record.restarts += 1)?;
             self.start_process(handle).await
         })
@@ -218,6 +234,7 @@ impl KernelBackend for FakeBackend {
 
     fn remove<'a>(&'a self, handle: &'a str) -> BoxFuture<'a, Result<(), BackendError>> {
         Box::pin(async move {
+            tokio::time::sleep(RUNTIME_LATENCY).await;
             self.update(handle, |r| {
                 r.record.removed = true;
                 r.stop.cancel();

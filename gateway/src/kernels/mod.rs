@@ -17,6 +17,7 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
+pub use supervise::HeartbeatCheck;
 use tokio::sync::{oneshot, Notify};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -45,6 +46,7 @@ pub struct Settings {
     pub startup_timeout: Duration,
     pub autorestart: bool,
     pub cull_idle_timeout: Option<Duration>,
+    pub heartbeat: HeartbeatCheck,
     /// The kernel specs, with their images and pool sizes.
     pub specs: Arc<KernelSpecs>,
     pub limits: ClientLimits,

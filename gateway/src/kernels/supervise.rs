@@ -12,11 +12,25 @@ use std::sync::Arc;
 use std::time::Duration;
 use tracing::Instrument;
 
-/// Heartbeat probing: a kernel missing this many probes in a row is restarted (or
-/// declared dead). Death by exit is noticed at once through the backend instead.
-const HEARTBEAT_EVERY: Duration = Duration::from_secs(3);
-const HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(2);
-const HEARTBEAT_MISSES: u32 = 5;
+/// Heartbeat probing, for a kernel that hangs without exiting: one that misses `misses`
+/// probes in a row is restarted (or declared dead). Death by exit is noticed at once
+/// through the backend instead.
+#[derive(Debug, Clone, Copy)]
+pub struct HeartbeatCheck {
+    pub every: Duration,
+    pub timeout: Duration,
+    pub misses: u32,
+}
+
+impl Default for HeartbeatCheck {
+    fn default() -> Self {
+        HeartbeatCheck {
+            every: Duration::from_secs(3),
+            timeout: Duration::from_secs(2),
+            misses: 5,
+        }
+    }
+}
 
 impl Kernels {
     /// Restarts a kernel's process: state is cleared, the id and connections stay.
@@ -107,10 +121,11 @@ impl Kernels {
     }
 
     async fn heartbeat_lost(&self, connection: &ConnectionInfo) {
+        let check = self.settings.heartbeat;
         let mut misses = 0;
-        while misses < HEARTBEAT_MISSES {
-            tokio::time::sleep(HEARTBEAT_EVERY).await;
-            if heartbeat::probe(connection, HEARTBEAT_TIMEOUT).await {
+        while misses < check.misses {
+            tokio::time::sleep(check.every).await;
+            if heartbeat::probe(connection, check.timeout).await {
                 misses = 0;
             } else {
                 misses += 1;

@@ -16,6 +16,7 @@ fn settings() -> Settings {
         startup_timeout: Duration::from_secs(10),
         autorestart: true,
         cull_idle_timeout: None,
+        heartbeat: HeartbeatCheck::default(),
         specs: specs(&[], &["0"]),
         limits: ClientLimits {
             buffer_bytes: 1 << 20,
@@ -186,28 +187,42 @@ async fn the_limit_holds_and_abandoned_creates_give_their_slot_back() {
 
 #[tokio::test]
 async fn a_dead_kernel_is_restarted_or_reported_dead() {
-    for autorestart in [true, false] {
-        let (kernels, fake) = table(Settings {
-            autorestart,
-            ..settings()
-        })
-        .await;
-        let (live, handle) = one_kernel(&kernels, &fake).await;
-        fake.kill(&handle);
-        if autorestart {
-            eventually("restarted", || async {
-                fake.records()[&handle].restarts == 1
-                    && live.kernel.execution_state() == ExecutionState::Idle
+    // A process that exits is noticed through the backend; one that hangs, through its
+    // heartbeat.
+    for hangs in [false, true] {
+        for autorestart in [true, false] {
+            let (kernels, fake) = table(Settings {
+                autorestart,
+                heartbeat: HeartbeatCheck {
+                    every: Duration::from_millis(50),
+                    timeout: Duration::from_millis(100),
+                    misses: 3,
+                },
+                ..settings()
             })
             .await;
-        } else {
-            eventually("reported dead", || async {
-                live.kernel.execution_state() == ExecutionState::Dead
-            })
-            .await;
-            assert_eq!(fake.records()[&handle].restarts, 0);
+            let (live, handle) = one_kernel(&kernels, &fake).await;
+            if hangs {
+                fake.hang(&handle);
+            } else {
+                fake.kill(&handle);
+            }
+            let case = format!("hangs {hangs}, autorestart {autorestart}");
+            if autorestart {
+                eventually(&format!("restarted ({case})"), || async {
+                    fake.records()[&handle].restarts == 1
+                        && live.kernel.execution_state() == ExecutionState::Idle
+                })
+                .await;
+            } else {
+                eventually(&format!("reported dead ({case})"), || async {
+                    live.kernel.execution_state() == ExecutionState::Dead
+                })
+                .await;
+                assert_eq!(fake.records()[&handle].restarts, 0, "{case}");
+            }
+            assert!(kernels.get(live.id()).is_some(), "still listed ({case})");
         }
-        assert!(kernels.get(live.id()).is_some(), "still listed");
     }
 }
 
@@ -219,8 +234,10 @@ async fn idle_kernels_without_connections_are_culled() {
     })
     .await;
     let (_, handle) = one_kernel(&kernels, &fake).await;
-    eventually("culled", || async { kernels.list().is_empty() }).await;
-    assert!(fake.records()[&handle].removed);
+    eventually("culled", || async {
+        kernels.list().is_empty() && fake.records()[&handle].removed
+    })
+    .await;
 }
 
 #[tokio::test]
@@ -237,6 +254,29 @@ async fn restart_keeps_the_id_and_answers_again() {
     assert_eq!(kernels.list().len(), 1);
     kernels.shutdown().await;
     assert_eq!(fake.running(), 0);
+}
+
+#[tokio::test]
+async fn abandoned_deletes_and_restarts_complete() {
+    let (kernels, fake) = table(settings()).await;
+    let (deleted, deleted_handle) = one_kernel(&kernels, &fake).await;
+    let (restarted, restarted_handle) = one_kernel(&kernels, &fake).await;
+    // Callers that go away right after asking: the backend has not answered yet.
+    let _ = tokio::time::timeout(Duration::ZERO, kernels.delete(deleted.id())).await;
+    let _ = tokio::time::timeout(Duration::ZERO, kernels.restart(&restarted)).await;
+    assert!(
+        kernels.get(deleted.id()).is_none(),
+        "gone from the table at once"
+    );
+    eventually("the delete and the restart completed", || async {
+        let records = fake.records();
+        records[&deleted_handle].removed
+            && records[&restarted_handle].restarts == 1
+            && restarted.kernel.execution_state() == ExecutionState::Idle
+    })
+    .await;
+    assert_eq!(deleted.kernel.execution_state(), ExecutionState::Dead);
+    assert_eq!(fake.running(), 1);
 }
 
 #[test]
