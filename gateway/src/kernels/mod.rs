@@ -88,11 +88,17 @@ struct Slot {
 
 impl Slot {
     /// Registers the kernel in the slot, under the same lock, so the count never dips.
-    fn fill(mut self, live: &Arc<LiveKernel>) {
+    /// Refused (false) once shutdown began: the final sweep of [`Kernels::shutdown`] takes
+    /// the lock after the cancellation, so a kernel registered then would outlive it.
+    fn fill(mut self, live: &Arc<LiveKernel>) -> bool {
         let mut t = self.kernels.lock();
         t.reserved -= 1;
-        t.live.insert(live.id().to_owned(), live.clone());
         self.filled = true;
+        if self.kernels.cancel.is_cancelled() {
+            return false;
+        }
+        t.live.insert(live.id().to_owned(), live.clone());
+        true
     }
 }
 
@@ -270,12 +276,10 @@ impl Kernels {
                         return;
                     }
                 };
-                if tx.is_closed() {
-                    drop(slot);
+                if tx.is_closed() || !slot.fill(&live) {
                     me.abandon(&live).await;
                     return;
                 }
-                slot.fill(&live);
                 if let Err(Ok(live)) = tx.send(Ok(live)) {
                     // Gone between the check and the hand-over.
                     let taken = me.lock().live.remove(live.id());
@@ -305,9 +309,10 @@ impl Kernels {
         })
     }
 
-    /// Removes a kernel nobody asked for any more (its create was abandoned).
+    /// Removes a kernel nobody takes any more: its caller went away, or the gateway is
+    /// shutting down.
     async fn abandon(&self, live: &LiveKernel) {
-        tracing::info!(kernel = %live.id(), "create abandoned by its caller; removing the kernel");
+        tracing::info!(kernel = %live.id(), "create abandoned (caller gone or shutdown); removing the kernel");
         if let Err(e) = self.discard(live).await {
             tracing::warn!(kernel = %live.id(), error = %e, "cannot remove abandoned kernel");
         }

@@ -99,6 +99,21 @@ impl Kernels {
         }
     }
 
+    /// Adds a warm kernel to the spec's pool, unless shutdown began (false): checked under
+    /// the lock that shutdown's final sweep takes after the cancellation, so the kernel is
+    /// either swept or never pooled.
+    pub(super) fn pool_add(&self, spec: &str, live: &Arc<LiveKernel>) -> bool {
+        let mut t = self.lock();
+        if self.cancel.is_cancelled() {
+            return false;
+        }
+        t.pool
+            .entry(spec.to_owned())
+            .or_default()
+            .push_back(live.clone());
+        true
+    }
+
     /// Keeps the spec's pool size of kernels started, with libraries imported, ready to
     /// hand out. One such task runs per spec with a pool.
     pub(super) async fn fill_pool(self: Arc<Self>, spec: String, size: usize) {
@@ -117,25 +132,18 @@ impl Kernels {
             }
             // Not raced against shutdown: `launch` cleans up after itself when cancelled,
             // where dropping it halfway would leave a container behind.
-            let launched = self.launch(&spec, BTreeMap::new(), true).await;
-            if self.cancel.is_cancelled() {
-                if let Ok(live) = launched {
-                    if let Err(e) = self.discard(&live).await {
-                        tracing::warn!(kernel = %live.id(), error = %e, "cannot remove pooled kernel at shutdown");
-                    }
-                }
-                return;
-            }
-            match launched {
+            match self.launch(&spec, BTreeMap::new(), true).await {
                 Ok(live) => {
+                    if !self.pool_add(&spec, &live) {
+                        if let Err(e) = self.discard(&live).await {
+                            tracing::warn!(kernel = %live.id(), error = %e, "cannot remove pooled kernel at shutdown");
+                        }
+                        return;
+                    }
                     failures = 0;
                     metrics::pool_refilled();
-                    self.lock()
-                        .pool
-                        .entry(spec.clone())
-                        .or_default()
-                        .push_back(live);
                 }
+                Err(_) if self.cancel.is_cancelled() => return,
                 Err(e) => {
                     failures += 1;
                     let wait = Duration::from_secs(5 * u64::from(failures.min(12)));

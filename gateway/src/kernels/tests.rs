@@ -279,6 +279,25 @@ async fn abandoned_deletes_and_restarts_complete() {
     assert_eq!(fake.running(), 1);
 }
 
+#[tokio::test]
+async fn kernels_ready_after_shutdown_began_are_not_kept() {
+    let (kernels, fake) = table(settings()).await;
+    let late = kernels
+        .launch(DEFAULT_SPEC, BTreeMap::new(), false)
+        .await
+        .expect("started");
+    let slot = kernels.reserve().expect("a free slot");
+    kernels.cancel.cancel();
+    kernels.shutdown().await;
+    // Shutdown's sweep is over: registering now would leave the kernel running.
+    assert!(!slot.fill(&late), "not registered");
+    assert!(!kernels.pool_add(DEFAULT_SPEC, &late), "not pooled");
+    assert_eq!((kernels.list().len(), kernels.pooled()), (0, 0));
+    assert_eq!(kernels.reserved(), 0, "the slot was given back");
+    kernels.discard(&late).await.expect("removed");
+    assert_eq!(fake.running(), 0);
+}
+
 #[test]
 fn env_keeps_only_kernel_vars() {
     let env: BTreeMap<String, String> = [
