@@ -306,27 +306,32 @@ impl Mock {
             hb.bind(&bind(Channel::Heartbeat)).await?;
             Ok::<_, zeromq::ZmqError>(())
         };
-        if bound.await.is_err() {
-            return;
-        }
+        let ok = bound.await.is_ok();
         let mut count = 0i64;
-        loop {
+        while ok {
             tokio::select! {
-                _ = stop.cancelled() => return,
+                _ = stop.cancelled() => break,
                 m = shell.recv() => match m {
                     Ok(m) => self.answer(m, &mut shell, &mut iopub, &mut count).await,
-                    Err(_) => return,
+                    Err(_) => break,
                 },
                 m = control.recv() => match m {
                     Ok(m) => self.answer(m, &mut control, &mut iopub, &mut count).await,
-                    Err(_) => return,
+                    Err(_) => break,
                 },
                 m = hb.recv() => match m {
                     Ok(m) => { let _ = hb.send(m).await; }
-                    Err(_) => return,
+                    Err(_) => break,
                 },
             }
         }
+        // zeromq deletes a bound socket's file from a task of its own after the socket is
+        // dropped: wait for that here, or it could delete the next process's socket.
+        shell.unbind_all().await;
+        control.unbind_all().await;
+        stdin.unbind_all().await;
+        iopub.unbind_all().await;
+        hb.unbind_all().await;
     }
 
     async fn answer(
