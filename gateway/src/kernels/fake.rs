@@ -306,23 +306,24 @@ impl Mock {
             hb.bind(&bind(Channel::Heartbeat)).await?;
             Ok::<_, zeromq::ZmqError>(())
         };
-        let ok = bound.await.is_ok();
-        let mut count = 0i64;
-        while ok {
-            tokio::select! {
-                _ = stop.cancelled() => break,
-                m = shell.recv() => match m {
-                    Ok(m) => self.answer(m, &mut shell, &mut iopub, &mut count).await,
-                    Err(_) => break,
-                },
-                m = control.recv() => match m {
-                    Ok(m) => self.answer(m, &mut control, &mut iopub, &mut count).await,
-                    Err(_) => break,
-                },
-                m = hb.recv() => match m {
-                    Ok(m) => { let _ = hb.send(m).await; }
-                    Err(_) => break,
-                },
+        if bound.await.is_ok() {
+            let mut count = 0i64;
+            loop {
+                tokio::select! {
+                    _ = stop.cancelled() => break,
+                    m = shell.recv() => match m {
+                        Ok(m) => self.answer(m, &mut shell, &mut iopub, &mut count).await,
+                        Err(_) => break,
+                    },
+                    m = control.recv() => match m {
+                        Ok(m) => self.answer(m, &mut control, &mut iopub, &mut count).await,
+                        Err(_) => break,
+                    },
+                    m = hb.recv() => match m {
+                        Ok(m) => { let _ = hb.send(m).await; }
+                        Err(_) => break,
+                    },
+                }
             }
         }
         // zeromq deletes a bound socket's file from a task of its own after the socket is
