@@ -9,7 +9,7 @@ include mk/protocol.mk
 include mk/bench.mk
 include mk/python.mk
 
-.PHONY: all build run test lint unit e2e debug-build test-tools
+.PHONY: all build run test lint unit e2e e2e-runc e2e-gvisor gvisor debug-build test-tools
 
 all: build
 
@@ -25,7 +25,8 @@ RUN_FLAGS := $(if $(LISTEN),--listen $(LISTEN)) $(if $(KERNELGATE_IMAGE),,--imag
 run: image build
 	./target/release/kernelgate serve $(strip $(RUN_FLAGS) $(ARGS))
 
-## Everything CI checks: format, lints, unit tests, fuzzing, end-to-end tests.
+## Everything CI checks: format, lints, unit tests, fuzzing, end-to-end tests (the Rust
+## suite once under runc and once under gVisor; `make gvisor` sets gVisor up first).
 test: lint unit fuzz-smoke e2e python-tests
 
 lint:
@@ -39,9 +40,23 @@ unit:
 debug-build:
 	$(CARGO) build -p kernelgate
 
-e2e: image debug-build test-tools fixture-image
-	KERNELGATE_IMAGE=$(KERNEL_IMAGE) KERNELGATE_FIXTURE_IMAGE=$(FIXTURE_IMAGE) \
-		$(CARGO) test -p kernelgate-tests -- --test-threads=3
+# The same suite under each runtime: KERNELGATE_RUNTIME picks it for every gateway the
+# tests start (tests/src/lib.rs).
+E2E = KERNELGATE_IMAGE=$(KERNEL_IMAGE) KERNELGATE_FIXTURE_IMAGE=$(FIXTURE_IMAGE) \
+	KERNELGATE_RUNTIME=$(1) $(CARGO) test -p kernelgate-tests --no-fail-fast -- --test-threads=3
+
+e2e: e2e-runc e2e-gvisor
+
+e2e-runc: image debug-build test-tools fixture-image
+	$(call E2E,runc)
+
+e2e-gvisor: gvisor image debug-build test-tools fixture-image
+	$(call E2E,runsc)
+
+## Installs gVisor (Debian's runsc) and registers it with Docker as `kernelgate-runsc`;
+## idempotent, keeps everything else in /etc/docker/daemon.json, running containers survive.
+gvisor:
+	@if [ "$$(id -u)" = 0 ]; then python3 mk/gvisor-setup.py; else sudo python3 mk/gvisor-setup.py; fi
 
 # The derived image of the custom-image tests is built with the test venv's pip.
 FIXTURE_PYTHON := $(PY_VENV)/bin/python

@@ -33,6 +33,6 @@ $(PY_STAMP): $(PY_REQUIREMENTS)
 	@touch '$@'
 
 python-tests: python-venv
-	cd '$(PYTHON_ROOT)' && KERNELGATE_IMAGE='$(or $(KERNEL_IMAGE),kernelgate-kernel:latest)' KERNELGATE_FIXTURE_IMAGE='$(FIXTURE_IMAGE)' \
+	cd '$(PYTHON_ROOT)' && KERNELGATE_RUNTIME=$${KERNELGATE_RUNTIME:-runc} KERNELGATE_IMAGE='$(or $(KERNEL_IMAGE),kernelgate-kernel:latest)' KERNELGATE_FIXTURE_IMAGE='$(FIXTURE_IMAGE)' \
 		'$(PY_VENV)/bin/python' -m pytest tests/python -v \
 		--timeout=$(PYTEST_TIMEOUT) -p no:cacheprovider $(PYTEST_ARGS)

@@ -72,6 +72,19 @@ pub enum LogFormat {
     Json,
 }
 
+/// Which OCI runtime runs kernel containers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum RuntimeChoice {
+    /// gVisor when the Docker engine has `kernelgate-runsc` registered, else runc (with a
+    /// warning).
+    Auto,
+    /// Docker's runc: namespaces, cgroups and seccomp on the host's Linux kernel.
+    Runc,
+    /// gVisor (`kernelgate-runsc`, set up by `make gvisor`): a user-space kernel between
+    /// the kernel's code and the host's.
+    Runsc,
+}
+
 /// Everything `kernelgate serve` can be told. Each flag is also an environment variable.
 #[derive(Debug, Clone, Args)]
 pub struct Config {
@@ -95,6 +108,11 @@ pub struct Config {
         default_value = "kernelgate-kernel:latest"
     )]
     pub image: String,
+
+    /// Container runtime of kernels: `runsc` (gVisor, a second wall; `make gvisor` sets it
+    /// up), `runc`, or `auto` (gVisor when set up).
+    #[arg(long, env = "KERNELGATE_RUNTIME", value_enum, default_value = "auto")]
+    pub runtime: RuntimeChoice,
 
     /// Host directory holding one socket directory per kernel (paths must stay short:
     /// Unix sockets allow 107 bytes).

@@ -65,6 +65,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         .await
         .context("cannot start kernels")?;
     backend.check().await.context("cannot start kernels")?;
+    let runtime = backend.runtime().name();
     specs.describe(&backend).await;
     let backend: Arc<dyn KernelBackend> = Arc::new(backend);
 
@@ -79,6 +80,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         heartbeat: HeartbeatCheck::default(),
         specs: Arc::new(specs),
         limits: ClientLimits {
+            kernel_message_bytes: config.max_message_mb * 1024 * 1024,
             buffer_bytes: config.client_buffer_mb * 1024 * 1024,
             replay_for: Duration::from_secs(600),
         },
@@ -98,6 +100,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
             allowed: config.allow_origin.clone(),
             loopback_hosts_only: config.no_auth,
         }),
+        runtime,
     };
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
@@ -112,7 +115,11 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         Some(token) => println!("Kernelgate is serving at {url}?token={token}"),
         None => println!("Kernelgate is serving at {url}"),
     }
-    tracing::info!(listen = %config.listen, image = %config.image, "ready");
+    match runtime {
+        "runsc" => println!("Kernels run in Docker under gVisor (runtime runsc)"),
+        _ => println!("Kernels run in Docker under runc (no gVisor: see `make gvisor`)"),
+    }
+    tracing::info!(listen = %config.listen, image = %config.image, runtime, "ready");
 
     let shutdown = cancel.clone();
     axum::serve(listener, api::router(state))

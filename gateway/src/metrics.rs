@@ -42,6 +42,8 @@ pub enum DropReason {
     NoRecipient,
     /// A message from a kernel that failed its signature check or could not be parsed.
     FromKernel,
+    /// A message from a kernel over `--max-message-mb`, refused while it was received.
+    TooLargeFromKernel,
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -261,6 +263,7 @@ pub fn dropped(reason: DropReason, count: u64) {
                 DropReason::TooLarge => "too_large",
                 DropReason::NoRecipient => "no_recipient",
                 DropReason::FromKernel => "bad_from_kernel",
+                DropReason::TooLargeFromKernel => "too_large_from_kernel",
             },
         })
         .inc_by(count);

@@ -22,6 +22,20 @@ pub fn image() -> String {
     std::env::var("KERNELGATE_IMAGE").unwrap_or_else(|_| "kernelgate-kernel:latest".to_owned())
 }
 
+/// The OCI runtime the tests run kernels under: `KERNELGATE_RUNTIME` (`runc`, the
+/// default, or `runsc`); `make test` runs the suite under each.
+pub fn runtime() -> String {
+    match std::env::var("KERNELGATE_RUNTIME") {
+        Ok(r) if !r.is_empty() && r != "auto" => r,
+        _ => "runc".to_owned(),
+    }
+}
+
+/// Whether the kernels of this run are under gVisor.
+pub fn gvisor() -> bool {
+    runtime() == "runsc"
+}
+
 fn workspace_root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .parent()
@@ -95,6 +109,9 @@ impl Gateway {
         if !extra.contains(&"--image") {
             args.extend(["--image".into(), image()]);
         }
+        if !extra.contains(&"--runtime") {
+            args.extend(["--runtime".into(), runtime()]);
+        }
         if given_dir.is_none() {
             args.extend(["--runtime-dir".into(), runtime_dir.display().to_string()]);
         }
@@ -126,6 +143,23 @@ impl Gateway {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
         bail!("gateway did not listen on port {port} within 30 s")
+    }
+
+    /// The gateway's resident memory in bytes (VmRSS), while it runs.
+    pub fn rss_bytes(&self) -> Result<u64> {
+        let pid = self
+            .child
+            .as_ref()
+            .and_then(|c| c.id())
+            .context("the gateway is not running")?;
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+        let kib = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.split_whitespace().next())
+            .and_then(|v| v.parse::<u64>().ok())
+            .context("VmRSS in /proc/PID/status")?;
+        Ok(kib * 1024)
     }
 
     pub fn url(&self, path: &str) -> String {

@@ -224,7 +224,7 @@ async fn kernels_are_sandboxed_and_isolated() -> Result<()> {
     assert_eq!(r.stdout, "False False False\n");
 
     let probe = r#"
-import os, json, resource
+import ctypes, os, json, resource
 def writable(p):
     try:
         open(p, 'w').close(); return True
@@ -238,7 +238,8 @@ print(json.dumps({
     'root_writable': writable('/kernelgate-probe') or writable('/usr/lib/probe'),
     'docker_sock': os.path.exists('/var/run/docker.sock') or os.path.exists('/run/docker.sock'),
     'env': dict(os.environ),
-    'nnp': [l.split()[1] for l in open('/proc/self/status') if l.startswith('NoNewPrivs')],
+    # prctl(PR_GET_NO_NEW_PRIVS): gVisor's /proc/self/status has no NoNewPrivs line.
+    'nnp': ctypes.CDLL(None).prctl(39, 0, 0, 0, 0),
     'core': resource.getrlimit(resource.RLIMIT_CORE),
     'nofile': resource.getrlimit(resource.RLIMIT_NOFILE),
     'cgroup': open('/proc/self/cgroup').read(),
@@ -254,7 +255,7 @@ print(json.dumps({
     assert_eq!(facts["nets"], json!(["lo"]));
     assert_eq!(facts["root_writable"], false);
     assert_eq!(facts["docker_sock"], false);
-    assert_eq!(facts["nnp"], json!(["1"]));
+    assert_eq!(facts["nnp"], 1, "no_new_privs is set");
     assert_eq!(facts["core"], json!([0, 0]), "no core dumps");
     assert_eq!(facts["nofile"], json!([4096, 4096]));
     // A private cgroup namespace: the kernel sees itself at the root, not the host's paths.

@@ -2,7 +2,7 @@
 //! none of it, keeps serving the kernel, and logs it at a bounded rate (so a kernel cannot
 //! fill the host's disk through the gateway's log); the metrics count every message.
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use kernelgate_tests::Gateway;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -241,4 +241,138 @@ print(sorted(os.listdir('/run/kernel')))
     assert_eq!(gw.stop().await?.code(), Some(0));
     let _ = std::fs::remove_dir(&dir);
     Ok(())
+}
+
+/// Four kernels flood IOPub with 1 MiB messages as fast as they can, every twentieth of
+/// them 40 MiB (over the 16 MiB limit), with no client attached; a fifth keeps answering.
+/// The gateway's memory stays within its budget (docs/security.md, "Memory budget") and
+/// returns to its baseline afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn flooding_kernels_cannot_exhaust_the_gateway() -> Result<()> {
+    const MAX_MESSAGE_MB: u64 = 16;
+    const FLOODERS: u64 = 4;
+    let gw = Gateway::start(&["--max-message-mb", "16", "--kernel-memory-mb", "1536"]).await?;
+    let mut ids = Vec::new();
+    for _ in 0..=FLOODERS {
+        let model = gw.create_kernel().await?;
+        ids.push(model["id"].as_str().unwrap_or_default().to_owned());
+    }
+    for id in &ids {
+        assert_eq!(
+            gw.execute(id, "1 + 1").await?["results"][0]["data"]["text/plain"],
+            "2"
+        );
+    }
+    tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+    let baseline = gw.rss_bytes()?;
+    let before = gw.metrics().await?;
+    // In the kernel's IOPub thread, straight on its PUB socket: as fast as ZeroMQ goes,
+    // with its high-water mark dropping what the gateway cannot take (no queue grows).
+    let flood = r#"
+import time
+k = get_ipython().kernel
+io = k.iopub_thread
+# A short send queue (the gateway's first reconnect applies it), so that the kernel's own
+# memory holds out: each queued message is a copy.
+io.socket.sndhwm = 16
+def signed(text):
+    return k.session.serialize(k.session.msg('stream', {'name': 'stdout', 'text': text}))
+small, big = signed('x' * (1 << 20)), signed('y' * (40 << 20))
+stop, sent = time.monotonic() + 15, [0]
+def burst():
+    pause = time.monotonic() + 0.05
+    while time.monotonic() < pause:
+        io.socket.send_multipart(big if sent[0] % 20 == 0 else small)
+        sent[0] += 1
+    if time.monotonic() < stop:
+        io.schedule(burst)
+io.schedule(burst)
+print('flooding')
+"#;
+    // The flood cells run until their flood ends; meanwhile the calm kernel is asked
+    // `1 + 1` again and again, and the gateway's memory is sampled after every answer.
+    let started = std::time::Instant::now();
+    let floods = futures::future::join_all(
+        ids[..FLOODERS as usize]
+            .iter()
+            .map(|id| gw.execute(id, flood)),
+    );
+    let calm = &ids[FLOODERS as usize];
+    let answering = async {
+        let (mut peak, mut answered) = (baseline, 0u32);
+        while started.elapsed() < std::time::Duration::from_secs(17) {
+            let r = gw.execute(calm, "1 + 1").await?;
+            assert_eq!(
+                r["status"], "ok",
+                "the calm kernel failed during the flood: {r}"
+            );
+            assert_eq!(r["results"][0]["data"]["text/plain"], "2", "{r}");
+            answered += 1;
+            peak = peak.max(gw.rss_bytes()?);
+        }
+        Ok::<_, anyhow::Error>((peak, answered))
+    };
+    let (flooded, calm_result) = tokio::join!(floods, answering);
+    let (peak, answered) = calm_result?;
+    for r in flooded {
+        // Its own output competes with the flood and may be dropped: the reply counts.
+        let r = r?;
+        assert_eq!(r["status"], "ok", "{r}");
+    }
+    let mib = |b: u64| b as f64 / f64::from(1 << 20);
+    let after = gw.metrics().await?;
+    let grew = |name: &str| sample(&after, name) - sample(&before, name);
+    let received = grew(r#"kernelgate_relayed_bytes_total{direction="kernel_to_client"}"#);
+    let refused = grew(r#"kernelgate_dropped_messages_total{reason="too_large_from_kernel"}"#);
+    let budget = baseline + FLOODERS * 2 * MAX_MESSAGE_MB * (1 << 20) + (64 << 20);
+    let mut settled = gw.rss_bytes()?;
+    let calm_down = std::time::Instant::now();
+    while settled > baseline + (32 << 20)
+        && calm_down.elapsed() < std::time::Duration::from_secs(30)
+    {
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+        settled = gw.rss_bytes()?;
+    }
+    println!(
+        "gateway RSS: baseline {:.1} MiB, peak {:.1} MiB (budget {:.1} MiB), settled {:.1} MiB after {:.1} s; {:.0} MiB received from the flooders, {refused} oversized messages refused; calm kernel answered {answered} times",
+        mib(baseline), mib(peak), mib(budget), mib(settled), calm_down.elapsed().as_secs_f64(),
+        received / f64::from(1 << 20)
+    );
+    assert!(
+        received >= f64::from(256 << 20),
+        "the flood did flow: {received} bytes"
+    );
+    assert!(
+        refused >= FLOODERS as f64,
+        "every flooder's oversized messages were refused: {refused}"
+    );
+    assert!(answered >= 10, "the calm kernel kept answering: {answered}");
+    assert!(
+        peak <= budget,
+        "peak {:.1} MiB over the budget {:.1} MiB",
+        mib(peak),
+        mib(budget)
+    );
+    assert!(
+        settled <= baseline + (32 << 20),
+        "RSS {:.1} MiB, not within 32 MiB of the baseline {:.1} MiB 30 s after the flood",
+        mib(settled),
+        mib(baseline)
+    );
+    // The flooders are still kernels that work, and the oversized messages were counted.
+    let r = gw.execute(&ids[0], "sent[0]").await?;
+    let sent: u64 = r["results"][0]["data"]["text/plain"]
+        .as_str()
+        .and_then(|v| v.parse().ok())
+        .with_context(|| format!("the flooder still answers: {r}"))?;
+    assert!(sent > 100, "{sent}");
+    Ok(())
+}
+
+/// The value of one series in a Prometheus text exposition (0 when absent).
+fn sample(exposition: &str, series: &str) -> f64 {
+    exposition
+        .lines()
+        .find_map(|l| l.strip_prefix(series).and_then(|v| v.trim().parse().ok()))
+        .unwrap_or(0.0)
 }

@@ -5,6 +5,7 @@
 use anyhow::{anyhow, Result};
 use kernelgate::backend::docker::{DockerBackend, DockerSettings};
 use kernelgate::backend::{KernelBackend, LaunchRequest};
+use kernelgate::config::RuntimeChoice;
 use kernelgate::kernel::clients::ClientLimits;
 use kernelgate::kernel::{Attachment, Kernel};
 use kernelgate_protocol::content::ExecuteRequest;
@@ -45,6 +46,11 @@ async fn hardened_container_runs_a_real_kernel() -> Result<()> {
         cpus: 1.0,
         pids: 256,
         disk_mb: 256,
+        runtime: if kernelgate_tests::gvisor() {
+            RuntimeChoice::Runsc
+        } else {
+            RuntimeChoice::Runc
+        },
     };
     let backend = DockerBackend::connect(settings).await?;
     backend.check().await?;
@@ -88,6 +94,7 @@ async fn exercise(handle: &str, connection: &kernelgate_protocol::ConnectionInfo
     let kernel = Kernel::new(
         "image-test",
         ClientLimits {
+            kernel_message_bytes: 64 << 20,
             buffer_bytes: 1 << 30,
             replay_for: Duration::from_secs(60),
         },

@@ -15,7 +15,7 @@ pub mod ui;
 use crate::kernels::Kernels;
 use auth::Auth;
 use axum::extract::DefaultBodyLimit;
-use axum::extract::Request;
+use axum::extract::{Request, State};
 use axum::http::HeaderValue;
 use axum::middleware::Next;
 use axum::response::Response;
@@ -39,6 +39,8 @@ pub struct AppState {
     pub metrics_access: ops::MetricsAccess,
     pub readiness: Arc<ops::Readiness>,
     pub origins: Arc<origin::OriginPolicy>,
+    /// The OCI runtime kernels run under (`runc` or `runsc`), for `GET /api`.
+    pub runtime: &'static str,
 }
 
 /// The whole HTTP surface.
@@ -120,8 +122,12 @@ async fn request_span(req: Request, next: Next) -> Response {
     response
 }
 
-async fn version() -> Json<serde_json::Value> {
-    Json(serde_json::json!({"version": env!("CARGO_PKG_VERSION"), "kernelgate": true}))
+/// Jupyter Server's `GET /api` (`version`), and ours beside it: what kernels run under.
+async fn version(State(state): State<AppState>) -> Json<serde_json::Value> {
+    Json(serde_json::json!({
+        "version": env!("CARGO_PKG_VERSION"),
+        "kernelgate": {"version": env!("CARGO_PKG_VERSION"), "runtime": state.runtime},
+    }))
 }
 
 async fn not_found(uri: axum::http::Uri) -> error::ApiError {

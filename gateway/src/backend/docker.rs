@@ -7,7 +7,7 @@ mod socket_dir;
 mod spec;
 
 use super::{BackendError, ExecOutput, Found, ImageFacts, KernelBackend, LaunchRequest, Launched};
-use crate::config::Config;
+use crate::config::{Config, RuntimeChoice};
 use crate::metrics;
 use bollard::errors::Error as DockerError;
 use bollard::models::ContainerSummaryStateEnum;
@@ -36,6 +36,61 @@ pub struct DockerSettings {
     pub cpus: f64,
     pub pids: i64,
     pub disk_mb: u64,
+    pub runtime: RuntimeChoice,
+}
+
+/// The OCI runtime kernel containers run under, once resolved against the engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Runtime {
+    Runc,
+    Runsc,
+}
+
+/// The name `make gvisor` registers gVisor under (mk/gvisor-setup.py).
+pub const RUNSC_RUNTIME: &str = "kernelgate-runsc";
+
+impl Runtime {
+    /// As shown to users: `runc` or `runsc`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Runtime::Runc => "runc",
+            Runtime::Runsc => "runsc",
+        }
+    }
+
+    /// The engine's name for it (`HostConfig.Runtime`). runc is named, not left to the
+    /// engine's default, which an operator may have changed.
+    fn docker_name(self) -> &'static str {
+        match self {
+            Runtime::Runc => "runc",
+            Runtime::Runsc => RUNSC_RUNTIME,
+        }
+    }
+
+    /// Picks the runtime for `choice` given the engine's registered runtime names.
+    pub fn resolve<'a>(
+        choice: RuntimeChoice,
+        registered: impl IntoIterator<Item = &'a str>,
+    ) -> Result<Runtime, BackendError> {
+        let has_runsc = registered.into_iter().any(|name| name == RUNSC_RUNTIME);
+        match (choice, has_runsc) {
+            (RuntimeChoice::Runc, _) => Ok(Runtime::Runc),
+            (RuntimeChoice::Auto | RuntimeChoice::Runsc, true) => Ok(Runtime::Runsc),
+            (RuntimeChoice::Auto, false) => {
+                tracing::warn!(
+                    "gVisor is not set up: kernels run under runc, one wall (the host's Linux \
+                     kernel) from the host; run `sudo make gvisor` in the kernelgate checkout \
+                     for a second"
+                );
+                Ok(Runtime::Runc)
+            }
+            (RuntimeChoice::Runsc, false) => Err(BackendError::Runtime(format!(
+                "--runtime runsc: the Docker engine has no runtime {RUNSC_RUNTIME:?}; run \
+                 `sudo make gvisor` in the kernelgate checkout (it installs runsc and registers \
+                 it), or choose --runtime runc"
+            ))),
+        }
+    }
 }
 
 impl From<&Config> for DockerSettings {
@@ -47,6 +102,7 @@ impl From<&Config> for DockerSettings {
             cpus: config.kernel_cpus,
             pids: config.kernel_pids,
             disk_mb: config.kernel_disk_mb,
+            runtime: config.runtime,
         }
     }
 }
@@ -62,6 +118,7 @@ pub struct DockerBackend {
     /// container removed behind our back (its label is gone with it). Containers found by
     /// `list()` after a gateway restart are resolved through their label instead.
     dirs: Mutex<HashMap<String, PathBuf>>,
+    runtime: Runtime,
 }
 
 impl DockerBackend {
@@ -77,12 +134,21 @@ impl DockerBackend {
             path: "/proc/self/status".to_owned(),
             source,
         })?;
+        let info = docker.info().await.map_err(unavailable)?;
+        let registered = info.runtimes.unwrap_or_default();
+        let runtime = Runtime::resolve(settings.runtime, registered.keys().map(String::as_str))?;
         Ok(DockerBackend {
             docker,
             settings,
             ownership: Ownership::for_gateway(ids),
             dirs: Mutex::default(),
+            runtime,
         })
+    }
+
+    /// The runtime kernel containers run under.
+    pub fn runtime(&self) -> Runtime {
+        self.runtime
     }
 
     async fn launch_inner(&self, req: &LaunchRequest) -> Result<Launched, BackendError> {
@@ -142,6 +208,8 @@ impl DockerBackend {
             group_add: self.ownership.group_add,
             env: &req.env,
             preload: req.preload,
+            runtime: self.runtime.docker_name(),
+            runtime_label: self.runtime.name(),
         }
         .to_body();
         let name = spec::container_name(&req.kernel_id);
@@ -541,5 +609,28 @@ fn map_handle_error(handle: &str, e: DockerError) -> BackendError {
         gone(handle)
     } else {
         runtime(handle, e)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn auto_prefers_gvisor_when_registered() {
+        let with = ["runc", RUNSC_RUNTIME];
+        let without = ["runc", "io.containerd.runc.v2"];
+        let pick = |choice, names: &[&str]| Runtime::resolve(choice, names.iter().copied());
+        assert_eq!(pick(RuntimeChoice::Auto, &with).ok(), Some(Runtime::Runsc));
+        assert_eq!(
+            pick(RuntimeChoice::Auto, &without).ok(),
+            Some(Runtime::Runc)
+        );
+        assert_eq!(pick(RuntimeChoice::Runc, &with).ok(), Some(Runtime::Runc));
+        assert_eq!(pick(RuntimeChoice::Runsc, &with).ok(), Some(Runtime::Runsc));
+        let refused = pick(RuntimeChoice::Runsc, &without).expect_err("runsc is not registered");
+        assert!(refused.to_string().contains("make gvisor"), "{refused}");
+        assert_eq!(Runtime::Runsc.docker_name(), RUNSC_RUNTIME);
+        assert_eq!(Runtime::Runc.docker_name(), "runc");
     }
 }

@@ -52,9 +52,12 @@ const MAX_PENDING: usize = 16_384;
 /// forgotten, so clients that never come back cannot pile up buffers.
 const MAX_AWAY: usize = 16;
 
-/// Limits that apply to every client session of a kernel.
+/// Limits that apply to the messages of a kernel and of every client session of it.
 #[derive(Debug, Clone, Copy)]
 pub struct ClientLimits {
+    /// Largest message accepted from the kernel: refused while it is received (the
+    /// gateway never buffers more), so a kernel cannot make the gateway allocate more.
+    pub kernel_message_bytes: usize,
     /// Bytes of output queued per session before the oldest output is dropped.
     pub buffer_bytes: usize,
     /// How long a disconnected session's messages are kept for it to come back.
@@ -340,6 +343,7 @@ mod tests {
 
     fn limits(buffer_bytes: usize) -> ClientLimits {
         ClientLimits {
+            kernel_message_bytes: 1 << 20,
             buffer_bytes,
             replay_for: Duration::from_secs(60),
         }

@@ -16,7 +16,10 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use zeromq::util::PeerIdentity;
-use zeromq::{DealerSocket, Socket, SocketOptions, SocketRecv, SocketSend, SubSocket, ZmqMessage};
+use zeromq::{
+    CodecError, DealerSocket, Socket, SocketOptions, SocketRecv, SocketSend, SubSocket, ZmqError,
+    ZmqMessage,
+};
 
 /// Where a link delivers what the kernel sends. Called from the socket reader tasks: it
 /// must never wait on a client.
@@ -48,6 +51,7 @@ impl Link {
         tracker: &TaskTracker,
         cancel: CancellationToken,
         timeout: Duration,
+        max_message_bytes: usize,
     ) -> Result<Link, KernelError> {
         let key = info.signing_key();
         // Shell and stdin share one routing id: ipykernel sends input_request to the
@@ -57,6 +61,8 @@ impl Link {
         let options = |id: Option<PeerIdentity>| {
             let mut o = SocketOptions::default();
             o.connect_timeout(timeout);
+            // Refused from its frame headers, before its body is read (vendor/README.md).
+            o.max_message_size(max_message_bytes);
             if let Some(id) = id {
                 o.peer_identity(id);
             }
@@ -104,6 +110,16 @@ impl Link {
                     };
                     match received {
                         Ok(frames) => deliver(&*sink, &key, channel, frames, &mut complaints),
+                        // IOPub's SUB reconnects by itself and goes on with the next
+                        // message; a DEALER does not, and its kernel counts as lost.
+                        Err(e @ ZmqError::Codec(CodecError::MessageTooLarge { .. })) => {
+                            metrics::dropped(DropReason::TooLargeFromKernel, 1);
+                            complaints.note(channel, &e);
+                            if channel != Channel::IoPub {
+                                sink.link_lost(channel);
+                                return;
+                            }
+                        }
                         Err(e) => {
                             tracing::debug!(%channel, error = %e, "kernel socket closed");
                             sink.link_lost(channel);
@@ -231,5 +247,80 @@ impl Complaints {
         } else {
             self.suppressed += 1;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use zeromq::PubSocket;
+
+    /// The size limit of the patched zeromq, with real sockets: a message over it is
+    /// refused (never delivered), and the SUB reconnects and receives the next one.
+    #[tokio::test]
+    async fn an_oversized_message_is_refused_and_the_next_one_arrives() {
+        let dir = std::env::temp_dir().join(format!("kg-limit-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let endpoint = format!("ipc://{}/iopub", dir.display());
+        let mut publisher = PubSocket::new();
+        publisher.bind(&endpoint).await.expect("bind");
+        let mut options = SocketOptions::default();
+        options.max_message_size(1 << 20);
+        let mut sub = SubSocket::with_options(options);
+        sub.subscribe("").await.expect("subscribe");
+        sub.connect(&endpoint).await.expect("connect");
+
+        let (subscribed_tx, mut subscribed) = tokio::sync::watch::channel(false);
+        let receiver = tokio::spawn(async move {
+            let mut refused = 0;
+            loop {
+                match sub.recv().await {
+                    Ok(m) => {
+                        let frames = m.into_vec();
+                        match frames[0].as_ref() {
+                            b"hello" => {
+                                let _ = subscribed_tx.send(true);
+                            }
+                            b"after" => return refused,
+                            _ => panic!("an oversized message was delivered: {frames:?}"),
+                        }
+                    }
+                    Err(ZmqError::Codec(CodecError::MessageTooLarge { limit })) => {
+                        assert_eq!(limit, 1 << 20);
+                        refused += 1;
+                    }
+                    Err(e) => panic!("unexpected error: {e}"),
+                }
+            }
+        });
+        // PUB drops messages until the subscription arrives: greet until it has.
+        while !*subscribed.borrow() {
+            publisher
+                .send(ZmqMessage::from("hello"))
+                .await
+                .expect("send");
+            let _ = tokio::time::timeout(Duration::from_millis(50), subscribed.changed()).await;
+        }
+        // Two frames of 600 KiB: each fits, together they do not.
+        let big = Bytes::from(vec![b'x'; 600 << 10]);
+        let mut m = ZmqMessage::from(big.clone());
+        m.push_back(big);
+        publisher.send(m).await.expect("send big");
+        for _ in 0..200 {
+            if receiver.is_finished() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            publisher
+                .send(ZmqMessage::from("after"))
+                .await
+                .expect("send");
+        }
+        let refused = tokio::time::timeout(Duration::from_secs(10), receiver)
+            .await
+            .expect("the SUB went on after the refusal")
+            .expect("receiver");
+        assert_eq!(refused, 1);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

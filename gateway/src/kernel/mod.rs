@@ -65,6 +65,8 @@ pub struct Kernel {
     id: String,
     /// The session id on messages the gateway itself creates.
     session: String,
+    /// Largest message accepted from the kernel.
+    max_message_bytes: usize,
     state: Mutex<State>,
 }
 
@@ -73,6 +75,7 @@ impl Kernel {
         Arc::new(Kernel {
             id: id.to_owned(),
             session: uuid::Uuid::new_v4().to_string(),
+            max_message_bytes: limits.kernel_message_bytes,
             state: Mutex::new(State {
                 clients: Clients::new(limits),
                 execution_state: ExecutionState::Starting,
@@ -126,7 +129,7 @@ impl Kernel {
         let sink: Arc<dyn Dispatch> = self.clone();
         let link = tokio::time::timeout(
             timeout,
-            Link::connect(info, sink, tracker, cancel, timeout)
+            Link::connect(info, sink, tracker, cancel, timeout, self.max_message_bytes)
                 .instrument(tracing::info_span!("kernel", kernel = %self.id)),
         )
         .await

@@ -20,6 +20,7 @@ fn settings() -> Settings {
         heartbeat: HeartbeatCheck::default(),
         specs: specs(&[], &["0"]),
         limits: ClientLimits {
+            kernel_message_bytes: 1 << 20,
             buffer_bytes: 1 << 20,
             replay_for: Duration::from_secs(60),
         },

@@ -23,6 +23,8 @@ pub const LABEL_MANAGED: &str = "org.kernelgate.managed";
 /// The gateway's runtime directory: kernels of another gateway on the same Docker engine
 /// (another runtime directory) are neither adopted nor removed as orphans.
 pub const LABEL_RUNTIME_DIR: &str = "org.kernelgate.runtime_dir";
+/// The OCI runtime the kernel runs under: `runc` or `runsc`.
+pub const LABEL_RUNTIME: &str = "org.kernelgate.runtime";
 
 /// Container name of a kernel.
 pub fn container_name(kernel_id: &str) -> String {
@@ -49,6 +51,10 @@ pub struct ContainerSpec<'a> {
     pub group_add: Option<u32>,
     pub env: &'a BTreeMap<String, String>,
     pub preload: bool,
+    /// The engine's name of the OCI runtime (`runc`, `kernelgate-runsc`).
+    pub runtime: &'a str,
+    /// The same as users know it (`runc`, `runsc`), for the label.
+    pub runtime_label: &'a str,
 }
 
 impl ContainerSpec<'_> {
@@ -59,6 +65,7 @@ impl ContainerSpec<'_> {
             (LABEL_CREATED.to_owned(), self.created.to_owned()),
             (LABEL_MANAGED.to_owned(), "true".to_owned()),
             (LABEL_RUNTIME_DIR.to_owned(), self.runtime_dir.to_owned()),
+            (LABEL_RUNTIME.to_owned(), self.runtime_label.to_owned()),
         ]);
         let mut env: Vec<String> = self.env.iter().map(|(k, v)| format!("{k}={v}")).collect();
         if self.preload {
@@ -80,6 +87,7 @@ impl ContainerSpec<'_> {
         ]);
         let memory = i64::try_from(self.memory_mb.saturating_mul(1024 * 1024)).unwrap_or(i64::MAX);
         let host_config = HostConfig {
+            runtime: Some(self.runtime.to_owned()),
             network_mode: Some("none".to_owned()),
             readonly_rootfs: Some(true),
             tmpfs: Some(tmpfs),
@@ -158,6 +166,8 @@ mod tests {
             group_add,
             env,
             preload: true,
+            runtime: "kernelgate-runsc",
+            runtime_label: "runsc",
         }
     }
 
@@ -166,6 +176,7 @@ mod tests {
         let env = BTreeMap::new();
         let body = spec(&env, None).to_body();
         let host = body.host_config.expect("host config");
+        assert_eq!(host.runtime.as_deref(), Some("kernelgate-runsc"));
         assert_eq!(host.network_mode.as_deref(), Some("none"));
         assert_eq!(host.readonly_rootfs, Some(true));
         assert_eq!(host.cap_drop, Some(vec!["ALL".to_owned()]));
@@ -237,6 +248,7 @@ mod tests {
         assert_eq!(labels[LABEL_CREATED], "2025-01-02T03:04:05Z");
         assert_eq!(labels[LABEL_MANAGED], "true");
         assert_eq!(labels[LABEL_RUNTIME_DIR], "/run/kernelgate");
+        assert_eq!(labels[LABEL_RUNTIME], "runsc");
         assert_eq!(container_name("k1"), "kernelgate-k1");
     }
 

@@ -5,13 +5,15 @@
 //! Usage: bench [--out FILE.json] [--md FILE.md] [--venv DIR] [--rounds N] [--pool-size N]
 //!              [--idle-kernels N] [--quick]
 //!
-//! Kernelgate runs each kernel in a Docker container (ipc sockets bind-mounted); JKG and
+//! Kernelgate runs each kernel in a Docker container under runc (ipc sockets
+//! bind-mounted), then, in a table of its own, under runc and gVisor side by side; JKG and
 //! the direct baseline run local kernel processes. All three run the kernel image's own
 //! launcher (kernel-image/launch.py) with the same ipykernel and matplotlib versions.
 
 mod conn;
 mod procs;
 mod report;
+mod runtimes;
 mod stats;
 
 use anyhow::{bail, Context, Result};
@@ -205,7 +207,12 @@ async fn run(opts: &Opts, paths: &Paths, results: &mut Results) -> Result<()> {
         "starting Kernelgate (warm pool {}) and JKG",
         opts.pool_size
     ));
-    let kg = Server::kernelgate(paths, opts.pool_size, &["--max-kernels", "64"]).await?;
+    let kg = Server::kernelgate(
+        paths,
+        opts.pool_size,
+        &["--max-kernels", "64", "--runtime", "runc"],
+    )
+    .await?;
     let jkg = Server::jkg(paths).await?;
     let mut sides = vec![
         Side {
@@ -240,7 +247,8 @@ async fn run(opts: &Opts, paths: &Paths, results: &mut Results) -> Result<()> {
         }
     }
     measured?;
-    memory(opts, paths, results).await
+    memory(opts, paths, results).await?;
+    runtimes::compare(opts, paths, results).await
 }
 
 async fn measure(
@@ -488,7 +496,14 @@ async fn memory(opts: &Opts, paths: &Paths, results: &mut Results) -> Result<()>
             Server::kernelgate(
                 paths,
                 0,
-                &["--max-kernels", &max, "--kernel-memory-mb", "256"],
+                &[
+                    "--max-kernels",
+                    &max,
+                    "--kernel-memory-mb",
+                    "256",
+                    "--runtime",
+                    "runc",
+                ],
             )
             .await?
         } else {

@@ -253,5 +253,64 @@ pub fn markdown(doc: &Value) -> String {
         mach["local_kernels"].as_str().unwrap_or_default(),
         doc["duration_s"].as_f64().unwrap_or_default(),
     ));
+    out.push_str(&runtimes_table(m));
+    out
+}
+
+/// Kernelgate under runc and under gVisor, from the same run.
+fn runtimes_table(m: &Value) -> String {
+    if m["runtimes"]["skipped"].is_string() {
+        return "
+Runtimes: gVisor is not set up (`make gvisor`), so only runc was measured.\n"
+            .to_owned();
+    }
+    let rows: [(&str, &str, &str, usize); 5] = [
+        (
+            "cold create (ms, median)",
+            "runtime_create_cold_ms",
+            "median",
+            0,
+        ),
+        (
+            "pool create (ms, median)",
+            "runtime_create_warm_ms",
+            "median",
+            1,
+        ),
+        (
+            "`1+1` round trip p50 (ms)",
+            "runtime_execute_rt_ms",
+            "p50",
+            2,
+        ),
+        ("20 MiB stream (MiB/s)", "runtime_stream_mib_s", "median", 1),
+        (
+            "import numpy, pandas, matplotlib.pyplot (ms)",
+            "runtime_imports_ms",
+            "median",
+            0,
+        ),
+    ];
+    let mut out = String::from(
+        "\n| Kernelgate by runtime | runc | runsc (gVisor) | runsc / runc |\n|---|---:|---:|---:|\n",
+    );
+    for (label, metric, field, decimals) in rows {
+        let runc = num(&m[metric]["runc"][field]);
+        let runsc = num(&m[metric]["runsc"][field]);
+        let ratio = match (runc, runsc) {
+            (Some(a), Some(b)) if a > 0.0 => format!("{:.2}x", b / a),
+            _ => "—".to_owned(),
+        };
+        out.push_str(&format!(
+            "| {label} | {} | {} | {ratio} |\n",
+            fmt(runc, decimals),
+            fmt(runsc, decimals)
+        ));
+    }
+    out.push_str(
+        "\nSame release build, kernels created without a pool (cold; each then imports the \
+         scientific stack once) and from a full, quiet pool; round trip and stream on one \
+         kernel per runtime. gVisor runs on the ptrace platform here (no KVM).\n",
+    );
     out
 }

@@ -1,0 +1,134 @@
+//! End to end, under the runtime of the run (`KERNELGATE_RUNTIME`, runc or runsc): the
+//! gateway says which runtime its kernels run under, the containers are made with it and
+//! say so on their labels, and the limits a kernel is given bind under either runtime.
+
+use anyhow::{bail, Context, Result};
+use kernelgate_tests::{runtime, Gateway};
+use serde_json::Value;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+/// The container of kernel `id`, inspected by Docker.
+fn inspect(id: &str) -> Result<Value> {
+    let out = Command::new("docker")
+        .args(["inspect", &format!("kernelgate-{id}")])
+        .output()?;
+    if !out.status.success() {
+        bail!("docker inspect: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    let all: Value = serde_json::from_slice(&out.stdout)?;
+    Ok(all[0].clone())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kernels_run_under_the_chosen_runtime() -> Result<()> {
+    let gw = Gateway::start(&[]).await?;
+    let (status, api) = gw.get_json("/api").await?;
+    assert_eq!(status, 200);
+    assert_eq!(api["kernelgate"]["runtime"], runtime(), "{api}");
+    assert!(api["version"].is_string(), "Jupyter's field stays: {api}");
+    let said = format!("runtime=\"{}\"", runtime());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let logs = gw.logs.lock().map(|l| l.join("\n")).unwrap_or_default();
+        if logs.contains(&said) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no {said} in the start lines: {logs}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    let model = gw.create_kernel().await?;
+    let id = model["id"].as_str().unwrap_or_default();
+    let container = inspect(id)?;
+    let engine_name = if runtime() == "runsc" {
+        "kernelgate-runsc"
+    } else {
+        "runc"
+    };
+    assert_eq!(container["HostConfig"]["Runtime"], engine_name);
+    assert_eq!(
+        container["Config"]["Labels"]["org.kernelgate.runtime"],
+        runtime()
+    );
+    // Which Linux kernel answers the kernel's system calls: the host's under runc, gVisor's
+    // own under runsc.
+    let r = gw
+        .execute(id, "import os\nprint(os.uname().release)")
+        .await?;
+    let inside = r["stdout"].as_str().unwrap_or_default().trim().to_owned();
+    let host = String::from_utf8(Command::new("uname").arg("-r").output()?.stdout)?;
+    if runtime() == "runsc" {
+        assert_ne!(inside, host.trim(), "gVisor answers, not the host's kernel");
+    } else {
+        assert_eq!(inside, host.trim());
+    }
+    Ok(())
+}
+
+/// CPU time the container's cgroup used so far, read on the host (cgroup v1 or v2).
+fn cgroup_cpu_seconds(container_id: &str) -> Result<f64> {
+    let v1 = format!("/sys/fs/cgroup/cpuacct/docker/{container_id}/cpuacct.usage");
+    if let Ok(ns) = std::fs::read_to_string(&v1) {
+        return Ok(ns.trim().parse::<f64>()? / 1e9);
+    }
+    for v2 in [
+        format!("/sys/fs/cgroup/system.slice/docker-{container_id}.scope/cpu.stat"),
+        format!("/sys/fs/cgroup/docker/{container_id}/cpu.stat"),
+    ] {
+        if let Ok(stat) = std::fs::read_to_string(&v2) {
+            let usec = stat
+                .lines()
+                .find_map(|l| l.strip_prefix("usage_usec "))
+                .context("usage_usec in cpu.stat")?;
+            return Ok(usec.trim().parse::<f64>()? / 1e6);
+        }
+    }
+    bail!("no cgroup CPU accounting found for container {container_id}")
+}
+
+/// Two processes spin in a kernel limited to one CPU; the host's own accounting of the
+/// container says how much they got.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cpu_quota_binds() -> Result<()> {
+    let gw = Gateway::start(&["--kernel-cpus", "1"]).await?;
+    let model = gw.create_kernel().await?;
+    let id = model["id"].as_str().unwrap_or_default();
+    let container = inspect(id)?["Id"]
+        .as_str()
+        .context("container id")?
+        .to_owned();
+    let spin = r#"
+import multiprocessing as mp, time
+def spin(seconds):
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+procs = [mp.Process(target=spin, args=(4,)) for _ in range(2)]
+[p.start() for p in procs]
+[p.join() for p in procs]
+print('done')
+"#;
+    let before = cgroup_cpu_seconds(&container)?;
+    let started = Instant::now();
+    let r = gw.execute(id, spin).await?;
+    let wall = started.elapsed().as_secs_f64();
+    let used = cgroup_cpu_seconds(&container)? - before;
+    assert_eq!(r["stdout"], "done\n", "{r}");
+    let cpus = used / wall;
+    println!("runtime {}: {cpus:.2} CPUs used by two busy processes under a 1-CPU limit ({used:.2} s CPU in {wall:.2} s)", runtime());
+    assert!(
+        wall >= Duration::from_secs(4).as_secs_f64(),
+        "the spin ran its course"
+    );
+    assert!(
+        cpus <= 1.15,
+        "limited to 1 CPU, the kernel used {cpus:.2} under {}",
+        runtime()
+    );
+    assert!(cpus >= 0.5, "the kernel did get its CPU: {cpus:.2}");
+    Ok(())
+}
