@@ -15,7 +15,7 @@ use axum::http::{header, HeaderMap};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use kernelgate_protocol::content::{ErrorContent, ExecuteRequest};
-use kernelgate_protocol::execution::{Display, Event, Interruption, Status};
+use kernelgate_protocol::execution::{Display, Event, Interruption, Phase, Status};
 use kernelgate_protocol::{Channel, Execution, Outcome, RawJson};
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
@@ -28,6 +28,10 @@ use tracing::Instrument;
 const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 /// How long an interrupted run may take to report back before the call gives up on it.
 const INTERRUPT_GRACE: Duration = Duration::from_secs(10);
+/// After the reply, how long the run's final IOPub `idle` may lag. A kernel's IOPub drops
+/// messages when its send queue is full (a flood of output), so `idle` can be lost: the run
+/// then ends with what arrived instead of waiting for its timeout.
+const IOPUB_GRACE: Duration = Duration::from_secs(10);
 
 #[derive(Debug, Deserialize)]
 pub struct ExecuteBody {
@@ -209,10 +213,18 @@ async fn run(
     }
 
     let mut deadline = tokio::time::Instant::now() + timeout;
+    let mut idle_due: Option<tokio::time::Instant> = None;
     while !execution.is_done() {
+        if idle_due.is_none() && execution.phase() == Phase::AwaitingIdle {
+            idle_due = Some(tokio::time::Instant::now() + IOPUB_GRACE);
+        }
         let batch = tokio::select! {
             b = me.recv() => b,
-            _ = tokio::time::sleep_until(deadline) => {
+            _ = tokio::time::sleep_until(idle_due.unwrap_or(deadline).min(deadline)) => {
+                if execution.phase() == Phase::AwaitingIdle {
+                    tracing::warn!(kernel = %live.id(), "the kernel replied but its idle status never came (IOPub dropped it?); ending the run with what arrived");
+                    break;
+                }
                 if execution.interruption().is_some() {
                     break; // the interrupt did not end it either: give up waiting
                 }
