@@ -16,6 +16,10 @@ What this adds to a plain `python -m ipykernel_launcher -f FILE`:
   look dead);
 * XPUB_NODROP on the IOPub socket: when the reader falls behind, output waits instead of
   being dropped silently at libzmq's high-water mark (the reader must keep draining IOPub);
+* output back-pressure: a thread that prints or displays faster than IOPub can send waits
+  (interruptibly) once the IOPub thread holds OUTPUT_BACKLOG_BYTES unsent, and a stream
+  flushes itself past OUTPUT_CHUNK_CHARS, so a runaway print loop costs the kernel a bounded
+  amount of memory instead of growing ipykernel's queues until it is OOM-killed;
 * HOME, IPYTHONDIR, MPLCONFIGDIR and JUPYTER_RUNTIME_DIR usable with a read-only root
   filesystem (defaults under /tmp, created when missing);
 * the working directory: $HOME/work when it exists (the gateway may mount one), else $HOME;
@@ -47,6 +51,11 @@ STATE_DIRS = (
     ("JUPYTER_RUNTIME_DIR", "/tmp/jupyter-runtime"),
 )
 PRELOAD_MODULES = ("numpy", "pandas", "matplotlib", "matplotlib.pyplot")
+# Output the IOPub thread may hold before producers wait, and the stream text a print loop may
+# buffer before it flushes (and waits) itself; with IOPUB_SNDHWM messages queued in libzmq.
+OUTPUT_BACKLOG_BYTES = 8 << 20
+OUTPUT_CHUNK_CHARS = 1 << 20
+IOPUB_SNDHWM = 32
 
 # The syscalls the filter refuses, by architecture (numbers from the kernel's syscall tables).
 DENIED_SYSCALLS = {
@@ -154,6 +163,88 @@ def install_syscall_filter() -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_SECCOMP)")
 
 
+def _nbytes(part) -> int:
+    try:
+        return memoryview(part).nbytes
+    except TypeError:
+        return len(part) if hasattr(part, "__len__") else 0
+
+
+def bound_output_backlog() -> None:
+    """Makes producers of IOPub messages wait while the IOPub thread is behind.
+
+    ipykernel queues every message for its IOPub thread without bound, and a stream buffers
+    text until its next timed flush: a loop printing faster than the gateway reads grows
+    both until the kernel runs out of memory. Here every send is counted until the IOPub
+    thread has handed it to libzmq (which blocks at its high-water mark, XPUB_NODROP), and a
+    thread other than the IOPub thread waits while more than OUTPUT_BACKLOG_BYTES are unsent.
+    The wait is a Condition wait with a timeout: SIGINT (interrupt) still ends the cell.
+    """
+    import threading
+
+    from ipykernel import iostream
+
+    thread_class, stream_class = iostream.IOPubThread, iostream.OutStream
+    send_multipart, write = thread_class.send_multipart, stream_class.write
+
+    def backlog(io):
+        found = io.__dict__.get("_kernelgate_backlog")
+        if found is None:
+            found = io.__dict__.setdefault("_kernelgate_backlog", [threading.Condition(), 0])
+        return found
+
+    def wait_for_room(io) -> None:
+        if not io.thread.is_alive() or threading.current_thread() is io.thread:
+            return
+        cond = backlog(io)
+        with cond[0]:
+            while cond[1] > OUTPUT_BACKLOG_BYTES and io.thread.is_alive() and not io.closed:
+                cond[0].wait(0.25)
+
+    def bounded_send_multipart(self, msg, *args, **kwargs):
+        size = sum(_nbytes(part) for part in msg)
+        cond = backlog(self)
+        with cond[0]:
+            cond[1] += size
+
+        def send():
+            try:
+                self._really_send(msg, *args, **kwargs)
+            finally:
+                with cond[0]:
+                    cond[1] -= size
+                    cond[0].notify_all()
+
+        self.schedule(send)
+        wait_for_room(self)
+
+    def bounded_write(self, string):
+        written = write(self, string)
+        io = self.pub_thread
+        if (
+            io is None
+            or not io.thread.is_alive()
+            or threading.current_thread() is io.thread
+            or not self._is_master_process()
+        ):
+            return written
+        with self._buffer_lock:
+            buffered = sum(b.tell() for b in self._buffers.values())
+        if buffered > OUTPUT_CHUNK_CHARS:
+            flushed = threading.Event()
+            io.schedule(self._flush)
+            io.schedule(flushed.set)
+            while not flushed.wait(0.25) and io.thread.is_alive():
+                pass
+            wait_for_room(io)
+        return written
+
+    bounded_send_multipart.__wrapped__ = send_multipart
+    bounded_write.__wrapped__ = write
+    thread_class.send_multipart = bounded_send_multipart
+    stream_class.write = bounded_write
+
+
 def make_app_class():
     """IPKernelApp whose IOPub socket never drops messages at the high-water mark."""
     import zmq
@@ -166,10 +257,12 @@ def make_app_class():
             # the option is set as a context default for the sockets created in this call
             # (pyzmq ignores options a socket type rejects, e.g. on the thread's PULL pipes).
             context.setsockopt(zmq.XPUB_NODROP, 1)
+            context.setsockopt(zmq.SNDHWM, IOPUB_SNDHWM)
             try:
                 super().init_iopub(context)
             finally:
                 context.sockopts.pop(zmq.XPUB_NODROP, None)
+                context.sockopts.pop(zmq.SNDHWM, None)
 
     return KernelgateKernelApp
 
@@ -204,6 +297,7 @@ def main(argv: list[str]) -> int:
     if sys.path and os.path.abspath(sys.path[0] or ".") == os.path.dirname(os.path.abspath(__file__)):
         del sys.path[0]
 
+    bound_output_backlog()
     app = make_app_class().instance()
     app.initialize(["-f", connection_file])
     if os.environ.get("KERNELGATE_PRELOAD") == "1":

@@ -205,6 +205,11 @@ pub struct Config {
     )]
     pub log_format: LogFormat,
 
+    /// Output one execution may produce (stream text, display and result data), in MiB;
+    /// past it the rest of that execution's output is dropped and clients are told once.
+    #[arg(long, env = "KERNELGATE_MAX_OUTPUT_MB", default_value_t = 32, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    pub max_output_mb: usize,
+
     /// Largest WebSocket message or HTTP body accepted from a client, in MiB.
     #[arg(long, env = "KERNELGATE_MAX_MESSAGE_MB", default_value_t = 64, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     pub max_message_mb: usize,

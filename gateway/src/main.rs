@@ -82,6 +82,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         limits: ClientLimits {
             kernel_message_bytes: config.max_message_mb * 1024 * 1024,
             buffer_bytes: config.client_buffer_mb * 1024 * 1024,
+            output_bytes: config.max_output_mb * 1024 * 1024,
             replay_for: Duration::from_secs(600),
         },
     };

@@ -44,6 +44,8 @@ pub enum DropReason {
     FromKernel,
     /// A message from a kernel over `--max-message-mb`, refused while it was received.
     TooLargeFromKernel,
+    /// Output of an execution past `--max-output-mb`.
+    OutputLimit,
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -264,6 +266,7 @@ pub fn dropped(reason: DropReason, count: u64) {
                 DropReason::NoRecipient => "no_recipient",
                 DropReason::FromKernel => "bad_from_kernel",
                 DropReason::TooLargeFromKernel => "too_large_from_kernel",
+                DropReason::OutputLimit => "output_limit",
             },
         })
         .inc_by(count);

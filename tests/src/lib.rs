@@ -17,6 +17,47 @@ use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 use tokio_tungstenite::tungstenite::Message as WsMessage;
 use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
 
+/// The container of kernel `id`, inspected by Docker.
+pub fn inspect(id: &str) -> Result<Value> {
+    let out = std::process::Command::new("docker")
+        .args(["inspect", &format!("kernelgate-{id}")])
+        .output()?;
+    if !out.status.success() {
+        bail!("docker inspect: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    let all: Value = serde_json::from_slice(&out.stdout)?;
+    Ok(all[0].clone())
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CgroupVersion {
+    V1,
+    V2,
+}
+
+/// A file of a container's cgroup, read on the host: `v1` is (controller, file) under
+/// cgroup v1, `v2` the file's name under cgroup v2.
+pub fn cgroup_read(
+    container_id: &str,
+    v1: (&str, &str),
+    v2: &str,
+) -> Result<(CgroupVersion, String)> {
+    let (controller, file) = v1;
+    let path = format!("/sys/fs/cgroup/{controller}/docker/{container_id}/{file}");
+    if let Ok(text) = std::fs::read_to_string(path) {
+        return Ok((CgroupVersion::V1, text));
+    }
+    for dir in [
+        format!("/sys/fs/cgroup/system.slice/docker-{container_id}.scope"),
+        format!("/sys/fs/cgroup/docker/{container_id}"),
+    ] {
+        if let Ok(text) = std::fs::read_to_string(format!("{dir}/{v2}")) {
+            return Ok((CgroupVersion::V2, text));
+        }
+    }
+    bail!("no cgroup file {file} or {v2} found for container {container_id}")
+}
+
 /// The image the tests run kernels in (`make image` tags it).
 pub fn image() -> String {
     std::env::var("KERNELGATE_IMAGE").unwrap_or_else(|_| "kernelgate-kernel:latest".to_owned())

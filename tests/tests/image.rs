@@ -96,6 +96,7 @@ async fn exercise(handle: &str, connection: &kernelgate_protocol::ConnectionInfo
         ClientLimits {
             kernel_message_bytes: 64 << 20,
             buffer_bytes: 1 << 30,
+            output_bytes: 1 << 30,
             replay_for: Duration::from_secs(60),
         },
     );

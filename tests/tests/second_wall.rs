@@ -2,23 +2,10 @@
 //! gateway says which runtime its kernels run under, the containers are made with it and
 //! say so on their labels, and the limits a kernel is given bind under either runtime.
 
-use anyhow::{bail, Context, Result};
-use kernelgate_tests::{runtime, Gateway};
-use serde_json::Value;
+use anyhow::{Context, Result};
+use kernelgate_tests::{cgroup_read, inspect, runtime, CgroupVersion, Gateway};
 use std::process::Command;
 use std::time::{Duration, Instant};
-
-/// The container of kernel `id`, inspected by Docker.
-fn inspect(id: &str) -> Result<Value> {
-    let out = Command::new("docker")
-        .args(["inspect", &format!("kernelgate-{id}")])
-        .output()?;
-    if !out.status.success() {
-        bail!("docker inspect: {}", String::from_utf8_lossy(&out.stderr));
-    }
-    let all: Value = serde_json::from_slice(&out.stdout)?;
-    Ok(all[0].clone())
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kernels_run_under_the_chosen_runtime() -> Result<()> {
@@ -71,23 +58,16 @@ async fn kernels_run_under_the_chosen_runtime() -> Result<()> {
 
 /// CPU time the container's cgroup used so far, read on the host (cgroup v1 or v2).
 fn cgroup_cpu_seconds(container_id: &str) -> Result<f64> {
-    let v1 = format!("/sys/fs/cgroup/cpuacct/docker/{container_id}/cpuacct.usage");
-    if let Ok(ns) = std::fs::read_to_string(&v1) {
-        return Ok(ns.trim().parse::<f64>()? / 1e9);
-    }
-    for v2 in [
-        format!("/sys/fs/cgroup/system.slice/docker-{container_id}.scope/cpu.stat"),
-        format!("/sys/fs/cgroup/docker/{container_id}/cpu.stat"),
-    ] {
-        if let Ok(stat) = std::fs::read_to_string(&v2) {
+    match cgroup_read(container_id, ("cpuacct", "cpuacct.usage"), "cpu.stat")? {
+        (CgroupVersion::V1, ns) => Ok(ns.trim().parse::<f64>()? / 1e9),
+        (CgroupVersion::V2, stat) => {
             let usec = stat
                 .lines()
                 .find_map(|l| l.strip_prefix("usage_usec "))
                 .context("usage_usec in cpu.stat")?;
-            return Ok(usec.trim().parse::<f64>()? / 1e6);
+            Ok(usec.trim().parse::<f64>()? / 1e6)
         }
     }
-    bail!("no cgroup CPU accounting found for container {container_id}")
 }
 
 /// Two processes spin in a kernel limited to one CPU; the host's own accounting of the

@@ -8,6 +8,7 @@
 use super::error::ApiError;
 use super::kernels::find;
 use super::AppState;
+use crate::kernel::executions::TRUNCATED_METADATA;
 use crate::kernels::{Kernels, LiveKernel};
 use axum::body::{Body, Bytes};
 use axum::extract::{Path, State};
@@ -71,11 +72,13 @@ struct End {
     status: Status,
     execution_count: Option<i64>,
     duration_ms: u64,
+    /// Output past `--max-output-mb` was dropped.
+    truncated: bool,
 }
 
 impl End {
     fn to_json(&self) -> Value {
-        json!({"type": "end", "status": self.status.as_str(), "execution_count": self.execution_count, "duration_ms": self.duration_ms})
+        json!({"type": "end", "status": self.status.as_str(), "execution_count": self.execution_count, "duration_ms": self.duration_ms, "truncated": self.truncated})
     }
 }
 
@@ -141,6 +144,7 @@ async fn collect(mut rx: mpsc::Receiver<Progress>) -> Value {
         status: Status::Error,
         execution_count: None,
         duration_ms: 0,
+        truncated: false,
     };
     while let Some(progress) = rx.recv().await {
         match progress {
@@ -167,7 +171,7 @@ async fn collect(mut rx: mpsc::Receiver<Progress>) -> Value {
     json!({
         "status": end.status.as_str(), "execution_count": end.execution_count,
         "stdout": outcome.stdout, "stderr": outcome.stderr, "results": results, "error": error,
-        "duration_ms": end.duration_ms,
+        "duration_ms": end.duration_ms, "truncated": end.truncated,
     })
 }
 
@@ -193,11 +197,13 @@ async fn run(
         .kernel
         .request("execute_request", RawJson::from_value(&request));
     let mut execution = Execution::new(message.msg_id());
-    let end = |execution: &Execution| {
+    let mut truncated = false;
+    let end = |execution: &Execution, truncated: bool| {
         Progress::End(End {
             status: execution.status(),
             execution_count: execution.reply().and_then(|r| r.execution_count),
             duration_ms: started.elapsed().as_millis() as u64,
+            truncated,
         })
     };
     if let Err(e) = me.send(Channel::Shell, message).await {
@@ -208,7 +214,7 @@ async fn run(
             extra: Map::new(),
         };
         let _ = tx.send(Progress::Event(Event::Error(unavailable))).await;
-        let _ = tx.send(end(&execution)).await;
+        let _ = tx.send(end(&execution, false)).await;
         return;
     }
 
@@ -246,6 +252,7 @@ async fn run(
             let Some(event) = execution.feed(out.channel, &out.message) else {
                 continue;
             };
+            truncated |= is_truncation_notice(&out.message);
             if let Event::KernelLost(state) = event {
                 let died = ErrorContent {
                     ename: "KernelDied".into(),
@@ -263,7 +270,12 @@ async fn run(
             let _ = tx.send(Progress::Event(event)).await;
         }
     }
-    let _ = tx.send(end(&execution)).await;
+    let _ = tx.send(end(&execution, truncated)).await;
+}
+
+/// The gateway's own notice that an execution's output was cut.
+fn is_truncation_notice(message: &kernelgate_protocol::Message) -> bool {
+    message.msg_type() == "stream" && message.metadata.get().contains(TRUNCATED_METADATA)
 }
 
 async fn interrupt(kernels: &Kernels, live: &LiveKernel) {

@@ -60,6 +60,9 @@ pub struct ClientLimits {
     pub kernel_message_bytes: usize,
     /// Bytes of output queued per session before the oldest output is dropped.
     pub buffer_bytes: usize,
+    /// Output bytes one execution may produce; past this its output is cut
+    /// ([`super::executions`]).
+    pub output_bytes: usize,
     /// How long a disconnected session's messages are kept for it to come back.
     pub replay_for: Duration,
 }
@@ -345,6 +348,7 @@ mod tests {
         ClientLimits {
             kernel_message_bytes: 1 << 20,
             buffer_bytes,
+            output_bytes: 1 << 30,
             replay_for: Duration::from_secs(60),
         }
     }

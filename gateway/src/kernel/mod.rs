@@ -3,16 +3,17 @@
 //! activity, connections). Knows nothing about containers or HTTP.
 
 pub mod clients;
+pub mod executions;
 pub mod heartbeat;
 pub mod link;
 
-use crate::metrics::{self, Direction};
+use crate::metrics::{self, Direction, DropReason};
 use chrono::{DateTime, Utc};
 use clients::{ClientLimits, Clients, Outbound, Take, Ticket};
+use executions::{Executions, Verdict};
 use kernelgate_protocol::content::{ExecutionState, KernelInfoReply};
 use kernelgate_protocol::{Channel, ConnectionInfo, Execution, Header, Message, RawJson};
 use link::{Dispatch, Link};
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 use tokio::time::Instant;
@@ -50,14 +51,12 @@ struct State {
     /// Client messages sent while the kernel process restarts, delivered in order once it
     /// is back (as libzmq would queue them), so a cell run during a restart is not lost.
     backlog: Vec<(Channel, Message)>,
-    /// When each execute_request in flight was sent, for the execution metrics.
-    executing: HashMap<String, std::time::Instant>,
+    /// Executions in flight: their start (for the metrics) and output (for the cap).
+    executions: Executions,
 }
 
 /// Most client messages held while a kernel restarts; past this, sends fail.
 const MAX_BACKLOG: usize = 1024;
-/// Most executions timed at once; requests never answered are forgotten past this.
-const MAX_EXECUTING: usize = 4096;
 
 /// A kernel's messaging side.
 #[derive(Debug)]
@@ -82,7 +81,7 @@ impl Kernel {
                 last_activity: Utc::now(),
                 link: None,
                 backlog: Vec::new(),
-                executing: HashMap::new(),
+                executions: Executions::new(limits.output_bytes),
             }),
         })
     }
@@ -248,11 +247,7 @@ impl Kernel {
                 st.clients.note_request(message.msg_id(), session);
             }
             if message.msg_type() == "execute_request" {
-                if st.executing.len() >= MAX_EXECUTING {
-                    st.executing.clear();
-                }
-                let started = std::time::Instant::now();
-                st.executing.insert(message.msg_id().to_owned(), started);
+                st.executions.started(&message.header);
             }
             metrics::relayed(Direction::ClientToKernel, wire_size(&message));
             st.last_activity = Utc::now();
@@ -283,18 +278,33 @@ impl Dispatch for Kernel {
             }
         }
         if channel == Channel::Shell && message.msg_type() == "execute_reply" {
-            let started = message
+            let took = message
                 .parent_msg_id()
-                .and_then(|id| st.executing.remove(id));
-            if let Some(started) = started {
+                .and_then(|id| st.executions.replied(id));
+            if let Some(took) = took {
                 let status = message
                     .content_as::<ReplyStatus>()
                     .map(|r| r.status)
                     .unwrap_or_default();
-                metrics::execution_ended(&status, started.elapsed());
+                metrics::execution_ended(&status, took);
             }
         }
         metrics::relayed(Direction::KernelToClient, wire_size(&message));
+        if channel == Channel::IoPub {
+            match st.executions.output(&message) {
+                Verdict::Relay => {}
+                Verdict::Drop => {
+                    metrics::dropped(DropReason::OutputLimit, 1);
+                    return;
+                }
+                Verdict::Truncate(notice) => {
+                    tracing::info!(kernel = %self.id, "execution output over --max-output-mb; the rest of it is dropped");
+                    metrics::dropped(DropReason::OutputLimit, 1);
+                    st.clients.route(notice);
+                    return;
+                }
+            }
+        }
         st.clients.route(Outbound::new(channel, message));
     }
 

@@ -22,6 +22,7 @@ fn settings() -> Settings {
         limits: ClientLimits {
             kernel_message_bytes: 1 << 20,
             buffer_bytes: 1 << 20,
+            output_bytes: 1 << 30,
             replay_for: Duration::from_secs(60),
         },
     }

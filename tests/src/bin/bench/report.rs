@@ -310,7 +310,7 @@ Runtimes: gVisor is not set up (`make gvisor`), so only runc was measured.\n"
     out.push_str(
         "\nSame release build, kernels created without a pool (cold; each then imports the \
          scientific stack once) and from a full, quiet pool; round trip and stream on one \
-         kernel per runtime. gVisor runs on the ptrace platform here (no KVM).\n",
+         kernel per runtime. gVisor runs on the ptrace platform (`make gvisor`; runsc's KVM platform hangs at boot on this machine's nested /dev/kvm).\n",
     );
     out
 }

@@ -1,0 +1,308 @@
+//! The executions a kernel is running, as the relay sees them: when each started (for the
+//! metrics) and how much output it produced, against `--max-output-mb`.
+//!
+//! Output counted: the text of `stream` messages, and the `data` (plus binary buffers) of
+//! `display_data`, `update_display_data` and `execute_result`, whose parent is the
+//! execution. The message that crosses the cap and every later one of that execution is
+//! dropped for every client; in its place clients get one stderr `stream` message that
+//! says so. The execution itself goes on and its reply, status and errors pass.
+
+use super::clients::Outbound;
+use kernelgate_protocol::{Channel, Header, Message, RawJson};
+use serde::Deserialize;
+use serde_json::value::RawValue;
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Most executions tracked at once; requests never answered are forgotten past this.
+const MAX_RUNNING: usize = 4096;
+/// Finished executions still tracked: output a background thread prints later still carries
+/// their parent header and still counts.
+const KEEP_FINISHED: usize = 64;
+
+/// What to do with one IOPub message.
+#[derive(Debug)]
+pub enum Verdict {
+    Relay,
+    /// Over the cap: drop it.
+    Drop,
+    /// It crossed the cap: drop it and relay this notice instead.
+    Truncate(Arc<Outbound>),
+}
+
+#[derive(Debug)]
+struct Running {
+    /// `None` once replied.
+    started: Option<Instant>,
+    request: Header,
+    output: usize,
+    truncated: bool,
+}
+
+#[derive(Debug)]
+pub struct Executions {
+    running: HashMap<String, Running>,
+    finished: VecDeque<String>,
+    cap: usize,
+}
+
+#[derive(Deserialize)]
+struct StreamText<'a> {
+    #[serde(default, borrow)]
+    text: std::borrow::Cow<'a, str>,
+}
+
+#[derive(Deserialize)]
+struct DisplayData<'a> {
+    #[serde(default, borrow)]
+    data: Option<HashMap<std::borrow::Cow<'a, str>, &'a RawValue>>,
+}
+
+impl Executions {
+    /// `cap`: output bytes allowed per execution.
+    pub fn new(cap: usize) -> Self {
+        Executions {
+            running: HashMap::new(),
+            finished: VecDeque::new(),
+            cap,
+        }
+    }
+
+    /// An `execute_request` is on its way to the kernel.
+    pub fn started(&mut self, request: &Header) {
+        if self.running.len() >= MAX_RUNNING {
+            self.running.clear();
+            self.finished.clear();
+        }
+        self.running.insert(
+            request.msg_id.clone(),
+            Running {
+                started: Some(Instant::now()),
+                request: request.clone(),
+                output: 0,
+                truncated: false,
+            },
+        );
+    }
+
+    /// Its `execute_reply` came: how long it took, once.
+    pub fn replied(&mut self, parent: &str) -> Option<Duration> {
+        self.running
+            .get_mut(parent)
+            .and_then(|r| r.started.take())
+            .map(|t| t.elapsed())
+    }
+
+    /// Weighs one IOPub message against its execution's cap.
+    pub fn output(&mut self, message: &Message) -> Verdict {
+        let Some(parent) = message.parent_msg_id() else {
+            return Verdict::Relay;
+        };
+        if message.msg_type() == "status" {
+            self.maybe_finished(parent, message);
+            return Verdict::Relay;
+        }
+        let Some(run) = self.running.get_mut(parent) else {
+            return Verdict::Relay;
+        };
+        if run.truncated {
+            return match weight(message) {
+                Some(_) => Verdict::Drop,
+                None => Verdict::Relay,
+            };
+        }
+        let Some(bytes) = weight(message) else {
+            return Verdict::Relay;
+        };
+        run.output = run.output.saturating_add(bytes);
+        if run.output <= self.cap {
+            return Verdict::Relay;
+        }
+        run.truncated = true;
+        Verdict::Truncate(truncation_notice(&run.request, self.cap))
+    }
+
+    /// Whether an execution's output was cut (kept while it is tracked).
+    #[cfg(test)]
+    fn truncated(&self, msg_id: &str) -> bool {
+        self.running.get(msg_id).is_some_and(|r| r.truncated)
+    }
+
+    fn maybe_finished(&mut self, parent: &str, message: &Message) {
+        #[derive(Deserialize)]
+        struct State<'a> {
+            #[serde(default, borrow)]
+            execution_state: &'a str,
+        }
+        let idle = serde_json::from_str::<State>(message.content.get())
+            .map(|s| s.execution_state == "idle")
+            .unwrap_or(false);
+        if !idle || !self.running.contains_key(parent) || self.finished.iter().any(|f| f == parent)
+        {
+            return;
+        }
+        self.finished.push_back(parent.to_owned());
+        if self.finished.len() > KEEP_FINISHED {
+            if let Some(old) = self.finished.pop_front() {
+                self.running.remove(&old);
+            }
+        }
+    }
+}
+
+/// The output bytes a message carries, or `None` when it is not output (status, errors,
+/// execute_input, clear_output, comms).
+fn weight(message: &Message) -> Option<usize> {
+    let buffers: usize = message.buffers.iter().map(|b| b.len()).sum();
+    match message.msg_type() {
+        "stream" => Some(
+            serde_json::from_str::<StreamText>(message.content.get())
+                .map(|s| s.text.len())
+                .unwrap_or_else(|_| message.content.get().len()),
+        ),
+        "display_data" | "update_display_data" | "execute_result" => {
+            let data = match serde_json::from_str::<DisplayData>(message.content.get()) {
+                Ok(d) => d
+                    .data
+                    .map(|d| d.values().map(|v| v.get().len()).sum())
+                    .unwrap_or(0),
+                Err(_) => message.content.get().len(),
+            };
+            Some(data + buffers)
+        }
+        _ => None,
+    }
+}
+
+/// Marks the gateway's notice, so that callers can tell it from the kernel's own output.
+pub const TRUNCATED_METADATA: &str = "kernelgate_output_truncated";
+
+fn truncation_notice(request: &Header, cap: usize) -> Arc<Outbound> {
+    let text = format!(
+        "[output truncated: this execution printed or displayed more than {} MiB \
+         (--max-output-mb); the rest of its output is dropped while the code keeps running. \
+         Write large results to a file instead.]\n",
+        cap / (1024 * 1024)
+    );
+    let content = RawJson::from_value(&serde_json::json!({"name": "stderr", "text": text}));
+    let header = Header::new("stream", &request.session, "kernelgate", &super::now_iso());
+    let mut message = Message::new(header, Some(request.clone()), content);
+    message.metadata = RawJson::from_value(&serde_json::json!({ TRUNCATED_METADATA: true }));
+    Outbound::new(Channel::IoPub, message)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request() -> Header {
+        Header::new("execute_request", "client", "alice", "2026-01-01T00:00:00Z")
+    }
+
+    fn iopub(parent: &Header, msg_type: &str, content: serde_json::Value) -> Message {
+        let header = Header::new(msg_type, "kernel", "kernel", "2026-01-01T00:00:00Z");
+        Message::new(header, Some(parent.clone()), RawJson::from_value(&content))
+    }
+
+    fn stream(parent: &Header, text: &str) -> Message {
+        iopub(
+            parent,
+            "stream",
+            serde_json::json!({"name": "stdout", "text": text}),
+        )
+    }
+
+    #[test]
+    fn output_past_the_cap_is_replaced_by_one_notice() {
+        let mut ex = Executions::new(10);
+        let req = request();
+        ex.started(&req);
+        assert!(matches!(ex.output(&stream(&req, "12345")), Verdict::Relay));
+        assert!(matches!(ex.output(&stream(&req, "67890")), Verdict::Relay));
+        let Verdict::Truncate(notice) = ex.output(&stream(&req, "x")) else {
+            panic!("the eleventh byte crosses the cap");
+        };
+        let m = &notice.message;
+        assert_eq!(m.msg_type(), "stream");
+        assert_eq!(m.parent_msg_id(), Some(req.msg_id.as_str()));
+        let text: serde_json::Value = m.content.parse().expect("json");
+        assert_eq!(text["name"], "stderr");
+        assert!(text["text"]
+            .as_str()
+            .is_some_and(|t| t.starts_with("[output truncated")));
+        assert!(m.metadata.get().contains(TRUNCATED_METADATA));
+        assert!(ex.truncated(&req.msg_id));
+        let png = iopub(
+            &req,
+            "display_data",
+            serde_json::json!({"data": {"image/png": "AAAA"}, "metadata": {}}),
+        );
+        assert!(matches!(ex.output(&png), Verdict::Drop));
+        // What is not output still passes: errors, status, the reply's idle.
+        let error = iopub(
+            &req,
+            "error",
+            serde_json::json!({"ename": "E", "evalue": "", "traceback": []}),
+        );
+        assert!(matches!(ex.output(&error), Verdict::Relay));
+        let idle = iopub(
+            &req,
+            "status",
+            serde_json::json!({"execution_state": "idle"}),
+        );
+        assert!(matches!(ex.output(&idle), Verdict::Relay));
+        // A late print from a thread of the finished execution is still cut.
+        assert!(matches!(ex.output(&stream(&req, "late")), Verdict::Drop));
+    }
+
+    #[test]
+    fn each_execution_has_its_own_budget_and_others_pass() {
+        let mut ex = Executions::new(4);
+        let (a, b) = (request(), request());
+        ex.started(&a);
+        ex.started(&b);
+        assert!(matches!(
+            ex.output(&stream(&a, "aaaaa")),
+            Verdict::Truncate(_)
+        ));
+        assert!(matches!(ex.output(&stream(&b, "bbbb")), Verdict::Relay));
+        let other = request();
+        assert!(
+            matches!(ex.output(&stream(&other, "not tracked")), Verdict::Relay),
+            "output of an execution the gateway did not see start is not cut"
+        );
+    }
+
+    #[test]
+    fn display_data_counts_its_data_and_buffers() {
+        let req = request();
+        let mut m = iopub(
+            &req,
+            "display_data",
+            serde_json::json!({"data": {"text/plain": "abc"}, "metadata": {"big": "x".repeat(100)}}),
+        );
+        assert_eq!(weight(&m), Some("\"abc\"".len()));
+        m.buffers.push(bytes::Bytes::from(vec![0u8; 7]));
+        assert_eq!(weight(&m), Some("\"abc\"".len() + 7));
+        assert_eq!(weight(&stream(&req, "héllo")), Some("héllo".len()));
+    }
+
+    #[test]
+    fn replied_reports_the_duration_once_and_finished_runs_are_forgotten() {
+        let mut ex = Executions::new(1 << 20);
+        let first = request();
+        ex.started(&first);
+        assert!(ex.replied(&first.msg_id).is_some());
+        assert!(ex.replied(&first.msg_id).is_none());
+        let idle = |h: &Header| iopub(h, "status", serde_json::json!({"execution_state": "idle"}));
+        ex.output(&idle(&first));
+        for _ in 0..KEEP_FINISHED {
+            let r = request();
+            ex.started(&r);
+            ex.output(&idle(&r));
+        }
+        assert!(!ex.running.contains_key(&first.msg_id));
+        assert_eq!(ex.running.len(), KEEP_FINISHED);
+    }
+}

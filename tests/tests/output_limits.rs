@@ -1,0 +1,175 @@
+//! End to end: a cell that prints without end. The gateway cuts its output at
+//! `--max-output-mb` for every client and says so once; the kernel's own output queues stay
+//! bounded (the printing thread waits for IOPub), so the kernel is neither OOM-killed nor
+//! deaf to an interrupt, and keeps its variables; other kernels keep answering meanwhile.
+
+use anyhow::{Context, Result};
+use kernelgate_tests::{cgroup_read, inspect, Gateway};
+use serde_json::{json, Value};
+use std::time::{Duration, Instant};
+
+const CAP_MB: usize = 4;
+const RUNAWAY: &str = "while True:\n    print('x' * 10000)";
+
+/// The highest memory use the container's cgroup recorded, on the host.
+fn peak_memory(container_id: &str) -> Result<u64> {
+    let (_, text) = cgroup_read(
+        container_id,
+        ("memory", "memory.max_usage_in_bytes"),
+        "memory.peak",
+    )?;
+    Ok(text.trim().parse()?)
+}
+
+/// Reads a WebSocket client's messages until the stream goes quiet; counts what a
+/// JupyterLab user would have seen of the runaway cell.
+async fn watch(mut client: kernelgate_tests::Client, quiet: Duration) -> (usize, usize, usize) {
+    let (mut notices, mut stdout_bytes, mut after_notice) = (0, 0, 0);
+    while let Ok(m) = client.recv(quiet).await {
+        if m["msg_type"] != "stream" || m["channel"] != "iopub" {
+            continue;
+        }
+        let text = m["content"]["text"].as_str().unwrap_or_default();
+        if m["content"]["name"] == "stderr" && text.starts_with("[output truncated") {
+            notices += 1;
+        } else if m["content"]["name"] == "stdout" {
+            stdout_bytes += text.len();
+            if notices > 0 {
+                after_notice += text.len();
+            }
+        }
+    }
+    (notices, stdout_bytes, after_notice)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_runaway_print_loop_is_cut_bounded_and_interruptible() -> Result<()> {
+    let gw = Gateway::start(&["--max-output-mb", &CAP_MB.to_string()]).await?;
+    let id = gw.create_kernel().await?["id"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    let other = gw.create_kernel().await?["id"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    let container = inspect(&id)?["Id"]
+        .as_str()
+        .context("container id")?
+        .to_owned();
+    assert_eq!(gw.execute(&id, "x = 41").await?["status"], "ok");
+    let mut watcher = gw.channels(&id, "watcher").await?;
+    watcher.kernel_info().await?;
+    let before = gw.metrics().await?;
+
+    // The agent API runs the loop; its timeout interrupts it after 12 s. Meanwhile a
+    // WebSocket client watches, and another kernel is asked `1 + 1` again and again.
+    let started = Instant::now();
+    let watching = tokio::spawn(watch(watcher, Duration::from_secs(10)));
+    let path = format!("/api/kernels/{id}/execute");
+    let looped = gw.post_json(&path, json!({"code": RUNAWAY, "timeout": 12}));
+    let calm = async {
+        let mut answered = 0u32;
+        while started.elapsed() < Duration::from_secs(12) {
+            let r = gw.execute(&other, "1 + 1").await?;
+            assert_eq!(r["results"][0]["data"]["text/plain"], "2", "{r}");
+            answered += 1;
+        }
+        Ok::<_, anyhow::Error>(answered)
+    };
+    let (looped, answered) = tokio::join!(looped, calm);
+    let (status, r) = looped?;
+    let answered = answered?;
+    assert_eq!(status, 200, "{r}");
+    println!(
+        "runaway cell: status {}, {} bytes of stdout, truncated {}, {:?}; the other kernel answered {answered} times",
+        r["status"],
+        r["stdout"].as_str().map_or(0, str::len),
+        r["truncated"],
+        started.elapsed()
+    );
+    assert_eq!(
+        r["status"], "timeout",
+        "interrupted at its timeout: {r:.300}"
+    );
+    assert_eq!(r["truncated"], true);
+    let stdout = r["stdout"].as_str().unwrap_or_default();
+    assert!(
+        stdout.len() <= CAP_MB << 20 && stdout.len() > 1 << 20,
+        "between 1 MiB and the cap: {}",
+        stdout.len()
+    );
+    let stderr = r["stderr"].as_str().unwrap_or_default();
+    assert_eq!(
+        stderr.matches("[output truncated").count(),
+        1,
+        "one notice: {stderr:.500}"
+    );
+    assert!(answered >= 5, "the other kernel kept answering: {answered}");
+
+    // The kernel lived through it with its state, and answers at once.
+    let r = gw.execute(&id, "x + 1").await?;
+    assert_eq!(r["results"][0]["data"]["text/plain"], "42", "{r}");
+    let peak = peak_memory(&container)?;
+    println!("kernel container peak memory: {} MiB", peak >> 20);
+    assert!(
+        peak < 600 << 20,
+        "the kernel's memory stayed bounded: peak {} MiB",
+        peak >> 20
+    );
+
+    let (notices, seen, after) = watching.await?;
+    assert_eq!(notices, 1, "the WebSocket client was told once");
+    assert!(seen <= CAP_MB << 20, "{seen} bytes of stdout reached it");
+    assert_eq!(after, 0, "nothing of the cell after the notice");
+
+    let after_metrics = gw.metrics().await?;
+    let dropped = |m: &str| -> f64 {
+        m.lines()
+            .find(|l| l.starts_with(r#"kernelgate_dropped_messages_total{reason="output_limit"}"#))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0.0)
+    };
+    assert!(
+        dropped(&after_metrics) > dropped(&before),
+        "counted as dropped"
+    );
+    Ok(())
+}
+
+/// Output under the cap is untouched, and the agent API says nothing was cut.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn output_under_the_cap_arrives_whole() -> Result<()> {
+    let gw = Gateway::start(&["--max-output-mb", "1"]).await?;
+    let id = gw.create_kernel().await?["id"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    let r = gw
+        .execute(&id, "for i in range(1000):\n    print('y' * 999)")
+        .await?;
+    assert_eq!(r["status"], "ok", "{r:.300}");
+    assert_eq!(r["stdout"].as_str().map(str::len), Some(1000 * 1000));
+    assert_eq!(r["truncated"], false);
+    assert_eq!(r["stderr"], "");
+    let lines: Vec<Value> = gw
+        .request(reqwest::Method::POST, &format!("/api/kernels/{id}/execute"))
+        .header("Accept", "application/x-ndjson")
+        .json(&json!({"code": "print('z' * (2 << 20))"}))
+        .send()
+        .await?
+        .text()
+        .await?
+        .lines()
+        .map(serde_json::from_str)
+        .collect::<Result<_, _>>()?;
+    let end = lines.last().context("an end line")?;
+    assert_eq!(end["type"], "end");
+    assert_eq!(end["truncated"], true, "a single 2 MiB print crosses 1 MiB");
+    assert!(lines.iter().any(|l| l["type"] == "stderr"
+        && l["text"]
+            .as_str()
+            .is_some_and(|t| t.starts_with("[output truncated"))));
+    Ok(())
+}
