@@ -21,6 +21,47 @@ pub enum Command {
     Serve(Box<Config>),
     /// Execute a notebook through a gateway and write it with its outputs.
     Run(Box<RunArgs>),
+    /// Manage the keys file (`--keys`): one key per tenant.
+    Keys(KeysArgs),
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct KeysArgs {
+    /// The keys file.
+    #[arg(
+        long,
+        global = true,
+        env = "KERNELGATE_KEYS",
+        default_value = "kernelgate-keys.toml"
+    )]
+    pub file: PathBuf,
+    #[command(subcommand)]
+    pub action: KeysAction,
+}
+
+#[derive(Debug, Clone, Subcommand)]
+pub enum KeysAction {
+    /// Adds a key and prints its token (only the token, on stdout; the file keeps its
+    /// SHA-256). A running gateway picks it up on SIGHUP.
+    Add {
+        name: String,
+        /// Sees and manages every tenant's kernels.
+        #[arg(long)]
+        admin: bool,
+        /// Kernels this key may run at once.
+        #[arg(long)]
+        max_kernels: Option<usize>,
+        /// Memory limit per kernel, at most (MiB).
+        #[arg(long)]
+        max_memory_mb: Option<u64>,
+        /// CPU quota per kernel, at most.
+        #[arg(long)]
+        max_cpus: Option<f64>,
+    },
+    /// Lists the keys' names and limits.
+    List,
+    /// Removes a key; a running gateway revokes it on SIGHUP.
+    Remove { name: String },
 }
 
 /// `kernelgate run NOTEBOOK.ipynb`: runs every code cell in order on a fresh kernel of a
@@ -96,6 +137,11 @@ pub struct Config {
     /// When not given, a random one is generated and printed once.
     #[arg(long, env = "KERNELGATE_TOKEN", hide_env_values = true)]
     pub token: Option<String>,
+
+    /// Keys file (TOML): one key per tenant, with its SHA-256 and limits; re-read on SIGHUP.
+    /// Works alone or beside `--token` (then one more admin key, named `admin`).
+    #[arg(long, env = "KERNELGATE_KEYS")]
+    pub keys: Option<PathBuf>,
 
     /// Serve without any token. Refused unless listening on a loopback address.
     #[arg(long, env = "KERNELGATE_NO_AUTH", default_value_t = false)]

@@ -15,3 +15,4 @@ pub mod kernels;
 pub mod kernelspecs;
 pub mod metrics;
 pub mod notebook;
+pub mod tenants;

@@ -9,10 +9,11 @@ use kernelgate::api::origin::OriginPolicy;
 use kernelgate::api::{self, auth::Auth, AppState};
 use kernelgate::backend::docker::{DockerBackend, DockerSettings};
 use kernelgate::backend::KernelBackend;
-use kernelgate::config::{Cli, Command, Config, LogFormat};
+use kernelgate::config::{Cli, Command, Config, KeysAction, KeysArgs, LogFormat};
 use kernelgate::kernel::clients::ClientLimits;
 use kernelgate::kernels::{HeartbeatCheck, Kernels, Settings};
 use kernelgate::kernelspecs::KernelSpecs;
+use kernelgate::tenants::{generate_token, token_digest, KeyEntry, Keys, KeysFile};
 use std::io::IsTerminal;
 use std::sync::Arc;
 use std::time::Duration;
@@ -24,12 +25,13 @@ async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let format = match &cli.command {
         Command::Serve(config) => config.log_format,
-        Command::Run(_) => LogFormat::Text,
+        Command::Run(_) | Command::Keys(_) => LogFormat::Text,
     };
     init_logging(format);
     match cli.command {
         Command::Serve(config) => serve(*config).await,
         Command::Run(args) => Ok(kernelgate::notebook::run(*args).await?),
+        Command::Keys(args) => keys_command(args),
     }
 }
 
@@ -55,7 +57,8 @@ fn init_logging(format: LogFormat) {
 }
 
 async fn serve(config: Config) -> anyhow::Result<()> {
-    let (auth, generated) = auth_from(&config)?;
+    let (keys, generated) = auth_from(&config)?;
+    let keys = Arc::new(keys);
     if !(config.kernel_cpus.is_finite() && config.kernel_cpus > 0.0) {
         bail!("--kernel-cpus must be a number above 0 (e.g. 0.5 or 2)");
     }
@@ -91,7 +94,8 @@ async fn serve(config: Config) -> anyhow::Result<()> {
 
     let state = AppState {
         kernels: kernels.clone(),
-        auth,
+        keys: keys.clone(),
+        failures: Arc::default(),
         max_message_bytes: config.max_message_mb * 1024 * 1024,
         cancel: cancel.clone(),
         tracker: tracker.clone(),
@@ -122,8 +126,14 @@ async fn serve(config: Config) -> anyhow::Result<()> {
     }
     tracing::info!(listen = %config.listen, image = %config.image, runtime, "ready");
 
+    tracker.spawn(reload_keys_on_sighup(
+        keys.clone(),
+        kernels.clone(),
+        cancel.clone(),
+    ));
     let shutdown = cancel.clone();
-    axum::serve(listener, api::router(state))
+    let app = api::router(state).into_make_service_with_connect_info::<std::net::SocketAddr>();
+    axum::serve(listener, app)
         .with_graceful_shutdown(async move {
             stop_signal().await;
             tracing::info!("shutting down: removing kernels");
@@ -159,10 +169,10 @@ fn metrics_access(config: &Config) -> anyhow::Result<MetricsAccess> {
 }
 
 /// Secure by default: a token unless `--no-auth`, which only loopback may use.
-fn auth_from(config: &Config) -> anyhow::Result<(Auth, Option<String>)> {
+fn auth_from(config: &Config) -> anyhow::Result<(Keys, Option<String>)> {
     if config.no_auth {
-        if config.token.is_some() {
-            bail!("--no-auth and --token contradict each other; pass one");
+        if config.token.is_some() || config.keys.is_some() {
+            bail!("--no-auth contradicts --token and --keys; pass one");
         }
         if !config.listen.ip().is_loopback() {
             bail!(
@@ -172,16 +182,108 @@ fn auth_from(config: &Config) -> anyhow::Result<(Auth, Option<String>)> {
             );
         }
         tracing::warn!("authentication is OFF: any local process can run code in kernels");
-        return Ok((Auth::disabled(), None));
+        return Ok((Keys::disabled(), None));
     }
-    match &config.token {
-        Some(t) if t.is_empty() => bail!("--token is empty; give a token or pass --no-auth"),
-        Some(t) => Ok((Auth::token(t), None)),
-        None => {
-            let token = kernelgate_protocol::SigningKey::generate_hex();
-            Ok((Auth::token(&token), Some(token)))
+    let (token, generated) = match (&config.token, &config.keys) {
+        (Some(t), _) if t.is_empty() => {
+            bail!("--token is empty; give a token or pass --no-auth")
+        }
+        (Some(t), _) => (Some(t.clone()), None),
+        // Keys alone: no admin token unless a key is an admin.
+        (None, Some(_)) => (None, None),
+        (None, None) => {
+            let token = generate_token();
+            (Some(token.clone()), Some(token))
+        }
+    };
+    let keys = Keys::new(token.as_deref(), config.keys.clone()).map_err(anyhow::Error::msg)?;
+    Ok((keys, generated))
+}
+
+/// On SIGHUP the keys file is read again: revoked keys are refused from then on, their
+/// WebSockets close, and their kernels are removed.
+async fn reload_keys_on_sighup(keys: Arc<Keys>, kernels: Arc<Kernels>, cancel: CancellationToken) {
+    let Ok(mut hup) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) else {
+        tracing::warn!("cannot listen for SIGHUP: keys are read at start only");
+        return;
+    };
+    loop {
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            got = hup.recv() => if got.is_none() { return },
+        }
+        match keys.reload() {
+            Err(e) => tracing::error!(error = %e, "keys file not reloaded; the keys in force stay"),
+            Ok(revoked) => {
+                tracing::info!(revoked = revoked.len(), "keys file reloaded");
+                for tenant in revoked {
+                    let removed = kernels.remove_owned_by(&tenant.name).await;
+                    tracing::info!(key = %tenant.name, kernels = removed.len(), "key revoked; its kernels were shut down");
+                }
+            }
         }
     }
+}
+
+/// `kernelgate keys add|list|remove`.
+fn keys_command(args: KeysArgs) -> anyhow::Result<()> {
+    let mut file = KeysFile::read(&args.file).map_err(anyhow::Error::msg)?;
+    match args.action {
+        KeysAction::Add {
+            name,
+            admin,
+            max_kernels,
+            max_memory_mb,
+            max_cpus,
+        } => {
+            if file.key.iter().any(|k| k.name == name) {
+                bail!(
+                    "a key named {name:?} exists already in {}; remove it first",
+                    args.file.display()
+                );
+            }
+            let token = generate_token();
+            file.key.push(KeyEntry {
+                name,
+                token_sha256: hex::encode(token_digest(&token)),
+                admin,
+                max_kernels,
+                max_memory_mb,
+                max_cpus,
+            });
+            file.write(&args.file).map_err(anyhow::Error::msg)?;
+            // Checks the new entry as the gateway will.
+            KeysFile::read(&args.file).map_err(anyhow::Error::msg)?;
+            println!("{token}");
+        }
+        KeysAction::List => {
+            let limit = |v: Option<String>| v.unwrap_or_else(|| "-".to_owned());
+            println!(
+                "{:<24} {:<6} {:>11} {:>13} {:>8}",
+                "NAME", "ADMIN", "MAX_KERNELS", "MAX_MEMORY_MB", "MAX_CPUS"
+            );
+            for k in &file.key {
+                println!(
+                    "{:<24} {:<6} {:>11} {:>13} {:>8}",
+                    k.name,
+                    if k.admin { "yes" } else { "no" },
+                    limit(k.max_kernels.map(|v| v.to_string())),
+                    limit(k.max_memory_mb.map(|v| v.to_string())),
+                    limit(k.max_cpus.map(|v| v.to_string())),
+                );
+            }
+        }
+        KeysAction::Remove { name } => {
+            let before = file.key.len();
+            file.key.retain(|k| k.name != name);
+            if file.key.len() == before {
+                bail!("no key named {name:?} in {}", args.file.display());
+            }
+            file.write(&args.file).map_err(anyhow::Error::msg)?;
+            eprintln!("removed {name:?}; send SIGHUP to a running gateway to revoke it");
+        }
+    }
+    Ok(())
 }
 
 async fn stop_signal() {

@@ -328,6 +328,11 @@ impl Gateway {
         })
     }
 
+    /// The gateway's process id.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().and_then(Child::id)
+    }
+
     /// Kills the gateway with SIGKILL, as a crash would: its containers stay.
     pub async fn crash(mut self) -> Result<()> {
         let mut child = self
@@ -533,6 +538,9 @@ impl Outcome {
             .and_then(|e| e["ename"].as_str().map(str::to_owned))
     }
 }
+
+/// A raw WebSocket to the gateway.
+pub type WsStream = WebSocketStream<MaybeTlsStream<TcpStream>>;
 
 /// A Jupyter WebSocket client (legacy JSON or v1 encoding).
 #[derive(Debug)]

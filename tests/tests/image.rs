@@ -62,6 +62,9 @@ async fn hardened_container_runs_a_real_kernel() -> Result<()> {
             image: kernelgate_tests::image(),
             env: BTreeMap::new(),
             preload: false,
+            owner: None,
+            memory_mb: None,
+            cpus: None,
         })
         .await?;
     let result = exercise(&launched.handle, &launched.connection).await;

@@ -10,6 +10,8 @@ use std::time::{Duration, Instant};
 
 const CAP_MB: usize = 4;
 const RUNAWAY: &str = "while True:\n    print('x' * 10000)";
+const GIGABYTE: &str =
+    "for _ in range(100_000):\n    print('x' * 10_000)\nprint('done', file=__import__('sys').stderr)";
 
 /// The highest memory use the container's cgroup recorded, on the host.
 fn peak_memory(container_id: &str) -> Result<u64> {
@@ -134,6 +136,71 @@ async fn a_runaway_print_loop_is_cut_bounded_and_interruptible() -> Result<()> {
     assert!(
         dropped(&after_metrics) > dropped(&before),
         "counted as dropped"
+    );
+    Ok(())
+}
+
+/// A cell that prints 1 GB (100,000 lines of 10,000 characters) with the default 32 MiB cap:
+/// it runs to its end, its output is cut, and the gateway's memory stays near its baseline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gigabyte_of_output_leaves_the_gateway_small() -> Result<()> {
+    let gw = Gateway::start(&[]).await?;
+    let id = gw.create_kernel().await?["id"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    assert_eq!(gw.execute(&id, "1 + 1").await?["status"], "ok");
+    let baseline = gw.rss_bytes()?;
+    // Streamed (NDJSON), as an agent following its output would: the gateway keeps none of
+    // it, so what it holds is the relay's own working set.
+    let mut response = gw
+        .request(reqwest::Method::POST, &format!("/api/kernels/{id}/execute"))
+        .header("Accept", "application/x-ndjson")
+        .json(&json!({"code": GIGABYTE, "timeout": 600}))
+        .send()
+        .await?;
+    assert_eq!(response.status(), 200);
+    let (mut peak, mut body, mut samples) = (baseline, Vec::new(), Instant::now());
+    while let Some(chunk) = response.chunk().await? {
+        body.extend_from_slice(&chunk);
+        if samples.elapsed() > Duration::from_millis(200) {
+            peak = peak.max(gw.rss_bytes()?);
+            samples = Instant::now();
+        }
+    }
+    peak = peak.max(gw.rss_bytes()?);
+    let lines: Vec<Value> = String::from_utf8(body)?
+        .lines()
+        .map(serde_json::from_str)
+        .collect::<Result<_, _>>()?;
+    let end = lines.last().context("an end line")?;
+    let text = |kind: &str| -> String {
+        lines
+            .iter()
+            .filter(|l| l["type"] == kind)
+            .filter_map(|l| l["text"].as_str())
+            .collect()
+    };
+    let mib = |b: u64| b >> 20;
+    println!(
+        "1 GB print: {end}, gateway RSS baseline {} MiB, peak {} MiB",
+        mib(baseline),
+        mib(peak)
+    );
+    assert_eq!(end["status"], "ok", "the cell ran to its end: {end}");
+    assert_eq!(end["truncated"], true);
+    assert!(text("stdout").len() <= 32 << 20);
+    let stderr = text("stderr");
+    assert!(stderr.starts_with("[output truncated"), "{stderr:.300}");
+    assert!(
+        !stderr.contains("done"),
+        "what the cell printed after the cap is dropped too"
+    );
+    assert!(
+        peak <= baseline + (64 << 20),
+        "gateway RSS peak {} MiB, baseline {} MiB",
+        mib(peak),
+        mib(baseline)
     );
     Ok(())
 }

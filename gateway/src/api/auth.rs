@@ -1,13 +1,95 @@
 //! Token authentication, as Jupyter Server does it: `Authorization: token T`,
-//! `Authorization: Bearer T`, or `?token=T`. Compared in constant time.
+//! `Authorization: Bearer T`, or `?token=T`. Compared in constant time. The token names a
+//! tenant ([`crate::tenants`]); handlers take it as [`Caller`].
+//!
+//! Failed attempts are counted per client address: past [`FAILURES_PER_MINUTE`] in a minute,
+//! further failures answer 429 with `Retry-After` at once (and the burst is logged once). A
+//! valid token is never slowed down or refused by this.
 
 use super::error::ApiError;
 use super::AppState;
-use axum::extract::{Request, State};
-use axum::http::{header, StatusCode};
+use crate::tenants::Tenant;
+use axum::extract::{ConnectInfo, FromRequestParts, Request, State};
+use axum::http::request::Parts;
+use axum::http::{header, HeaderValue, StatusCode};
 use axum::middleware::Next;
-use axum::response::Response;
+use axum::response::{IntoResponse, Response};
 use sha2::{Digest, Sha256};
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// Failed attempts one address may make in a minute before it is answered 429.
+pub const FAILURES_PER_MINUTE: u32 = 10;
+const WINDOW: Duration = Duration::from_secs(60);
+/// Addresses remembered at most; the oldest windows are forgotten first.
+const MAX_TRACKED: usize = 10_000;
+
+/// The tenant a request was authenticated as.
+#[derive(Debug, Clone)]
+pub struct Caller(pub Arc<Tenant>);
+
+impl<S: Send + Sync> FromRequestParts<S> for Caller {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Self::Rejection> {
+        parts
+            .extensions
+            .get::<Caller>()
+            .cloned()
+            .ok_or_else(|| ApiError::new(StatusCode::FORBIDDEN, "not authenticated"))
+    }
+}
+
+#[derive(Debug)]
+struct Window {
+    started: Instant,
+    failures: u32,
+    logged: bool,
+}
+
+/// Failed authentications by client address.
+#[derive(Debug, Default)]
+pub struct Failures {
+    windows: Mutex<HashMap<IpAddr, Window>>,
+}
+
+impl Failures {
+    /// Counts a failure; `Some(seconds to wait)` once the address is over the limit.
+    fn fail(&self, addr: IpAddr) -> Option<u64> {
+        let mut windows = self.windows.lock().unwrap_or_else(|e| e.into_inner());
+        let now = Instant::now();
+        if windows.len() >= MAX_TRACKED {
+            windows.retain(|_, w| now.duration_since(w.started) < WINDOW);
+            if windows.len() >= MAX_TRACKED {
+                windows.clear();
+            }
+        }
+        let w = windows.entry(addr).or_insert(Window {
+            started: now,
+            failures: 0,
+            logged: false,
+        });
+        if now.duration_since(w.started) >= WINDOW {
+            *w = Window {
+                started: now,
+                failures: 0,
+                logged: false,
+            };
+        }
+        w.failures += 1;
+        if w.failures <= FAILURES_PER_MINUTE {
+            return None;
+        }
+        if !w.logged {
+            w.logged = true;
+            tracing::warn!(client = %addr, "more than {FAILURES_PER_MINUTE} failed authentications in a minute; answering 429 until the minute is over");
+        }
+        let left = WINDOW.saturating_sub(now.duration_since(w.started));
+        Some(left.as_secs().max(1))
+    }
+}
 
 /// The token clients must show, or none when auth was switched off explicitly.
 #[derive(Clone)]
@@ -97,21 +179,39 @@ fn percent_decode(s: &str) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
-/// Middleware: refuses requests without the right token.
+/// Middleware: refuses requests without a valid key and tells handlers whose it is.
 pub async fn require_token(
     State(state): State<AppState>,
-    req: Request,
+    mut req: Request,
     next: Next,
-) -> Result<Response, ApiError> {
-    if state.auth.accepts(presented_token(&req).as_deref()) {
-        Ok(next.run(req).await)
-    } else {
-        Err(ApiError::new(
-            StatusCode::FORBIDDEN,
-            "Missing or wrong token: send `Authorization: token <token>` or add `?token=<token>` \
-             (the token is printed when the gateway starts, or set with --token / KERNELGATE_TOKEN)",
-        ))
+) -> Result<Response, Response> {
+    if let Some(tenant) = state.keys.authenticate(presented_token(&req).as_deref()) {
+        req.extensions_mut().insert(Caller(tenant));
+        return Ok(next.run(req).await);
     }
+    let addr = req
+        .extensions()
+        .get::<ConnectInfo<SocketAddr>>()
+        .map(|c| c.0.ip());
+    if let Some(wait) = addr.and_then(|a| state.failures.fail(a)) {
+        let mut response = ApiError::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            format!("Too many failed authentications from this address; try again in {wait} s with the right token"),
+        )
+        .into_response();
+        response
+            .headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from(wait));
+        return Err(response);
+    }
+    tracing::info!(client = ?addr, "authentication refused");
+    Err(ApiError::new(
+        StatusCode::FORBIDDEN,
+        "Missing or wrong token: send `Authorization: token <token>` or add `?token=<token>` \
+         (the token is printed when the gateway starts, or set with --token / KERNELGATE_TOKEN, \
+         or is a key of --keys)",
+    )
+    .into_response())
 }
 
 #[cfg(test)]
@@ -155,5 +255,18 @@ mod tests {
             );
         }
         assert!(Auth::disabled().accepts(None));
+    }
+
+    #[test]
+    fn failures_past_ten_a_minute_get_a_retry_after() {
+        let failures = Failures::default();
+        let (a, b): (IpAddr, IpAddr) =
+            ("127.0.0.1".parse().expect("ip"), "::1".parse().expect("ip"));
+        for _ in 0..FAILURES_PER_MINUTE {
+            assert_eq!(failures.fail(a), None);
+        }
+        let wait = failures.fail(a).expect("the eleventh is refused");
+        assert!((1..=60).contains(&wait));
+        assert_eq!(failures.fail(b), None, "another address has its own count");
     }
 }

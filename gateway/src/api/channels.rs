@@ -4,6 +4,7 @@
 //! A new socket with the same session id takes the session over and first receives what
 //! was queued while no socket was connected (see [`crate::kernel::clients`]).
 
+use super::auth::Caller;
 use super::error::ApiError;
 use super::kernels::find;
 use super::AppState;
@@ -30,11 +31,12 @@ pub struct ChannelsQuery {
 
 pub async fn connect(
     State(state): State<AppState>,
+    caller: Caller,
     Path(id): Path<String>,
     Query(query): Query<ChannelsQuery>,
     ws: WebSocketUpgrade,
 ) -> Result<Response, ApiError> {
-    let live = find(&state, &id)?;
+    let live = find(&state, &caller, &id)?;
     let session = query
         .session_id
         .filter(|s| !s.is_empty())
@@ -48,12 +50,17 @@ pub async fn connect(
         _ => Encoding::Legacy,
     };
     let cancel = state.cancel.clone();
+    // A revoked key's WebSockets close at once.
+    let revoked = caller.0.revoked.clone();
     Ok(ws.on_upgrade(move |socket: WebSocket| async move {
         let attachment = live.kernel.attach(&session, false);
         tracing::debug!(kernel = %live.id(), %session, ?encoding, "client connected");
         metrics::websocket_opened();
         tokio::select! {
             _ = cancel.cancelled() => {}
+            _ = revoked.cancelled() => {
+                tracing::info!(kernel = %live.id(), %session, "key revoked; closing its WebSocket");
+            }
             _ = serve(socket, &attachment, encoding, &session) => {}
         }
         metrics::websocket_closed();

@@ -68,7 +68,9 @@ impl From<CreateError> for ApiError {
     fn from(e: CreateError) -> Self {
         match e {
             CreateError::NoSuchSpec { .. } => ApiError::new(StatusCode::NOT_FOUND, e.to_string()),
-            CreateError::TooMany { .. } => ApiError::new(StatusCode::FORBIDDEN, e.to_string()),
+            CreateError::TooMany { .. } | CreateError::TooManyForKey { .. } => {
+                ApiError::new(StatusCode::FORBIDDEN, e.to_string())
+            }
             CreateError::BadEnv { .. } => ApiError::bad_request(e.to_string()),
             CreateError::ShuttingDown => {
                 ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string())

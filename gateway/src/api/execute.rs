@@ -5,6 +5,7 @@
 //! kernel and returns what was produced with status `timeout`; a client that goes away
 //! mid-run gets its run interrupted too. The kernel's state survives both.
 
+use super::auth::Caller;
 use super::error::ApiError;
 use super::kernels::find;
 use super::AppState;
@@ -84,6 +85,7 @@ impl End {
 
 pub async fn execute(
     State(state): State<AppState>,
+    caller: Caller,
     Path(id): Path<String>,
     headers: HeaderMap,
     body: Bytes,
@@ -102,7 +104,7 @@ pub async fn execute(
             )))
         }
     };
-    let live = find(&state, &id)?;
+    let live = find(&state, &caller, &id)?;
     let (tx, rx) = mpsc::channel::<Progress>(256);
     let kernels = state.kernels.clone();
     let code = body.code;

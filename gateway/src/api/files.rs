@@ -7,6 +7,7 @@
 //! still refuses absolute paths, `..` and symlinks leading out of the working directory,
 //! so callers get a clear error rather than a surprise.
 
+use super::auth::Caller;
 use super::error::ApiError;
 use super::kernels::find;
 use super::AppState;
@@ -27,12 +28,13 @@ const EXISTS_DIR: i64 = 14;
 
 async fn run(
     state: &AppState,
+    caller: &Caller,
     id: &str,
     op: &str,
     path: &str,
     body: Bytes,
 ) -> Result<Vec<u8>, ApiError> {
-    let live = find(state, id)?;
+    let live = find(state, caller, id)?;
     if path.chars().any(char::is_control) {
         return Err(ApiError::bad_request(
             "file paths may not contain NUL or other control characters",
@@ -83,23 +85,27 @@ fn json(bytes: Vec<u8>) -> Response {
 /// `GET .../files`: the working directory's listing.
 pub async fn list_root(
     State(state): State<AppState>,
+    caller: Caller,
     Path(id): Path<String>,
 ) -> Result<Response, ApiError> {
-    Ok(json(run(&state, &id, "list", "", Bytes::new()).await?))
+    Ok(json(
+        run(&state, &caller, &id, "list", "", Bytes::new()).await?,
+    ))
 }
 
 /// `GET .../files/{path}`: a file's bytes, or a directory's listing.
 pub async fn get(
     State(state): State<AppState>,
+    caller: Caller,
     Path((id, path)): Path<(String, String)>,
 ) -> Result<Response, ApiError> {
-    match run(&state, &id, "get", &path, Bytes::new()).await {
+    match run(&state, &caller, &id, "get", &path, Bytes::new()).await {
         Ok(bytes) => {
             Ok(([(header::CONTENT_TYPE, "application/octet-stream")], bytes).into_response())
         }
-        Err(e) if e.status == StatusCode::CONFLICT => {
-            Ok(json(run(&state, &id, "list", &path, Bytes::new()).await?))
-        }
+        Err(e) if e.status == StatusCode::CONFLICT => Ok(json(
+            run(&state, &caller, &id, "list", &path, Bytes::new()).await?,
+        )),
         Err(e) => Err(e),
     }
 }
@@ -107,6 +113,7 @@ pub async fn get(
 /// `PUT .../files/{path}`: uploads the body, creating parent directories.
 pub async fn put(
     State(state): State<AppState>,
+    caller: Caller,
     Path((id, path)): Path<(String, String)>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
@@ -126,15 +133,16 @@ pub async fn put(
             return Ok(([(header::CONNECTION, "close")], error).into_response());
         }
     };
-    let entry = run(&state, &id, "put", &path, body).await?;
+    let entry = run(&state, &caller, &id, "put", &path, body).await?;
     Ok((StatusCode::CREATED, json(entry)).into_response())
 }
 
 /// `DELETE .../files/{path}`: a file or an empty directory.
 pub async fn delete(
     State(state): State<AppState>,
+    caller: Caller,
     Path((id, path)): Path<(String, String)>,
 ) -> Result<StatusCode, ApiError> {
-    run(&state, &id, "delete", &path, Bytes::new()).await?;
+    run(&state, &caller, &id, "delete", &path, Bytes::new()).await?;
     Ok(StatusCode::NO_CONTENT)
 }

@@ -1,5 +1,6 @@
 //! Jupyter Server's kernel REST API: list, create, get, delete, interrupt, restart.
 
+use super::auth::Caller;
 use super::error::ApiError;
 use super::AppState;
 use crate::kernel::iso;
@@ -24,12 +25,30 @@ pub fn model(live: &LiveKernel) -> Value {
     })
 }
 
-pub fn find(state: &AppState, id: &str) -> Result<std::sync::Arc<LiveKernel>, ApiError> {
-    state.kernels.get(id).ok_or_else(|| ApiError::no_kernel(id))
+/// The kernel `id`, if the caller may see it: another tenant's kernel does not exist for
+/// a non-admin key (404, as for an unknown id).
+pub fn find(
+    state: &AppState,
+    caller: &Caller,
+    id: &str,
+) -> Result<std::sync::Arc<LiveKernel>, ApiError> {
+    state
+        .kernels
+        .get(id)
+        .filter(|live| caller.0.may_use(live.owner()))
+        .ok_or_else(|| ApiError::no_kernel(id))
 }
 
-pub async fn list(State(state): State<AppState>) -> Json<Vec<Value>> {
-    Json(state.kernels.list().iter().map(|l| model(l)).collect())
+pub async fn list(State(state): State<AppState>, caller: Caller) -> Json<Vec<Value>> {
+    Json(
+        state
+            .kernels
+            .list()
+            .iter()
+            .filter(|l| caller.0.may_use(l.owner()))
+            .map(|l| model(l))
+            .collect(),
+    )
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -42,6 +61,7 @@ pub struct CreateBody {
 
 pub async fn create(
     State(state): State<AppState>,
+    caller: Caller,
     body: axum::body::Bytes,
 ) -> Result<Response, ApiError> {
     let body: CreateBody = match body.as_ref() {
@@ -61,7 +81,10 @@ pub async fn create(
             other => (k, other.to_string()),
         })
         .collect();
-    let live = state.kernels.create(body.name.as_deref(), &env).await?;
+    let live = state
+        .kernels
+        .create(body.name.as_deref(), &env, &caller.0)
+        .await?;
     let location = format!("/api/kernels/{}", live.id());
     Ok((
         StatusCode::CREATED,
@@ -73,16 +96,19 @@ pub async fn create(
 
 pub async fn get(
     State(state): State<AppState>,
+    caller: Caller,
     Path(id): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
-    let live = find(&state, &id)?;
+    let live = find(&state, &caller, &id)?;
     Ok(Json(model(&live)))
 }
 
 pub async fn delete(
     State(state): State<AppState>,
+    caller: Caller,
     Path(id): Path<String>,
 ) -> Result<StatusCode, ApiError> {
+    find(&state, &caller, &id)?;
     match state.kernels.delete(&id).await {
         None => Err(ApiError::no_kernel(&id)),
         Some(Ok(())) => Ok(StatusCode::NO_CONTENT),
@@ -93,18 +119,20 @@ pub async fn delete(
 
 pub async fn interrupt(
     State(state): State<AppState>,
+    caller: Caller,
     Path(id): Path<String>,
 ) -> Result<StatusCode, ApiError> {
-    let live = find(&state, &id)?;
+    let live = find(&state, &caller, &id)?;
     state.kernels.interrupt(&live).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
 pub async fn restart(
     State(state): State<AppState>,
+    caller: Caller,
     Path(id): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
-    let live = find(&state, &id)?;
+    let live = find(&state, &caller, &id)?;
     state.kernels.restart(&live).await?;
     Ok(Json(model(&live)))
 }

@@ -13,7 +13,7 @@ pub mod origin;
 pub mod ui;
 
 use crate::kernels::Kernels;
-use auth::Auth;
+use crate::tenants::Keys;
 use axum::extract::DefaultBodyLimit;
 use axum::extract::{Request, State};
 use axum::http::HeaderValue;
@@ -30,7 +30,9 @@ use tracing::Instrument;
 #[derive(Debug, Clone)]
 pub struct AppState {
     pub kernels: Arc<Kernels>,
-    pub auth: Auth,
+    pub keys: Arc<Keys>,
+    /// Failed authentications by client address.
+    pub failures: Arc<auth::Failures>,
     pub max_message_bytes: usize,
     /// Cancelled at shutdown: open WebSockets close.
     pub cancel: CancellationToken,

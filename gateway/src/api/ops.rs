@@ -100,8 +100,11 @@ pub async fn readyz(State(state): State<AppState>) -> Response {
 pub async fn metrics(State(state): State<AppState>, req: Request) -> Result<Response, ApiError> {
     if let MetricsAccess::Tokens { scrape } = &state.metrics_access {
         let token = presented_token(&req);
-        let allowed = state.auth.accepts(token.as_deref())
-            || scrape.as_ref().is_some_and(|s| s.accepts(token.as_deref()));
+        let admin = state
+            .keys
+            .authenticate(token.as_deref())
+            .is_some_and(|t| t.admin);
+        let allowed = admin || scrape.as_ref().is_some_and(|s| s.accepts(token.as_deref()));
         if !allowed {
             return Err(ApiError::new(
                 StatusCode::FORBIDDEN,

@@ -201,8 +201,13 @@ impl DockerBackend {
             created: &created,
             runtime_dir: &runtime_dir_str,
             socket_dir: dir_str,
-            memory_mb: self.settings.memory_mb,
-            cpus: self.settings.cpus,
+            memory_mb: req
+                .memory_mb
+                .map_or(self.settings.memory_mb, |m| m.min(self.settings.memory_mb)),
+            cpus: req
+                .cpus
+                .map_or(self.settings.cpus, |c| c.min(self.settings.cpus)),
+            owner: req.owner.as_deref(),
             pids: self.settings.pids,
             disk_mb: self.settings.disk_mb,
             group_add: self.ownership.group_add,
@@ -466,6 +471,7 @@ impl KernelBackend for DockerBackend {
                 Err(e) => return Err(runtime(handle, e)),
             }
             if let Some(dir) = dir {
+                let _ = std::fs::remove_file(owner_file(&dir));
                 socket_dir::remove(&dir).map_err(|source| BackendError::SocketDir {
                     path: dir.display().to_string(),
                     source,
@@ -504,6 +510,32 @@ impl KernelBackend for DockerBackend {
         counted("exec", self.exec_inner(handle, argv, stdin, max_stdout))
     }
 
+    fn set_owner<'a>(
+        &'a self,
+        kernel_id: &'a str,
+        owner: &'a str,
+    ) -> BoxFuture<'a, Result<(), BackendError>> {
+        Box::pin(async move {
+            use std::io::Write;
+            use std::os::unix::fs::OpenOptionsExt;
+            let Some(dir) = socket_dir::path(&self.settings.runtime_dir, kernel_id) else {
+                return Ok(());
+            };
+            let path = owner_file(&dir);
+            let written = std::fs::OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .mode(0o600)
+                .open(&path)
+                .and_then(|mut f| f.write_all(owner.as_bytes()));
+            written.map_err(|source| BackendError::SocketDir {
+                path: path.display().to_string(),
+                source,
+            })
+        })
+    }
+
     fn list(&self) -> BoxFuture<'_, Result<Vec<Found>, BackendError>> {
         counted("list", async move {
             // Several label filters must all match.
@@ -533,8 +565,14 @@ impl KernelBackend for DockerBackend {
                             return None;
                         };
                         let connection = self.host_connection(&kernel_id);
+                        let owner = labels.remove(spec::LABEL_OWNER).or_else(|| {
+                            let dir = socket_dir::path(&self.settings.runtime_dir, &kernel_id)?;
+                            let text = std::fs::read_to_string(owner_file(&dir)).ok()?;
+                            Some(text.trim().to_owned()).filter(|o| !o.is_empty())
+                        });
                         Some(Found {
                             handle,
+                            owner,
                             kernel_name: labels.remove(spec::LABEL_KERNEL_NAME).unwrap_or_default(),
                             kernel_id,
                             running: c.state == Some(ContainerSummaryStateEnum::RUNNING),
@@ -544,6 +582,12 @@ impl KernelBackend for DockerBackend {
                     .collect())
         })
     }
+}
+
+/// Where the owner of a kernel handed out from the warm pool is recorded: beside its socket
+/// directory, in the gateway's runtime directory, out of the kernel's reach.
+fn owner_file(socket_dir: &std::path::Path) -> PathBuf {
+    socket_dir.with_extension("owner")
 }
 
 /// Counts a failed Docker call in the metrics.

@@ -21,6 +21,11 @@ pub struct LaunchRequest {
     pub env: BTreeMap<String, String>,
     /// Import the common libraries before the kernel reports ready (warm pool).
     pub preload: bool,
+    /// The tenant it is for (warm pool kernels have none until handed out).
+    pub owner: Option<String>,
+    /// Tighter limits than the configured ones, for a tenant whose key has them.
+    pub memory_mb: Option<u64>,
+    pub cpus: Option<f64>,
 }
 
 /// What an image says about itself.
@@ -47,6 +52,8 @@ pub struct Found {
     pub kernel_id: String,
     pub kernel_name: String,
     pub running: bool,
+    /// The tenant that owns it, as recorded by the gateway.
+    pub owner: Option<String>,
     /// Host-side connection info, when the kernel's connection file is still readable:
     /// what a restarted gateway needs to re-adopt the kernel.
     pub connection: Option<ConnectionInfo>,
@@ -122,6 +129,17 @@ pub trait KernelBackend: Send + Sync + 'static {
 
     /// Kernels this gateway's backend started earlier (by label).
     fn list(&self) -> BoxFuture<'_, Result<Vec<Found>, BackendError>>;
+
+    /// Records which tenant owns a kernel, so that [`Self::list`] reports it after a
+    /// restart of the gateway (a warm kernel gets its owner when it is handed out).
+    fn set_owner<'a>(
+        &'a self,
+        kernel_id: &'a str,
+        owner: &'a str,
+    ) -> BoxFuture<'a, Result<(), BackendError>> {
+        let _ = (kernel_id, owner);
+        Box::pin(async { Ok(()) })
+    }
 }
 
 impl std::fmt::Debug for dyn KernelBackend {

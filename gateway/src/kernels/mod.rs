@@ -11,11 +11,12 @@ use crate::metrics::{self, Source, TableSnapshot};
 mod pool;
 mod supervise;
 use crate::kernel::{Kernel, KernelError};
+use crate::tenants::{Tenant, TOKEN_KEY};
 use kernelgate_protocol::content::ExecutionState;
 use kernelgate_protocol::ConnectionInfo;
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::atomic::AtomicU64;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 pub use supervise::HeartbeatCheck;
 use tokio::sync::{oneshot, Notify};
@@ -29,6 +30,8 @@ pub enum CreateError {
     NoSuchSpec { name: String, offered: String },
     #[error("{max} kernels are running, the most this gateway allows; shut one down first")]
     TooMany { max: usize },
+    #[error("key {key:?} may run at most {max} kernels (max_kernels in the keys file); shut one of yours down first")]
+    TooManyForKey { key: String, max: usize },
     #[error("environment variable {name}: {reason}")]
     BadEnv { name: String, reason: &'static str },
     #[error(transparent)]
@@ -66,11 +69,18 @@ pub struct LiveKernel {
     /// Queues agent-API executions so concurrent calls run in order, never interleaved.
     pub runs: tokio::sync::Mutex<()>,
     cancel: CancellationToken,
+    /// The tenant it belongs to; set once, when it is registered (warm kernels have none).
+    owner: OnceLock<String>,
 }
 
 impl LiveKernel {
     pub fn id(&self) -> &str {
         self.kernel.id()
+    }
+
+    /// The tenant that owns it (empty for a warm kernel nobody took yet).
+    pub fn owner(&self) -> &str {
+        self.owner.get().map_or("", String::as_str)
     }
 
     /// The backend's handle (container id).
@@ -83,6 +93,7 @@ impl LiveKernel {
 /// unless the kernel was registered in it.
 struct Slot {
     kernels: Arc<Kernels>,
+    owner: String,
     filled: bool,
 }
 
@@ -92,11 +103,13 @@ impl Slot {
     /// the lock after the cancellation, so a kernel registered then would outlive it.
     fn fill(mut self, live: &Arc<LiveKernel>) -> bool {
         let mut t = self.kernels.lock();
-        t.reserved -= 1;
+        t.release(&self.owner);
         self.filled = true;
         if self.kernels.cancel.is_cancelled() {
             return false;
         }
+        // A kernel is registered once, so the owner is unset here.
+        let _ = live.owner.set(self.owner.clone());
         t.live.insert(live.id().to_owned(), live.clone());
         true
     }
@@ -105,7 +118,7 @@ impl Slot {
 impl Drop for Slot {
     fn drop(&mut self) {
         if !self.filled {
-            self.kernels.lock().reserved -= 1;
+            self.kernels.lock().release(&self.owner);
         }
     }
 }
@@ -115,8 +128,34 @@ struct Table {
     live: HashMap<String, Arc<LiveKernel>>,
     /// Creates under way, counted against the limit so concurrent creates cannot pass it.
     reserved: usize,
+    /// The same, by tenant, for the per-key limits.
+    reserved_by: HashMap<String, usize>,
     /// Warm kernels by spec name.
     pool: HashMap<String, VecDeque<Arc<LiveKernel>>>,
+}
+
+impl Table {
+    fn release(&mut self, owner: &str) {
+        self.reserved -= 1;
+        if let Some(n) = self.reserved_by.get_mut(owner) {
+            *n -= 1;
+            if *n == 0 {
+                self.reserved_by.remove(owner);
+            }
+        }
+    }
+
+    fn owned_by(&self, owner: &str) -> usize {
+        self.live.values().filter(|l| l.owner() == owner).count()
+            + self.reserved_by.get(owner).copied().unwrap_or(0)
+    }
+}
+
+/// Per-kernel limits tighter than the configured ones (a key's).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct Limits {
+    memory_mb: Option<u64>,
+    cpus: Option<f64>,
 }
 
 /// All kernels of this gateway.
@@ -163,6 +202,22 @@ impl Kernels {
         let mut all: Vec<_> = self.lock().live.values().cloned().collect();
         all.sort_by(|a, b| a.id().cmp(b.id()));
         all
+    }
+
+    /// Removes every kernel a tenant owns (its key was revoked); returns their ids.
+    pub async fn remove_owned_by(self: &Arc<Self>, owner: &str) -> Vec<String> {
+        let ids: Vec<String> = self
+            .list()
+            .iter()
+            .filter(|l| l.owner() == owner)
+            .map(|l| l.id().to_owned())
+            .collect();
+        for id in &ids {
+            if let Some(Err(e)) = self.delete(id).await {
+                tracing::warn!(kernel = %id, error = %e, "cannot remove a revoked key's kernel");
+            }
+        }
+        ids
     }
 
     /// Starts the background work: warm pool, culling, and removal of containers left
@@ -234,6 +289,9 @@ impl Kernels {
                 Duration::from_secs(10),
             )
             .await?;
+        // Kernels from before tenants were recorded belong to the admin.
+        let owner = found.owner.clone().unwrap_or_else(|| TOKEN_KEY.to_owned());
+        let _ = live.owner.set(owner);
         self.lock().live.insert(live.id().to_owned(), live);
         Ok(())
     }
@@ -248,6 +306,7 @@ impl Kernels {
         self: &Arc<Self>,
         name: Option<&str>,
         env: &BTreeMap<String, String>,
+        tenant: &Tenant,
     ) -> Result<Arc<LiveKernel>, CreateError> {
         let name = name.filter(|n| !n.is_empty()).unwrap_or(DEFAULT_SPEC);
         if self.settings.specs.get(name).is_none() {
@@ -257,17 +316,29 @@ impl Kernels {
             });
         }
         let env = kernel_env(env)?;
-        let slot = self.reserve()?;
+        let slot = self.reserve(tenant)?;
         let (tx, rx) = oneshot::channel();
         let me = self.clone();
         let name = name.to_owned();
+        let limits = Limits {
+            memory_mb: tenant.max_memory_mb,
+            cpus: tenant.max_cpus,
+        };
+        let owner = tenant.name.clone();
         self.tracker.spawn(
             async move {
                 let started = std::time::Instant::now();
-                let result = me.obtain(&name, env).await;
+                let result = me.obtain(&name, env, &owner, limits).await;
                 let live = match result {
                     Ok((live, source)) => {
                         metrics::kernel_created(source, started.elapsed());
+                        if source == Source::Pool {
+                            // Labels cannot change: the owner of a warm kernel is recorded
+                            // beside it, for a restarted gateway.
+                            if let Err(e) = me.backend.set_owner(live.id(), &owner).await {
+                                tracing::warn!(kernel = %live.id(), error = %e, "cannot record the kernel's owner");
+                            }
+                        }
                         live
                     }
                     Err(e) => {
@@ -295,16 +366,26 @@ impl Kernels {
 
     /// Takes a slot of the kernel limit, held until the kernel is registered or the
     /// create fails.
-    fn reserve(self: &Arc<Self>) -> Result<Slot, CreateError> {
+    fn reserve(self: &Arc<Self>, tenant: &Tenant) -> Result<Slot, CreateError> {
         let mut t = self.lock();
         if t.live.len() + t.reserved >= self.settings.max_kernels {
             return Err(CreateError::TooMany {
                 max: self.settings.max_kernels,
             });
         }
+        if let Some(max) = tenant.max_kernels {
+            if t.owned_by(&tenant.name) >= max {
+                return Err(CreateError::TooManyForKey {
+                    key: tenant.name.clone(),
+                    max,
+                });
+            }
+        }
         t.reserved += 1;
+        *t.reserved_by.entry(tenant.name.clone()).or_default() += 1;
         Ok(Slot {
             kernels: self.clone(),
+            owner: tenant.name.clone(),
             filled: false,
         })
     }
@@ -318,15 +399,21 @@ impl Kernels {
         }
     }
 
+    /// A kernel for `owner`: from the warm pool, unless its key has limits of its own
+    /// (warm kernels run with the configured ones), else started now.
     async fn obtain(
         self: &Arc<Self>,
         name: &str,
         env: BTreeMap<String, String>,
+        owner: &str,
+        limits: Limits,
     ) -> Result<(Arc<LiveKernel>, Source), CreateError> {
-        if let Some(live) = self.take_pooled(name, &env).await {
-            return Ok((live, Source::Pool));
+        if limits == Limits::default() {
+            if let Some(live) = self.take_pooled(name, &env).await {
+                return Ok((live, Source::Pool));
+            }
         }
-        let live = self.launch(name, env, false).await?;
+        let live = self.launch(name, env, false, Some(owner), limits).await?;
         Ok((live, Source::Cold))
     }
 
@@ -374,6 +461,8 @@ impl Kernels {
         name: &str,
         env: BTreeMap<String, String>,
         preload: bool,
+        owner: Option<&str>,
+        limits: Limits,
     ) -> Result<Arc<LiveKernel>, CreateError> {
         let id = uuid::Uuid::new_v4().to_string();
         let image = match self.settings.specs.get(name) {
@@ -391,6 +480,9 @@ impl Kernels {
             image,
             env,
             preload,
+            owner: owner.map(str::to_owned),
+            memory_mb: limits.memory_mb,
+            cpus: limits.cpus,
         };
         let Launched { handle, connection } = self.backend.launch(&req).await?;
         let startup = self.settings.startup_timeout;
@@ -438,6 +530,7 @@ impl Kernels {
             epoch: AtomicU64::new(0),
             runs: tokio::sync::Mutex::new(()),
             cancel,
+            owner: OnceLock::new(),
         });
         self.watch(&live);
         Ok(live)

@@ -2,7 +2,7 @@
 //! handed out by create. A pooled kernel is given the create's `KERNEL_*` environment
 //! before anyone can attach to it, so it sees what a kernel started for the request would.
 
-use super::{Kernels, LiveKernel};
+use super::{Kernels, Limits, LiveKernel};
 use crate::metrics;
 use kernelgate_protocol::content::{ExecuteRequest, ExecutionState};
 use kernelgate_protocol::{Channel, Execution, RawJson};
@@ -132,7 +132,10 @@ impl Kernels {
             }
             // Not raced against shutdown: `launch` cleans up after itself when cancelled,
             // where dropping it halfway would leave a container behind.
-            match self.launch(&spec, BTreeMap::new(), true).await {
+            match self
+                .launch(&spec, BTreeMap::new(), true, None, Limits::default())
+                .await
+            {
                 Ok(live) => {
                     if !self.pool_add(&spec, &live) {
                         if let Err(e) = self.discard(&live).await {

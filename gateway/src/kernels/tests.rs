@@ -11,6 +11,10 @@ fn specs(extra: &[&str], pools: &[&str]) -> Arc<KernelSpecs> {
     Arc::new(KernelSpecs::parse("kernel:1", &strings(extra), &strings(pools)).expect("valid"))
 }
 
+fn admin() -> Arc<Tenant> {
+    Tenant::admin("admin")
+}
+
 fn settings() -> Settings {
     Settings {
         max_kernels: 4,
@@ -54,7 +58,7 @@ async fn eventually<F: Future<Output = bool>>(what: &str, mut done: impl FnMut()
 /// A python3 kernel and its handle in the fake backend.
 async fn one_kernel(kernels: &Arc<Kernels>, fake: &FakeBackend) -> (Arc<LiveKernel>, String) {
     let live = kernels
-        .create(None, &BTreeMap::new())
+        .create(None, &BTreeMap::new(), &admin())
         .await
         .expect("created");
     let (handle, _) = fake.record_of(live.id()).expect("launched");
@@ -87,7 +91,7 @@ async fn the_pool_hands_out_kernels_with_their_environment_and_refills() {
     .await;
     eventually("the pool filled", || async { kernels.pooled() == 2 }).await;
     let live = kernels
-        .create(None, &env(&[("KERNEL_USERNAME", "alice")]))
+        .create(None, &env(&[("KERNEL_USERNAME", "alice")]), &admin())
         .await
         .expect("created");
     let (_, record) = fake.record_of(live.id()).expect("launched by the fake");
@@ -104,7 +108,7 @@ async fn the_pool_hands_out_kernels_with_their_environment_and_refills() {
 
     // Other KERNEL_* variables cannot be set after start: such kernels start cold.
     let cold = kernels
-        .create(None, &env(&[("KERNEL_LANG", "de")]))
+        .create(None, &env(&[("KERNEL_LANG", "de")]), &admin())
         .await
         .expect("created");
     let (_, record) = fake.record_of(cold.id()).expect("launched");
@@ -117,14 +121,16 @@ async fn the_pool_hands_out_kernels_with_their_environment_and_refills() {
 
     // Another spec: its own image, no pool unless asked for.
     let extra = kernels
-        .create(Some("extra"), &BTreeMap::new())
+        .create(Some("extra"), &BTreeMap::new(), &admin())
         .await
         .expect("created");
     let (_, record) = fake.record_of(extra.id()).expect("launched");
     assert_eq!((record.image.as_str(), record.preload), ("extra:2", false));
     assert_eq!(extra.name, "extra");
     assert!(matches!(
-        kernels.create(Some("nope"), &BTreeMap::new()).await,
+        kernels
+            .create(Some("nope"), &BTreeMap::new(), &admin())
+            .await,
         Err(CreateError::NoSuchSpec { .. })
     ));
 }
@@ -138,13 +144,13 @@ async fn each_spec_keeps_its_own_pool() {
     .await;
     eventually("the extra pool filled", || async { kernels.pooled() == 1 }).await;
     let live = kernels
-        .create(Some("extra"), &BTreeMap::new())
+        .create(Some("extra"), &BTreeMap::new(), &admin())
         .await
         .expect("created");
     let (_, record) = fake.record_of(live.id()).expect("launched");
     assert_eq!((record.image.as_str(), record.preload), ("extra:2", true));
     let py = kernels
-        .create(None, &BTreeMap::new())
+        .create(None, &BTreeMap::new(), &admin())
         .await
         .expect("created");
     let (_, record) = fake.record_of(py.id()).expect("launched");
@@ -163,10 +169,10 @@ async fn the_limit_holds_and_abandoned_creates_give_their_slot_back() {
     })
     .await;
     let none = BTreeMap::new();
-    let a = kernels.create(None, &none).await.expect("first");
-    kernels.create(None, &none).await.expect("second");
+    let a = kernels.create(None, &none, &admin()).await.expect("first");
+    kernels.create(None, &none, &admin()).await.expect("second");
     assert!(matches!(
-        kernels.create(None, &none).await,
+        kernels.create(None, &none, &admin()).await,
         Err(CreateError::TooMany { max: 2 })
     ));
     kernels
@@ -177,14 +183,21 @@ async fn the_limit_holds_and_abandoned_creates_give_their_slot_back() {
 
     // Callers that give up at once: the kernels started for them are removed.
     for _ in 0..5 {
-        let _ = tokio::time::timeout(Duration::from_millis(1), kernels.create(None, &none)).await;
+        let _ = tokio::time::timeout(
+            Duration::from_millis(1),
+            kernels.create(None, &none, &admin()),
+        )
+        .await;
     }
     eventually("abandoned creates rolled back", || async {
         kernels.reserved() == 0 && fake.running() == kernels.list().len()
     })
     .await;
     assert_eq!(kernels.list().len(), 1);
-    kernels.create(None, &none).await.expect("the freed slot");
+    kernels
+        .create(None, &none, &admin())
+        .await
+        .expect("the freed slot");
     assert_eq!(fake.running(), 2);
 }
 
@@ -247,7 +260,7 @@ async fn idle_kernels_without_connections_are_culled() {
 async fn restart_keeps_the_id_and_answers_again() {
     let (kernels, fake) = table(settings()).await;
     let live = kernels
-        .create(None, &BTreeMap::new())
+        .create(None, &BTreeMap::new(), &admin())
         .await
         .expect("created");
     kernels.restart(&live).await.expect("restarted");
@@ -287,10 +300,16 @@ async fn abandoned_deletes_and_restarts_complete() {
 async fn kernels_ready_after_shutdown_began_are_not_kept() {
     let (kernels, fake) = table(settings()).await;
     let late = kernels
-        .launch(DEFAULT_SPEC, BTreeMap::new(), false)
+        .launch(
+            DEFAULT_SPEC,
+            BTreeMap::new(),
+            false,
+            None,
+            Limits::default(),
+        )
         .await
         .expect("started");
-    let slot = kernels.reserve().expect("a free slot");
+    let slot = kernels.reserve(&admin()).expect("a free slot");
     kernels.cancel.cancel();
     kernels.shutdown().await;
     // Shutdown's sweep is over: registering now would leave the kernel running.
@@ -316,4 +335,50 @@ fn env_keeps_only_kernel_vars() {
     assert_eq!(kept.keys().collect::<Vec<_>>(), ["KERNEL_WORKING_DIR"]);
     let bad: BTreeMap<String, String> = [("KERNEL_x;rm".to_owned(), "1".to_owned())].into();
     assert!(matches!(kernel_env(&bad), Err(CreateError::BadEnv { .. })));
+}
+
+fn tenant(name: &str, max_kernels: Option<usize>) -> Arc<Tenant> {
+    Arc::new(Tenant {
+        name: name.into(),
+        admin: false,
+        max_kernels,
+        max_memory_mb: None,
+        max_cpus: None,
+        revoked: CancellationToken::new(),
+    })
+}
+
+#[tokio::test]
+async fn a_key_limit_holds_under_concurrent_creates_and_owners_are_kept() {
+    let (kernels, fake) = table(Settings {
+        max_kernels: 10,
+        ..settings()
+    })
+    .await;
+    let (alice, bob) = (tenant("alice", Some(2)), tenant("bob", None));
+    let none = BTreeMap::new();
+    let results =
+        futures::future::join_all((0..8).map(|_| kernels.create(None, &none, &alice))).await;
+    assert_eq!(results.iter().filter(|r| r.is_ok()).count(), 2);
+    for refused in results.iter().filter_map(|r| r.as_ref().err()) {
+        assert!(
+            matches!(refused, CreateError::TooManyForKey { max: 2, key } if key == "alice"),
+            "{refused}"
+        );
+        assert!(refused.to_string().contains("max_kernels"));
+    }
+    let b = kernels
+        .create(None, &none, &bob)
+        .await
+        .expect("bob has a count of his own");
+    assert_eq!(b.owner(), "bob");
+    let owners = |name: &str| kernels.list().iter().filter(|l| l.owner() == name).count();
+    assert_eq!(owners("alice"), 2);
+    assert_eq!(kernels.remove_owned_by("alice").await.len(), 2);
+    assert_eq!((owners("alice"), owners("bob")), (0, 1));
+    assert_eq!(fake.running(), 1);
+    kernels
+        .create(None, &none, &alice)
+        .await
+        .expect("room for alice again");
 }

@@ -25,6 +25,9 @@ pub const LABEL_MANAGED: &str = "org.kernelgate.managed";
 pub const LABEL_RUNTIME_DIR: &str = "org.kernelgate.runtime_dir";
 /// The OCI runtime the kernel runs under: `runc` or `runsc`.
 pub const LABEL_RUNTIME: &str = "org.kernelgate.runtime";
+/// The tenant a kernel was started for (warm kernels get theirs when handed out, recorded
+/// beside their socket directory: labels cannot change).
+pub const LABEL_OWNER: &str = "org.kernelgate.owner";
 
 /// Container name of a kernel.
 pub fn container_name(kernel_id: &str) -> String {
@@ -55,11 +58,13 @@ pub struct ContainerSpec<'a> {
     pub runtime: &'a str,
     /// The same as users know it (`runc`, `runsc`), for the label.
     pub runtime_label: &'a str,
+    /// The tenant it is started for, if any (for the label).
+    pub owner: Option<&'a str>,
 }
 
 impl ContainerSpec<'_> {
     pub fn to_body(&self) -> ContainerCreateBody {
-        let labels = HashMap::from([
+        let mut labels = HashMap::from([
             (LABEL_KERNEL_ID.to_owned(), self.kernel_id.to_owned()),
             (LABEL_KERNEL_NAME.to_owned(), self.kernel_name.to_owned()),
             (LABEL_CREATED.to_owned(), self.created.to_owned()),
@@ -67,6 +72,9 @@ impl ContainerSpec<'_> {
             (LABEL_RUNTIME_DIR.to_owned(), self.runtime_dir.to_owned()),
             (LABEL_RUNTIME.to_owned(), self.runtime_label.to_owned()),
         ]);
+        if let Some(owner) = self.owner {
+            labels.insert(LABEL_OWNER.to_owned(), owner.to_owned());
+        }
         let mut env: Vec<String> = self.env.iter().map(|(k, v)| format!("{k}={v}")).collect();
         if self.preload {
             env.push("KERNELGATE_PRELOAD=1".to_owned());
@@ -168,6 +176,7 @@ mod tests {
             preload: true,
             runtime: "kernelgate-runsc",
             runtime_label: "runsc",
+            owner: Some("alice"),
         }
     }
 
@@ -245,6 +254,7 @@ mod tests {
         let labels = spec(&env, None).to_body().labels.expect("labels");
         assert_eq!(labels[LABEL_KERNEL_ID], "k1");
         assert_eq!(labels[LABEL_KERNEL_NAME], "python3");
+        assert_eq!(labels[LABEL_OWNER], "alice");
         assert_eq!(labels[LABEL_CREATED], "2025-01-02T03:04:05Z");
         assert_eq!(labels[LABEL_MANAGED], "true");
         assert_eq!(labels[LABEL_RUNTIME_DIR], "/run/kernelgate");

@@ -1,0 +1,416 @@
+//! End to end: tenants. Keys made with `kernelgate keys add`; two tenants without admin
+//! rights and one admin. A tenant's kernels do not exist for another (404 on every route,
+//! nothing changes); per-key limits hold exactly under concurrent creates; a key removed
+//! from the file and revoked with SIGHUP is refused at once, its WebSockets close and its
+//! kernels go; owners survive a restart of the gateway; failed logins are throttled, valid
+//! tokens never.
+
+use anyhow::{bail, Context, Result};
+use kernelgate_tests::{binary, Gateway};
+use reqwest::Method;
+use serde_json::{json, Value};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// `kernelgate keys ARGS --file FILE`; its stdout.
+fn keys(file: &Path, args: &[&str]) -> Result<String> {
+    let out = std::process::Command::new(binary())
+        .arg("keys")
+        .args(args)
+        .arg("--file")
+        .arg(file)
+        .output()?;
+    if !out.status.success() {
+        bail!(
+            "kernelgate keys {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(String::from_utf8(out.stdout)?)
+}
+
+struct Tenants {
+    _dir: tempfile::TempDir,
+    file: PathBuf,
+    alice: String,
+    bob: String,
+    root: String,
+}
+
+fn tenants(alice_max: &str) -> Result<Tenants> {
+    let dir = tempfile::tempdir()?;
+    let file = dir.path().join("keys.toml");
+    let alice = keys(&file, &["add", "alice", "--max-kernels", alice_max])?;
+    let bob = keys(&file, &["add", "bob", "--max-kernels", "2"])?;
+    let root = keys(&file, &["add", "root", "--admin"])?;
+    let (alice, bob, root) = (
+        alice.trim().to_owned(),
+        bob.trim().to_owned(),
+        root.trim().to_owned(),
+    );
+    for t in [&alice, &bob, &root] {
+        assert_eq!(
+            t.len(),
+            64,
+            "keys add prints the token and nothing else: {t:?}"
+        );
+    }
+    Ok(Tenants {
+        _dir: dir,
+        file,
+        alice,
+        bob,
+        root,
+    })
+}
+
+async fn call(
+    gw: &Gateway,
+    token: &str,
+    method: Method,
+    path: &str,
+    body: Option<Value>,
+) -> Result<(u16, Value)> {
+    let mut req = reqwest::Client::new()
+        .request(method, gw.url(path))
+        .header("Authorization", format!("token {token}"));
+    if let Some(b) = body {
+        req = req.json(&b);
+    }
+    let r = req.send().await?;
+    let status = r.status().as_u16();
+    Ok((status, r.json().await.unwrap_or(Value::Null)))
+}
+
+async fn create(gw: &Gateway, token: &str) -> Result<String> {
+    let (status, model) = call(
+        gw,
+        token,
+        Method::POST,
+        "/api/kernels",
+        Some(json!({"name": "python3"})),
+    )
+    .await?;
+    if status != 201 {
+        bail!("create: {status} {model}");
+    }
+    Ok(model["id"].as_str().unwrap_or_default().to_owned())
+}
+
+async fn run(gw: &Gateway, token: &str, id: &str, code: &str) -> Result<Value> {
+    let (status, r) = call(
+        gw,
+        token,
+        Method::POST,
+        &format!("/api/kernels/{id}/execute"),
+        Some(json!({"code": code})),
+    )
+    .await?;
+    if status != 200 {
+        bail!("execute: {status} {r}");
+    }
+    Ok(r)
+}
+
+fn ids(list: &Value) -> Vec<String> {
+    list.as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|k| k["id"].as_str().map(str::to_owned))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// A WebSocket to a kernel's channels with `token`: the HTTP status of a refused upgrade.
+async fn websocket(
+    gw: &Gateway,
+    token: &str,
+    id: &str,
+) -> Result<std::result::Result<kernelgate_tests::WsStream, u16>> {
+    use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+    let url = format!(
+        "ws://{}/api/kernels/{id}/channels?session_id=s-{}",
+        gw.base.trim_start_matches("http://"),
+        uuid::Uuid::new_v4().simple()
+    );
+    let mut req = url.into_client_request()?;
+    req.headers_mut()
+        .insert("Authorization", format!("token {token}").parse()?);
+    match tokio_tungstenite::connect_async(req).await {
+        Ok((ws, _)) => Ok(Ok(ws)),
+        Err(tokio_tungstenite::tungstenite::Error::Http(r)) => Ok(Err(r.status().as_u16())),
+        Err(e) => Err(e.into()),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_cannot_see_or_touch_another_tenants_kernels() -> Result<()> {
+    let t = tenants("3")?;
+    let gw = Gateway::start(&["--keys", &t.file.display().to_string()]).await?;
+    let a = create(&gw, &t.alice).await?;
+    let r = run(
+        &gw,
+        &t.alice,
+        &a,
+        "secret = 'alice'\nopen('mine.txt', 'w').write('hers')",
+    )
+    .await?;
+    assert_eq!(r["status"], "ok", "{r}");
+
+    let (status, list) = call(&gw, &t.bob, Method::GET, "/api/kernels", None).await?;
+    assert_eq!(status, 200);
+    assert!(
+        !ids(&list).contains(&a),
+        "bob does not see alice's kernel: {list}"
+    );
+    let k = format!("/api/kernels/{a}");
+    for (method, path, body) in [
+        (Method::GET, k.clone(), None),
+        (Method::POST, format!("{k}/interrupt"), None),
+        (Method::POST, format!("{k}/restart"), None),
+        (
+            Method::POST,
+            format!("{k}/execute"),
+            Some(json!({"code": "secret = 'bob'"})),
+        ),
+        (Method::GET, format!("{k}/files"), None),
+        (Method::GET, format!("{k}/files/mine.txt"), None),
+        (
+            Method::PUT,
+            format!("{k}/files/mine.txt"),
+            Some(json!("bob's")),
+        ),
+        (Method::DELETE, format!("{k}/files/mine.txt"), None),
+        (Method::DELETE, k.clone(), None),
+    ] {
+        let (status, body) = call(&gw, &t.bob, method.clone(), &path, body).await?;
+        assert_eq!(status, 404, "{method} {path} as bob: {body}");
+    }
+    match websocket(&gw, &t.bob, &a).await? {
+        Err(status) => assert_eq!(status, 404),
+        Ok(_) => bail!("bob opened alice's channels"),
+    }
+    // Nothing changed for alice: same variables (no restart, no execution), same file.
+    let r = run(&gw, &t.alice, &a, "print(secret, open('mine.txt').read())").await?;
+    assert_eq!(r["stdout"], "alice hers\n", "{r}");
+    assert!(websocket(&gw, &t.alice, &a).await?.is_ok());
+
+    // The admin sees and uses every kernel; bob's own kernel is his.
+    let b = create(&gw, &t.bob).await?;
+    let (_, list) = call(&gw, &t.root, Method::GET, "/api/kernels", None).await?;
+    let all = ids(&list);
+    assert!(all.contains(&a) && all.contains(&b), "{list}");
+    assert_eq!(
+        run(&gw, &t.root, &a, "secret").await?["results"][0]["data"]["text/plain"],
+        "'alice'"
+    );
+    let (_, mine) = call(&gw, &t.alice, Method::GET, "/api/kernels", None).await?;
+    assert_eq!(ids(&mine), vec![a.clone()]);
+
+    // `keys list` shows names and limits, never tokens.
+    let listed = keys(&t.file, &["list"])?;
+    assert!(
+        listed.contains("alice") && listed.contains("root"),
+        "{listed}"
+    );
+    assert!(!listed.contains(&t.alice));
+    let stored = std::fs::read_to_string(&t.file)?;
+    assert!(!stored.contains(&t.alice) && !stored.contains(&t.root));
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn key_limits_hold_under_concurrent_creates() -> Result<()> {
+    let t = tenants("3")?;
+    let gw = Gateway::start(&[
+        "--keys",
+        &t.file.display().to_string(),
+        "--max-kernels",
+        "30",
+    ])
+    .await?;
+    let creates = (0..20).map(|_| {
+        call(
+            &gw,
+            &t.alice,
+            Method::POST,
+            "/api/kernels",
+            Some(json!({"name": "python3"})),
+        )
+    });
+    let results = futures::future::join_all(creates).await;
+    let mut created = 0;
+    for r in results {
+        let (status, body) = r?;
+        match status {
+            201 => created += 1,
+            403 => {
+                let message = body["message"].as_str().unwrap_or_default();
+                assert!(
+                    message.contains("max_kernels") && message.contains("alice"),
+                    "{body}"
+                );
+            }
+            other => bail!("unexpected {other}: {body}"),
+        }
+    }
+    assert_eq!(created, 3, "exactly alice's limit");
+    let (_, list) = call(&gw, &t.root, Method::GET, "/api/kernels", None).await?;
+    assert_eq!(ids(&list).len(), 3);
+    // Bob's count is his own.
+    create(&gw, &t.bob).await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_revoked_key_is_refused_and_loses_its_sockets_and_kernels() -> Result<()> {
+    let t = tenants("3")?;
+    let gw = Gateway::start(&["--keys", &t.file.display().to_string()]).await?;
+    let a = create(&gw, &t.alice).await?;
+    let b = create(&gw, &t.bob).await?;
+    let mut socket = match websocket(&gw, &t.bob, &b).await? {
+        Ok(ws) => ws,
+        Err(status) => bail!("bob's WebSocket refused: {status}"),
+    };
+    keys(&t.file, &["remove", "bob"])?;
+    let pid = gw.pid().context("gateway pid")?;
+    let sent = std::process::Command::new("kill")
+        .args(["-HUP", &pid.to_string()])
+        .status()?;
+    assert!(sent.success());
+
+    // Refused at once (the reload is asynchronous: give it a moment).
+    let mut refused = false;
+    for _ in 0..50 {
+        if call(&gw, &t.bob, Method::GET, "/api/kernels", None)
+            .await?
+            .0
+            == 403
+        {
+            refused = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(refused, "bob's key is refused after SIGHUP");
+    // The WebSocket closes.
+    use futures::StreamExt;
+    let closed = tokio::time::timeout(Duration::from_secs(20), async {
+        while let Some(m) = socket.next().await {
+            if m.is_err() || m.is_ok_and(|m| m.is_close()) {
+                return;
+            }
+        }
+    })
+    .await;
+    assert!(closed.is_ok(), "bob's WebSocket was closed");
+    // His kernel is gone, container and all; alice's is not.
+    let container_exists = || {
+        std::process::Command::new("docker")
+            .args(["inspect", &format!("kernelgate-{b}")])
+            .output()
+            .map(|o| o.status.success())
+    };
+    let mut gone = false;
+    for _ in 0..100 {
+        let (_, list) = call(&gw, &t.root, Method::GET, "/api/kernels", None).await?;
+        if !ids(&list).contains(&b) && !container_exists()? {
+            gone = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(gone, "bob's kernel was shut down, its container removed");
+    assert_eq!(
+        run(&gw, &t.alice, &a, "1 + 1").await?["results"][0]["data"]["text/plain"],
+        "2"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn owners_survive_a_restart_of_the_gateway() -> Result<()> {
+    let t = tenants("3")?;
+    let dir = format!("/run/kg-owners-{}", std::process::id());
+    let file = t.file.display().to_string();
+    let gw = Gateway::start(&["--keys", &file, "--runtime-dir", &dir, "--pool-size", "1"]).await?;
+    gw.wait_pool("filled").await?;
+    // The first from the warm pool (owner recorded at hand-out), the second started cold.
+    let pooled = create(&gw, &t.alice).await?;
+    let cold = create(&gw, &t.alice).await?;
+    gw.crash().await?;
+
+    let gw = Gateway::start(&["--keys", &file, "--runtime-dir", &dir, "--pool-size", "0"]).await?;
+    let (_, mine) = call(&gw, &t.alice, Method::GET, "/api/kernels", None).await?;
+    let mut mine = ids(&mine);
+    mine.sort();
+    let mut expected = vec![pooled.clone(), cold.clone()];
+    expected.sort();
+    assert_eq!(mine, expected, "alice's kernels are hers again");
+    let (_, bobs) = call(&gw, &t.bob, Method::GET, "/api/kernels", None).await?;
+    assert_eq!(ids(&bobs), Vec::<String>::new());
+    assert_eq!(
+        call(
+            &gw,
+            &t.bob,
+            Method::GET,
+            &format!("/api/kernels/{pooled}"),
+            None
+        )
+        .await?
+        .0,
+        404
+    );
+    assert_eq!(gw.stop().await?.code(), Some(0));
+    let _ = std::fs::remove_dir(&dir);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failed_logins_are_throttled_and_valid_tokens_never() -> Result<()> {
+    let t = tenants("3")?;
+    let gw = Gateway::start(&["--keys", &t.file.display().to_string()]).await?;
+    for i in 0..10 {
+        let (status, _) = call(
+            &gw,
+            &format!("wrong-{i}"),
+            Method::GET,
+            "/api/kernels",
+            None,
+        )
+        .await?;
+        assert_eq!(status, 403);
+    }
+    let r = reqwest::Client::new()
+        .get(gw.url("/api/kernels"))
+        .header("Authorization", "token wrong-again")
+        .send()
+        .await?;
+    assert_eq!(r.status().as_u16(), 429);
+    let wait: u64 = r
+        .headers()
+        .get("retry-after")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse().ok())
+        .context("Retry-After")?;
+    assert!((1..=60).contains(&wait), "{wait}");
+    // From the same address, a valid key still passes at once.
+    assert_eq!(
+        call(&gw, &t.alice, Method::GET, "/api/kernels", None)
+            .await?
+            .0,
+        200
+    );
+    let logged = gw
+        .logs
+        .lock()
+        .map(|l| {
+            l.iter()
+                .filter(|l| l.contains("failed authentications in a minute"))
+                .count()
+        })
+        .unwrap_or(0);
+    assert_eq!(logged, 1, "the burst is logged once");
+    Ok(())
+}
