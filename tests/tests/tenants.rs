@@ -414,3 +414,45 @@ async fn failed_logins_are_throttled_and_valid_tokens_never() -> Result<()> {
     assert_eq!(logged, 1, "the burst is logged once");
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_keys_memory_and_cpu_limits_hold_with_a_warm_pool() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let file = dir.path().join("keys.toml");
+    let small = keys(
+        &file,
+        &[
+            "add",
+            "small",
+            "--max-memory-mb",
+            "256",
+            "--max-cpus",
+            "0.5",
+        ],
+    )?;
+    let plain = keys(&file, &["add", "plain"])?;
+    let gw = Gateway::start(&[
+        "--keys",
+        &file.display().to_string(),
+        "--pool-size",
+        "1",
+        "--kernel-memory-mb",
+        "1024",
+    ])
+    .await?;
+    gw.wait_pool("filled").await?;
+    let limits = |id: &str| -> Result<(i64, i64)> {
+        let c = kernelgate_tests::inspect(id)?;
+        Ok((
+            c["HostConfig"]["Memory"].as_i64().unwrap_or_default(),
+            c["HostConfig"]["NanoCpus"].as_i64().unwrap_or_default(),
+        ))
+    };
+    // The warm kernel runs with the configured limits: the small key gets one of its own.
+    let id = create(&gw, small.trim()).await?;
+    assert_eq!(limits(&id)?, (256 << 20, 500_000_000));
+    assert_eq!(run(&gw, small.trim(), &id, "1 + 1").await?["status"], "ok");
+    let id = create(&gw, plain.trim()).await?;
+    assert_eq!(limits(&id)?, (1024 << 20, 1_000_000_000));
+    Ok(())
+}
