@@ -19,7 +19,9 @@ What this adds to a plain `python -m ipykernel_launcher -f FILE`:
 * output back-pressure: a thread that prints or displays faster than IOPub can send waits
   (interruptibly) once the IOPub thread holds OUTPUT_BACKLOG_BYTES unsent, and a stream
   flushes itself past OUTPUT_CHUNK_CHARS, so a runaway print loop costs the kernel a bounded
-  amount of memory instead of growing ipykernel's queues until it is OOM-killed;
+  amount of memory instead of growing ipykernel's queues until it is OOM-killed; and IPython's
+  copy of every printed string in its output history (used by `%notebook`), which grows
+  without bound under a print loop, is not kept;
 * HOME, IPYTHONDIR, MPLCONFIGDIR and JUPYTER_RUNTIME_DIR usable with a read-only root
   filesystem (defaults under /tmp, created when missing);
 * the working directory: $HOME/work when it exists (the gateway may mount one), else $HOME;
@@ -238,6 +240,20 @@ def bound_output_backlog() -> None:
                 pass
             wait_for_room(io)
         return written
+
+    # IPython 9 tees every write to stdout/stderr into history_manager.outputs for the rest
+    # of the session: a print loop keeps every string it printed. The tee is left out.
+    from contextlib import contextmanager
+
+    from IPython.core.interactiveshell import InteractiveShell
+
+    if hasattr(InteractiveShell, "_tee"):
+
+        @contextmanager
+        def no_tee(self, channel):
+            yield
+
+        InteractiveShell._tee = no_tee
 
     bounded_send_multipart.__wrapped__ = send_multipart
     bounded_write.__wrapped__ = write

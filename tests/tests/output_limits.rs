@@ -115,7 +115,7 @@ async fn a_runaway_print_loop_is_cut_bounded_and_interruptible() -> Result<()> {
     let peak = peak_memory(&container)?;
     println!("kernel container peak memory: {} MiB", peak >> 20);
     assert!(
-        peak < 600 << 20,
+        peak < 400 << 20,
         "the kernel's memory stayed bounded: peak {} MiB",
         peak >> 20
     );
