@@ -26,8 +26,11 @@ run: image build
 	./target/release/kernelgate serve $(strip $(RUN_FLAGS) $(ARGS))
 
 ## Everything CI checks: format, lints, unit tests, fuzzing, end-to-end tests (the Rust
-## suite once under runc and once under gVisor; `make gvisor` sets gVisor up first).
-test: lint unit fuzz-smoke e2e python-tests
+## suite once under runc and once under gVisor, side by side; `make gvisor` sets gVisor up
+## first), then the Python suite.
+test: lint unit fuzz-smoke
+	$(MAKE) --no-print-directory -j2 --output-sync=target E2E_THREADS=2 e2e-runc e2e-gvisor
+	$(MAKE) --no-print-directory python-tests
 
 lint:
 	$(CARGO) fmt --all --check
@@ -42,8 +45,9 @@ debug-build:
 
 # The same suite under each runtime: KERNELGATE_RUNTIME picks it for every gateway the
 # tests start (tests/src/lib.rs).
+E2E_THREADS ?= 3
 E2E = KERNELGATE_IMAGE=$(KERNEL_IMAGE) KERNELGATE_FIXTURE_IMAGE=$(FIXTURE_IMAGE) \
-	KERNELGATE_RUNTIME=$(1) $(CARGO) test -p kernelgate-tests --no-fail-fast -- --test-threads=3
+	KERNELGATE_RUNTIME=$(1) $(CARGO) test -p kernelgate-tests --no-fail-fast -- --test-threads=$(E2E_THREADS)
 
 e2e: e2e-runc e2e-gvisor
 
