@@ -23,6 +23,40 @@ pub enum Command {
     Run(Box<RunArgs>),
     /// Manage the keys file (`--keys`): one key per tenant.
     Keys(KeysArgs),
+    /// Read the audit log back as a table (or JSON lines).
+    Audit(AuditArgs),
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct AuditArgs {
+    /// The audit log; default: the gateway's default.
+    #[arg(long, env = "KERNELGATE_AUDIT_LOG")]
+    pub file: Option<PathBuf>,
+    /// Only events about this kernel.
+    #[arg(long)]
+    pub kernel: Option<String>,
+    /// Only events of this key.
+    #[arg(long)]
+    pub key: Option<String>,
+    /// Only events at or after this time (RFC 3339, e.g. 2026-11-25T10:00:00Z).
+    #[arg(long)]
+    pub since: Option<String>,
+    /// Print the matching records as JSON lines.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Where the audit log goes unless `--audit-log` says: a persistent place (not /run).
+pub fn default_audit_log() -> PathBuf {
+    let root = std::env::var("USER").is_ok_and(|u| u == "root")
+        || std::fs::metadata("/proc/self")
+            .map(|m| std::os::unix::fs::MetadataExt::uid(&m) == 0)
+            .unwrap_or(false);
+    if root {
+        return PathBuf::from("/var/log/kernelgate/audit.log");
+    }
+    let home = std::env::var_os("HOME").map_or_else(|| PathBuf::from("."), PathBuf::from);
+    home.join(".local/state/kernelgate/audit.log")
 }
 
 #[derive(Debug, Clone, Args)]
@@ -142,6 +176,17 @@ pub struct Config {
     /// Works alone or beside `--token` (then one more admin key, named `admin`).
     #[arg(long, env = "KERNELGATE_KEYS")]
     pub keys: Option<PathBuf>,
+
+    /// Audit log: one JSON line per event (kernels, executions with their code, files,
+    /// refused logins); `-` for stdout. Default: /var/log/kernelgate/audit.log as root,
+    /// else ~/.local/state/kernelgate/audit.log. Created mode 0600: code can hold secrets.
+    #[arg(long, env = "KERNELGATE_AUDIT_LOG")]
+    pub audit_log: Option<PathBuf>,
+
+    /// Also wait for each audit record to reach the disk (fdatasync, shared by concurrent
+    /// writers), for power-loss durability.
+    #[arg(long, env = "KERNELGATE_AUDIT_FSYNC", default_value_t = false)]
+    pub audit_fsync: bool,
 
     /// Serve without any token. Refused unless listening on a loopback address.
     #[arg(long, env = "KERNELGATE_NO_AUTH", default_value_t = false)]

@@ -8,6 +8,7 @@
 //! - [`kernels`] ties them together: the table of live kernels, their lifecycle and limits.
 
 pub mod api;
+pub mod audit;
 pub mod backend;
 pub mod config;
 pub mod kernel;

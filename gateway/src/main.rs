@@ -7,6 +7,7 @@ use clap::Parser;
 use kernelgate::api::ops::{MetricsAccess, Readiness};
 use kernelgate::api::origin::OriginPolicy;
 use kernelgate::api::{self, auth::Auth, AppState};
+use kernelgate::audit::Audit;
 use kernelgate::backend::docker::{DockerBackend, DockerSettings};
 use kernelgate::backend::KernelBackend;
 use kernelgate::config::{Cli, Command, Config, KeysAction, KeysArgs, LogFormat};
@@ -25,13 +26,14 @@ async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let format = match &cli.command {
         Command::Serve(config) => config.log_format,
-        Command::Run(_) | Command::Keys(_) => LogFormat::Text,
+        Command::Run(_) | Command::Keys(_) | Command::Audit(_) => LogFormat::Text,
     };
     init_logging(format);
     match cli.command {
         Command::Serve(config) => serve(*config).await,
         Command::Run(args) => Ok(kernelgate::notebook::run(*args).await?),
         Command::Keys(args) => keys_command(args),
+        Command::Audit(args) => kernelgate::audit::read_back(&args),
     }
 }
 
@@ -72,9 +74,20 @@ async fn serve(config: Config) -> anyhow::Result<()> {
     specs.describe(&backend).await;
     let backend: Arc<dyn KernelBackend> = Arc::new(backend);
 
+    let audit_path = config
+        .audit_log
+        .clone()
+        .unwrap_or_else(kernelgate::config::default_audit_log);
+    let audit = Audit::open(&audit_path, config.audit_fsync).with_context(|| {
+        format!(
+            "cannot open the audit log {} (choose another with --audit-log)",
+            audit_path.display()
+        )
+    })?;
     let tracker = TaskTracker::new();
     let cancel = CancellationToken::new();
     let settings = Settings {
+        audit,
         max_kernels: config.max_kernels,
         startup_timeout: Duration::from_secs(config.startup_timeout),
         autorestart: config.autorestart,
@@ -124,7 +137,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         "runsc" => println!("Kernels run in Docker under gVisor (runtime runsc)"),
         _ => println!("Kernels run in Docker under runc (no gVisor: see `make gvisor`)"),
     }
-    tracing::info!(listen = %config.listen, image = %config.image, runtime, "ready");
+    tracing::info!(listen = %config.listen, image = %config.image, runtime, audit_log = %audit_path.display(), "ready");
 
     tracker.spawn(reload_keys_on_sighup(
         keys.clone(),

@@ -108,6 +108,8 @@ pub struct Gateway {
     pub base: String,
     pub token: String,
     pub runtime_dir: PathBuf,
+    /// Where this gateway writes its audit trail.
+    pub audit_log: PathBuf,
     http: reqwest::Client,
     /// Every line the gateway wrote to stderr so far.
     pub logs: Arc<Mutex<Vec<String>>>,
@@ -159,6 +161,15 @@ impl Gateway {
         if !extra.contains(&"--pool-size") {
             args.extend(["--pool-size".into(), "0".into()]);
         }
+        // Each gateway its own audit log, beside its runtime directory.
+        let audit_log = match extra.iter().position(|a| *a == "--audit-log") {
+            Some(i) => PathBuf::from(extra.get(i + 1).copied().unwrap_or_default()),
+            None => {
+                let log = PathBuf::from(format!("{}.audit.log", runtime_dir.display()));
+                args.extend(["--audit-log".into(), log.display().to_string()]);
+                log
+            }
+        };
         args.extend(extra.iter().map(|s| s.to_string()));
         let mut child = Command::new(binary())
             .args(&args)
@@ -174,6 +185,7 @@ impl Gateway {
             base: format!("http://127.0.0.1:{port}"),
             token,
             runtime_dir,
+            audit_log,
             http: reqwest::Client::new(),
             logs,
         };

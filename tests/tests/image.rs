@@ -102,6 +102,7 @@ async fn exercise(handle: &str, connection: &kernelgate_protocol::ConnectionInfo
             output_bytes: 1 << 30,
             replay_for: Duration::from_secs(60),
         },
+        kernelgate::audit::Audit::disabled(),
     );
     let info = kernel
         .connect(
@@ -115,7 +116,7 @@ async fn exercise(handle: &str, connection: &kernelgate_protocol::ConnectionInfo
     assert!(info.protocol_version.starts_with('5'));
     assert_eq!(info.language_info["name"], "python");
 
-    let me = kernel.attach("image-test-client", true);
+    let me = kernel.attach("image-test-client", true, "image-test");
     assert_eq!(run(&kernel, &me, "x = 41").await?.status, "ok");
     assert_eq!(
         run(&kernel, &me, "x + 1").await?.result_text().as_deref(),

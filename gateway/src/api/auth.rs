@@ -205,6 +205,10 @@ pub async fn require_token(
         return Err(response);
     }
     tracing::info!(client = ?addr, "authentication refused");
+    state.kernels.audit().record(
+        "auth_refused",
+        serde_json::json!({"client": addr.map(|a| a.to_string()), "path": req.uri().path()}),
+    );
     Err(ApiError::new(
         StatusCode::FORBIDDEN,
         "Missing or wrong token: send `Authorization: token <token>` or add `?token=<token>` \

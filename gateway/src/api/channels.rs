@@ -52,8 +52,9 @@ pub async fn connect(
     let cancel = state.cancel.clone();
     // A revoked key's WebSockets close at once.
     let revoked = caller.0.revoked.clone();
+    let key = caller.0.name.clone();
     Ok(ws.on_upgrade(move |socket: WebSocket| async move {
-        let attachment = live.kernel.attach(&session, false);
+        let attachment = live.kernel.attach(&session, false, &key);
         tracing::debug!(kernel = %live.id(), %session, ?encoding, "client connected");
         metrics::websocket_opened();
         tokio::select! {

@@ -41,6 +41,9 @@ pub struct ExecuteBody {
     /// Seconds; fractional values are allowed.
     #[serde(default)]
     timeout: Option<f64>,
+    /// Which agent runs this, for the audit trail.
+    #[serde(default)]
+    agent_id: Option<String>,
 }
 
 /// One NDJSON line of a streamed run: an output, or the `end` line with the status.
@@ -108,9 +111,13 @@ pub async fn execute(
     let (tx, rx) = mpsc::channel::<Progress>(256);
     let kernels = state.kernels.clone();
     let code = body.code;
+    let runner = Runner {
+        key: caller.0.name.clone(),
+        agent_id: body.agent_id,
+    };
     state
         .tracker
-        .spawn(run(kernels, live, code, timeout, tx).in_current_span());
+        .spawn(run(kernels, live, code, timeout, runner, tx).in_current_span());
 
     let streaming = headers
         .get(header::ACCEPT)
@@ -179,11 +186,19 @@ async fn collect(mut rx: mpsc::Receiver<Progress>) -> Value {
 
 /// Runs one execution to its end, sending events as they come. Stops the kernel's work
 /// (interrupt) when the timeout passes or the caller stops listening.
+/// Who runs the code: the key, and the agent it said it was.
+#[derive(Debug)]
+struct Runner {
+    key: String,
+    agent_id: Option<String>,
+}
+
 async fn run(
     kernels: Arc<Kernels>,
     live: Arc<LiveKernel>,
     code: String,
     timeout: Duration,
+    runner: Runner,
     tx: mpsc::Sender<Progress>,
 ) {
     let _turn = live.runs.lock().await;
@@ -191,13 +206,17 @@ async fn run(
     let me = live.kernel.attach(
         &format!("kernelgate-execute-{}", uuid::Uuid::new_v4()),
         true,
+        &runner.key,
     );
     let mut request = ExecuteRequest::new(&code);
     // Nobody could answer input(): make it fail fast instead of hanging the run.
     request.allow_stdin = false;
-    let message = live
+    let mut message = live
         .kernel
         .request("execute_request", RawJson::from_value(&request));
+    if let Some(agent) = runner.agent_id {
+        message.header.extra.insert("agent_id".into(), agent.into());
+    }
     let mut execution = Execution::new(message.msg_id());
     let mut truncated = false;
     let end = |execution: &Execution, truncated: bool| {

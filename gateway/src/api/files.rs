@@ -35,6 +35,16 @@ async fn run(
     body: Bytes,
 ) -> Result<Vec<u8>, ApiError> {
     let live = find(state, caller, id)?;
+    let event = match op {
+        "get" => "file_read",
+        "put" => "file_written",
+        "delete" => "file_deleted",
+        _ => "file_listed",
+    };
+    state.kernels.audit().record(
+        event,
+        serde_json::json!({"key": caller.0.name, "kernel": id, "path": path, "bytes": body.len()}),
+    );
     if path.chars().any(char::is_control) {
         return Err(ApiError::bad_request(
             "file paths may not contain NUL or other control characters",

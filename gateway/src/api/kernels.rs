@@ -108,7 +108,11 @@ pub async fn delete(
     caller: Caller,
     Path(id): Path<String>,
 ) -> Result<StatusCode, ApiError> {
-    find(&state, &caller, &id)?;
+    let live = find(&state, &caller, &id)?;
+    state.kernels.audit().record(
+        "kernel_deleted",
+        json!({"kernel": id, "key": caller.0.name, "owner": live.owner()}),
+    );
     match state.kernels.delete(&id).await {
         None => Err(ApiError::no_kernel(&id)),
         Some(Ok(())) => Ok(StatusCode::NO_CONTENT),
@@ -133,6 +137,10 @@ pub async fn restart(
     Path(id): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
     let live = find(&state, &caller, &id)?;
+    state.kernels.audit().record(
+        "kernel_restarted",
+        json!({"kernel": id, "key": caller.0.name, "owner": live.owner()}),
+    );
     state.kernels.restart(&live).await?;
     Ok(Json(model(&live)))
 }

@@ -38,6 +38,34 @@ struct Running {
     request: Header,
     output: usize,
     truncated: bool,
+    /// Who asked, and what: for the audit record of its end.
+    key: String,
+    code_sha256: String,
+    preview: String,
+    /// Output bytes when the reply came (and its audit record was written).
+    at_reply: Option<usize>,
+}
+
+/// Output of an execution that came after its reply (IOPub and shell are separate
+/// sockets): the total, for an audit record of its own.
+#[derive(Debug)]
+pub struct LateOutput {
+    pub msg_id: String,
+    pub key: String,
+    pub output_bytes: usize,
+    pub output_preview: String,
+    pub truncated: bool,
+}
+
+/// An execution that replied: what its audit record and the metrics need.
+#[derive(Debug)]
+pub struct Finished {
+    pub took: Duration,
+    pub key: String,
+    pub code_sha256: String,
+    pub output_bytes: usize,
+    pub output_preview: String,
+    pub truncated: bool,
 }
 
 #[derive(Debug)]
@@ -45,6 +73,7 @@ pub struct Executions {
     running: HashMap<String, Running>,
     finished: VecDeque<String>,
     cap: usize,
+    late: Vec<LateOutput>,
 }
 
 #[derive(Deserialize)]
@@ -66,11 +95,12 @@ impl Executions {
             running: HashMap::new(),
             finished: VecDeque::new(),
             cap,
+            late: Vec::new(),
         }
     }
 
     /// An `execute_request` is on its way to the kernel.
-    pub fn started(&mut self, request: &Header) {
+    pub fn started(&mut self, request: &Header, key: &str, code_sha256: String) {
         if self.running.len() >= MAX_RUNNING {
             self.running.clear();
             self.finished.clear();
@@ -82,16 +112,27 @@ impl Executions {
                 request: request.clone(),
                 output: 0,
                 truncated: false,
+                key: key.to_owned(),
+                code_sha256,
+                preview: String::new(),
+                at_reply: None,
             },
         );
     }
 
-    /// Its `execute_reply` came: how long it took, once.
-    pub fn replied(&mut self, parent: &str) -> Option<Duration> {
-        self.running
-            .get_mut(parent)
-            .and_then(|r| r.started.take())
-            .map(|t| t.elapsed())
+    /// Its `execute_reply` came: how long it took and what it produced, once.
+    pub fn replied(&mut self, parent: &str) -> Option<Finished> {
+        let run = self.running.get_mut(parent)?;
+        let took = run.started.take()?.elapsed();
+        run.at_reply = Some(run.output);
+        Some(Finished {
+            took,
+            key: run.key.clone(),
+            code_sha256: run.code_sha256.clone(),
+            output_bytes: run.output,
+            output_preview: run.preview.clone(),
+            truncated: run.truncated,
+        })
     }
 
     /// Weighs one IOPub message against its execution's cap.
@@ -115,12 +156,20 @@ impl Executions {
         let Some(bytes) = weight(message) else {
             return Verdict::Relay;
         };
+        if run.preview.len() < crate::audit::OUTPUT_PREVIEW_CHARS * 4 {
+            crate::audit::extend_preview(&mut run.preview, &preview_text(message));
+        }
         run.output = run.output.saturating_add(bytes);
         if run.output <= self.cap {
             return Verdict::Relay;
         }
         run.truncated = true;
         Verdict::Truncate(truncation_notice(&run.request, self.cap))
+    }
+
+    /// Executions whose output went on after their reply, once each, at their `idle`.
+    pub fn take_late_output(&mut self) -> Vec<LateOutput> {
+        std::mem::take(&mut self.late)
     }
 
     /// Whether an execution's output was cut (kept while it is tracked).
@@ -141,6 +190,17 @@ impl Executions {
         if !idle || !self.running.contains_key(parent) || self.finished.iter().any(|f| f == parent)
         {
             return;
+        }
+        if let Some(run) = self.running.get(parent) {
+            if run.at_reply.is_some_and(|n| run.output > n) {
+                self.late.push(LateOutput {
+                    msg_id: parent.to_owned(),
+                    key: run.key.clone(),
+                    output_bytes: run.output,
+                    output_preview: run.preview.clone(),
+                    truncated: run.truncated,
+                });
+            }
         }
         self.finished.push_back(parent.to_owned());
         if self.finished.len() > KEEP_FINISHED {
@@ -172,6 +232,28 @@ fn weight(message: &Message) -> Option<usize> {
             Some(data + buffers)
         }
         _ => None,
+    }
+}
+
+/// What of an output message goes into the audit preview: stream text, or `text/plain`.
+fn preview_text(message: &Message) -> String {
+    #[derive(Deserialize)]
+    struct Plain {
+        #[serde(default)]
+        text: String,
+        #[serde(default)]
+        data: Option<HashMap<String, serde_json::Value>>,
+    }
+    match message.content.parse::<Plain>() {
+        Ok(p) if message.msg_type() == "stream" => p.text,
+        Ok(p) => p
+            .data
+            .and_then(|d| {
+                d.get("text/plain")
+                    .and_then(|v| v.as_str().map(str::to_owned))
+            })
+            .unwrap_or_default(),
+        Err(_) => String::new(),
     }
 }
 
@@ -217,7 +299,7 @@ mod tests {
     fn output_past_the_cap_is_replaced_by_one_notice() {
         let mut ex = Executions::new(10);
         let req = request();
-        ex.started(&req);
+        ex.started(&req, "k", String::new());
         assert!(matches!(ex.output(&stream(&req, "12345")), Verdict::Relay));
         assert!(matches!(ex.output(&stream(&req, "67890")), Verdict::Relay));
         let Verdict::Truncate(notice) = ex.output(&stream(&req, "x")) else {
@@ -260,8 +342,8 @@ mod tests {
     fn each_execution_has_its_own_budget_and_others_pass() {
         let mut ex = Executions::new(4);
         let (a, b) = (request(), request());
-        ex.started(&a);
-        ex.started(&b);
+        ex.started(&a, "k", String::new());
+        ex.started(&b, "k", String::new());
         assert!(matches!(
             ex.output(&stream(&a, "aaaaa")),
             Verdict::Truncate(_)
@@ -292,14 +374,14 @@ mod tests {
     fn replied_reports_the_duration_once_and_finished_runs_are_forgotten() {
         let mut ex = Executions::new(1 << 20);
         let first = request();
-        ex.started(&first);
+        ex.started(&first, "k", String::new());
         assert!(ex.replied(&first.msg_id).is_some());
         assert!(ex.replied(&first.msg_id).is_none());
         let idle = |h: &Header| iopub(h, "status", serde_json::json!({"execution_state": "idle"}));
         ex.output(&idle(&first));
         for _ in 0..KEEP_FINISHED {
             let r = request();
-            ex.started(&r);
+            ex.started(&r, "k", String::new());
             ex.output(&idle(&r));
         }
         assert!(!ex.running.contains_key(&first.msg_id));

@@ -7,6 +7,7 @@ pub mod executions;
 pub mod heartbeat;
 pub mod link;
 
+use crate::audit::Audit;
 use crate::metrics::{self, Direction, DropReason};
 use chrono::{DateTime, Utc};
 use clients::{ClientLimits, Clients, Outbound, Take, Ticket};
@@ -66,15 +67,17 @@ pub struct Kernel {
     session: String,
     /// Largest message accepted from the kernel.
     max_message_bytes: usize,
+    audit: Audit,
     state: Mutex<State>,
 }
 
 impl Kernel {
-    pub fn new(id: &str, limits: ClientLimits) -> Arc<Self> {
+    pub fn new(id: &str, limits: ClientLimits, audit: Audit) -> Arc<Self> {
         Arc::new(Kernel {
             id: id.to_owned(),
             session: uuid::Uuid::new_v4().to_string(),
             max_message_bytes: limits.kernel_message_bytes,
+            audit,
             state: Mutex::new(State {
                 clients: Clients::new(limits),
                 execution_state: ExecutionState::Starting,
@@ -157,7 +160,11 @@ impl Kernel {
         deadline: Instant,
         timeout: Duration,
     ) -> Result<KernelInfoReply, KernelError> {
-        let me = self.attach(&format!("kernelgate-ready-{}", uuid::Uuid::new_v4()), true);
+        let me = self.attach(
+            &format!("kernelgate-ready-{}", uuid::Uuid::new_v4()),
+            true,
+            GATEWAY_KEY,
+        );
         while Instant::now() < deadline {
             let request = self.request("kernel_info_request", RawJson::empty_object());
             let mut info = Execution::new(request.msg_id());
@@ -226,18 +233,21 @@ impl Kernel {
         Header::new(msg_type, &self.session, "kernelgate", &now_iso())
     }
 
-    /// Registers a client connection for `session` (see [`Clients::attach`]).
-    pub fn attach(self: &Arc<Self>, session: &str, internal: bool) -> Attachment {
+    /// Registers a client connection for `session` (see [`Clients::attach`]), made with
+    /// the key named `key` (for the audit trail).
+    pub fn attach(self: &Arc<Self>, session: &str, internal: bool, key: &str) -> Attachment {
         let ticket = self.lock().clients.attach(session, internal);
         Attachment {
             kernel: self.clone(),
             ticket,
+            key: key.to_owned(),
         }
     }
 
     async fn send(
         &self,
         session: &str,
+        key: &str,
         channel: Channel,
         message: Message,
     ) -> Result<(), KernelError> {
@@ -246,8 +256,11 @@ impl Kernel {
             if matches!(channel, Channel::Shell | Channel::Control) {
                 st.clients.note_request(message.msg_id(), session);
             }
+            // Written before the code can reach the kernel.
+            let code_sha256 = self.audit_request(key, &message);
             if message.msg_type() == "execute_request" {
-                st.executions.started(&message.header);
+                st.executions
+                    .started(&message.header, key, code_sha256.unwrap_or_default());
             }
             metrics::relayed(Direction::ClientToKernel, wire_size(&message));
             st.last_activity = Utc::now();
@@ -278,20 +291,40 @@ impl Dispatch for Kernel {
             }
         }
         if channel == Channel::Shell && message.msg_type() == "execute_reply" {
-            let took = message
+            let finished = message
                 .parent_msg_id()
                 .and_then(|id| st.executions.replied(id));
-            if let Some(took) = took {
-                let status = message
-                    .content_as::<ReplyStatus>()
-                    .map(|r| r.status)
-                    .unwrap_or_default();
-                metrics::execution_ended(&status, took);
+            if let Some(f) = finished {
+                let reply = message.content_as::<ReplyStatus>().unwrap_or_default();
+                metrics::execution_ended(&reply.status, f.took);
+                // Written before the reply is forwarded.
+                self.audit.record(
+                    "execution_finished",
+                    serde_json::json!({
+                        "key": f.key, "kernel": self.id, "msg_id": message.parent_msg_id(),
+                        "session": message.parent_header.as_ref().map(|h| h.session.as_str()),
+                        "code_sha256": f.code_sha256, "status": reply.status,
+                        "ename": reply.ename, "duration_ms": f.took.as_millis() as u64,
+                        "output_bytes": f.output_bytes, "output": f.output_preview,
+                        "truncated": f.truncated,
+                    }),
+                );
             }
         }
         metrics::relayed(Direction::KernelToClient, wire_size(&message));
         if channel == Channel::IoPub {
-            match st.executions.output(&message) {
+            let verdict = st.executions.output(&message);
+            for late in st.executions.take_late_output() {
+                self.audit.record(
+                    "execution_output",
+                    serde_json::json!({
+                        "key": late.key, "kernel": self.id, "msg_id": late.msg_id,
+                        "output_bytes": late.output_bytes, "output": late.output_preview,
+                        "truncated": late.truncated,
+                    }),
+                );
+            }
+            match verdict {
                 Verdict::Relay => {}
                 Verdict::Drop => {
                     metrics::dropped(DropReason::OutputLimit, 1);
@@ -313,11 +346,87 @@ impl Dispatch for Kernel {
     }
 }
 
-/// The `status` of a reply, without parsing the rest (a traceback may be long).
-#[derive(serde::Deserialize)]
+/// The `status` and `ename` of a reply, without parsing the rest (a traceback may be long).
+#[derive(Default, serde::Deserialize)]
 struct ReplyStatus {
     #[serde(default)]
     status: String,
+    #[serde(default)]
+    ename: Option<String>,
+}
+
+/// What of a request that makes the kernel run code the audit trail keeps.
+#[derive(Default, serde::Deserialize)]
+struct CodeRequest {
+    #[serde(default)]
+    code: String,
+    #[serde(default)]
+    user_expressions: serde_json::Map<String, serde_json::Value>,
+    #[serde(default)]
+    silent: bool,
+}
+
+impl Kernel {
+    /// Audits a client request that runs code or talks to kernel-side objects: execute
+    /// requests (code and user expressions), debug requests and comm messages. Returns the
+    /// code's SHA-256 for an execute request.
+    fn audit_request(&self, key: &str, message: &Message) -> Option<String> {
+        if !self.audit.enabled() {
+            return None;
+        }
+        let h = &message.header;
+        let who = serde_json::json!({
+            "key": key, "username": h.username, "agent_id": h.extra.get("agent_id"),
+            "kernel": self.id, "session": h.session, "msg_id": h.msg_id,
+        });
+        let with = |mut base: serde_json::Value, more: serde_json::Value| {
+            if let (Some(b), serde_json::Value::Object(m)) = (base.as_object_mut(), more) {
+                b.extend(m);
+            }
+            base
+        };
+        match message.msg_type() {
+            "execute_request" => {
+                let req: CodeRequest = message.content.parse().unwrap_or_default();
+                let sha = crate::audit::sha256(&req.code);
+                self.audit.record(
+                    "execution_requested",
+                    with(
+                        who,
+                        serde_json::json!({
+                            "code": req.code, "code_sha256": sha,
+                            "user_expressions": req.user_expressions, "silent": req.silent,
+                        }),
+                    ),
+                );
+                Some(sha)
+            }
+            "debug_request" => {
+                let content: serde_json::Value = message.content.parse().unwrap_or_default();
+                self.audit.record(
+                    "debug_request",
+                    with(who, serde_json::json!({"request": content})),
+                );
+                None
+            }
+            t if t.starts_with("comm_") => {
+                let content: serde_json::Value = message.content.parse().unwrap_or_default();
+                self.audit.record(
+                    "comm",
+                    with(
+                        who,
+                        serde_json::json!({
+                            "msg_type": t, "comm_id": content.get("comm_id"),
+                            "target_name": content.get("target_name"),
+                            "data_sha256": crate::audit::sha256(&content.get("data").map(|d| d.to_string()).unwrap_or_default()),
+                        }),
+                    ),
+                );
+                None
+            }
+            _ => None,
+        }
+    }
 }
 
 /// Bytes of a message as the metrics count them: content, metadata and buffers.
@@ -327,12 +436,16 @@ pub(crate) fn wire_size(message: &Message) -> usize {
         + message.buffers.iter().map(|b| b.len()).sum::<usize>()
 }
 
+/// The key name on what the gateway itself sends (readiness checks, warm-kernel set-up).
+pub const GATEWAY_KEY: &str = "kernelgate";
+
 /// A client connection to a kernel: what it sends is routed back to it; dropping it
 /// detaches the session (kept for replay unless internal).
 #[derive(Debug)]
 pub struct Attachment {
     kernel: Arc<Kernel>,
     ticket: Ticket,
+    key: String,
 }
 
 impl Attachment {
@@ -352,7 +465,7 @@ impl Attachment {
     /// Sends a client message to the kernel; replies come back through [`Self::recv`].
     pub async fn send(&self, channel: Channel, message: Message) -> Result<(), KernelError> {
         self.kernel
-            .send(&self.ticket.session, channel, message)
+            .send(&self.ticket.session, &self.key, channel, message)
             .await
     }
 

@@ -10,6 +10,7 @@ use crate::metrics::{self, Source, TableSnapshot};
 
 mod pool;
 mod supervise;
+use crate::audit::Audit;
 use crate::kernel::{Kernel, KernelError};
 use crate::tenants::{Tenant, TOKEN_KEY};
 use kernelgate_protocol::content::ExecutionState;
@@ -53,6 +54,7 @@ pub struct Settings {
     /// The kernel specs, with their images and pool sizes.
     pub specs: Arc<KernelSpecs>,
     pub limits: ClientLimits,
+    pub audit: Audit,
 }
 
 /// One kernel of the table.
@@ -194,6 +196,11 @@ impl Kernels {
         &self.backend
     }
 
+    /// The audit trail.
+    pub fn audit(&self) -> &Audit {
+        &self.settings.audit
+    }
+
     pub fn get(&self, id: &str) -> Option<Arc<LiveKernel>> {
         self.lock().live.get(id).cloned()
     }
@@ -213,6 +220,10 @@ impl Kernels {
             .map(|l| l.id().to_owned())
             .collect();
         for id in &ids {
+            self.settings.audit.record(
+                "kernel_deleted",
+                serde_json::json!({"kernel": id, "owner": owner, "reason": "key revoked"}),
+            );
             if let Some(Err(e)) = self.delete(id).await {
                 tracing::warn!(kernel = %id, error = %e, "cannot remove a revoked key's kernel");
             }
@@ -329,7 +340,7 @@ impl Kernels {
             async move {
                 let started = std::time::Instant::now();
                 let result = me.obtain(&name, env, &owner, limits).await;
-                let live = match result {
+                let (live, source) = match result {
                     Ok((live, source)) => {
                         metrics::kernel_created(source, started.elapsed());
                         if source == Source::Pool {
@@ -339,7 +350,7 @@ impl Kernels {
                                 tracing::warn!(kernel = %live.id(), error = %e, "cannot record the kernel's owner");
                             }
                         }
-                        live
+                        (live, source)
                     }
                     Err(e) => {
                         drop(slot);
@@ -351,6 +362,11 @@ impl Kernels {
                     me.abandon(&live).await;
                     return;
                 }
+                me.settings.audit.record(
+                    "kernel_created",
+                    serde_json::json!({"kernel": live.id(), "key": owner, "spec": name,
+                                       "source": if source == Source::Pool { "pool" } else { "cold" }}),
+                );
                 if let Err(Ok(live)) = tx.send(Ok(live)) {
                     // Gone between the check and the hand-over.
                     let taken = me.lock().live.remove(live.id());
@@ -506,7 +522,7 @@ impl Kernels {
         connection: ConnectionInfo,
         timeout: Duration,
     ) -> Result<Arc<LiveKernel>, CreateError> {
-        let kernel = Kernel::new(id, self.settings.limits);
+        let kernel = Kernel::new(id, self.settings.limits, self.settings.audit.clone());
         let cancel = self.cancel.child_token();
         // Shutdown may come while this kernel starts: it must not outlive the gateway.
         let connected = tokio::select! {

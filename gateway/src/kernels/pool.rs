@@ -72,9 +72,11 @@ impl Kernels {
         request.silent = true;
         request.store_history = false;
         request.allow_stdin = false;
-        let me = live
-            .kernel
-            .attach(&format!("kernelgate-env-{}", uuid::Uuid::new_v4()), true);
+        let me = live.kernel.attach(
+            &format!("kernelgate-env-{}", uuid::Uuid::new_v4()),
+            true,
+            crate::kernel::GATEWAY_KEY,
+        );
         let message = live
             .kernel
             .request("execute_request", RawJson::from_value(&request));

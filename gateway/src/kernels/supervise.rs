@@ -107,6 +107,11 @@ impl Kernels {
                 continue; // the exit of an intentional restart
             }
             tracing::warn!(kernel = %live.id(), "kernel {why}");
+            self.settings.audit.record(
+                "kernel_died",
+                serde_json::json!({"kernel": live.id(), "owner": live.owner(), "why": why,
+                                   "restarting": self.settings.autorestart}),
+            );
             if !self.settings.autorestart {
                 live.kernel.set_state(ExecutionState::Dead, true);
                 live.kernel.disconnect();
@@ -156,6 +161,9 @@ impl Kernels {
                 .collect();
             for id in idle_ids {
                 tracing::info!(kernel = %id, "culling idle kernel");
+                self.settings
+                    .audit
+                    .record("kernel_culled", serde_json::json!({"kernel": id}));
                 if let Some(Err(e)) = self.delete(&id).await {
                     tracing::warn!(kernel = %id, error = %e, "cannot remove culled kernel");
                 }

@@ -23,6 +23,7 @@ fn settings() -> Settings {
         cull_idle_timeout: None,
         heartbeat: HeartbeatCheck::default(),
         specs: specs(&[], &["0"]),
+        audit: crate::audit::Audit::disabled(),
         limits: ClientLimits {
             kernel_message_bytes: 1 << 20,
             buffer_bytes: 1 << 20,
