@@ -178,7 +178,7 @@ pub struct Config {
     pub keys: Option<PathBuf>,
 
     /// Audit log: one JSON line per event (kernels, executions with their code, files,
-    /// refused logins); `-` for stdout. Default: /var/log/kernelgate/audit.log as root,
+    /// refused logins); `-` for stdout, `off` for none. Default: /var/log/kernelgate/audit.log as root,
     /// else ~/.local/state/kernelgate/audit.log. Created mode 0600: code can hold secrets.
     #[arg(long, env = "KERNELGATE_AUDIT_LOG")]
     pub audit_log: Option<PathBuf>,

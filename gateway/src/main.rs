@@ -78,12 +78,17 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         .audit_log
         .clone()
         .unwrap_or_else(kernelgate::config::default_audit_log);
-    let audit = Audit::open(&audit_path, config.audit_fsync).with_context(|| {
-        format!(
-            "cannot open the audit log {} (choose another with --audit-log)",
-            audit_path.display()
-        )
-    })?;
+    let audit = if audit_path == std::path::Path::new("off") {
+        tracing::warn!("the audit trail is OFF (--audit-log off)");
+        Audit::disabled()
+    } else {
+        Audit::open(&audit_path, config.audit_fsync).with_context(|| {
+            format!(
+                "cannot open the audit log {} (choose another with --audit-log, or `off`)",
+                audit_path.display()
+            )
+        })?
+    };
     let tracker = TaskTracker::new();
     let cancel = CancellationToken::new();
     let settings = Settings {

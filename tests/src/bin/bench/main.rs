@@ -10,6 +10,7 @@
 //! the direct baseline run local kernel processes. All three run the kernel image's own
 //! launcher (kernel-image/launch.py) with the same ipykernel and matplotlib versions.
 
+mod audit;
 mod conn;
 mod procs;
 mod report;
@@ -248,6 +249,7 @@ async fn run(opts: &Opts, paths: &Paths, results: &mut Results) -> Result<()> {
     }
     measured?;
     memory(opts, paths, results).await?;
+    audit::compare(opts, paths, results).await?;
     runtimes::compare(opts, paths, results).await
 }
 

@@ -253,7 +253,29 @@ pub fn markdown(doc: &Value) -> String {
         mach["local_kernels"].as_str().unwrap_or_default(),
         doc["duration_s"].as_f64().unwrap_or_default(),
     ));
+    out.push_str(&audit_table(m));
     out.push_str(&runtimes_table(m));
+    out
+}
+
+/// The execute round trip with the audit trail off, written, and synced.
+fn audit_table(m: &Value) -> String {
+    let rt = |mode: &str| num(&m["audit_execute_rt_ms"][mode]["p50"]);
+    let off = rt("off");
+    let mut out =
+        String::from("\n| audit trail | `1+1` round trip p50 (ms) | vs off |\n|---|---:|---:|\n");
+    for (mode, label) in [
+        ("off", "off (`--audit-log off`)"),
+        ("write", "written (default)"),
+        ("fsync", "written + `--audit-fsync`"),
+    ] {
+        let v = rt(mode);
+        let ratio = match (off, v) {
+            (Some(a), Some(b)) if a > 0.0 => format!("{:+.1} %", (b / a - 1.0) * 100.0),
+            _ => "—".to_owned(),
+        };
+        out.push_str(&format!("| {label} | {} | {ratio} |\n", fmt(v, 3)));
+    }
     out
 }
 
