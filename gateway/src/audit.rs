@@ -41,6 +41,8 @@ pub struct Audit {
 
 #[derive(Debug)]
 struct Inner {
+    /// The file's path (none for stdout), for [`Audit::reopen`].
+    path: Option<std::path::PathBuf>,
     sink: Mutex<Sink>,
     fsync: bool,
     progress: Mutex<Progress>,
@@ -55,22 +57,15 @@ impl Audit {
 
     /// Appends to `path` (created mode 0600), or writes to stdout for `-`.
     pub fn open(path: &Path, fsync: bool) -> std::io::Result<Audit> {
-        let sink = if path == Path::new("-") {
+        let stdout = path == Path::new("-");
+        let sink = if stdout {
             Sink::Stdout
         } else {
-            if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
-                std::fs::create_dir_all(parent)?;
-            }
-            Sink::File(
-                std::fs::OpenOptions::new()
-                    .append(true)
-                    .create(true)
-                    .mode(0o600)
-                    .open(path)?,
-            )
+            Sink::File(open_log(path)?)
         };
         Ok(Audit {
             inner: Some(Arc::new(Inner {
+                path: (!stdout).then(|| path.to_owned()),
                 sink: Mutex::new(sink),
                 fsync,
                 progress: Mutex::new(Progress::default()),
@@ -81,6 +76,19 @@ impl Audit {
 
     pub fn enabled(&self) -> bool {
         self.inner.is_some()
+    }
+
+    /// Opens the file again at its path (after logrotate moved it away; on SIGHUP).
+    pub fn reopen(&self) -> std::io::Result<()> {
+        let Some(inner) = &self.inner else {
+            return Ok(());
+        };
+        let Some(path) = &inner.path else {
+            return Ok(());
+        };
+        let file = open_log(path)?;
+        *inner.sink.lock().unwrap_or_else(|e| e.into_inner()) = Sink::File(file);
+        Ok(())
     }
 
     /// Writes one record: `event` plus the fields given, and the time. Returns once the
@@ -148,6 +156,17 @@ impl Inner {
             p = self.synced.wait(p).unwrap_or_else(|e| e.into_inner());
         }
     }
+}
+
+fn open_log(path: &Path) -> std::io::Result<std::fs::File> {
+    if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent)?;
+    }
+    std::fs::OpenOptions::new()
+        .append(true)
+        .create(true)
+        .mode(0o600)
+        .open(path)
 }
 
 /// Hex SHA-256 of some code.
@@ -293,6 +312,15 @@ mod tests {
         assert_eq!(lines[0]["key"], "alice");
         assert!(lines[0]["time"].as_str().is_some_and(|t| t.ends_with('Z')));
         assert_eq!(lines[3]["event"], "auth_refused");
+
+        // Rotation: the file is moved away, the log reopened at its path.
+        let audit = Audit::open(&path, false).expect("open");
+        let rotated = dir.path().join("audit.log.1");
+        std::fs::rename(&path, &rotated).expect("rename");
+        audit.reopen().expect("reopen");
+        audit.record("after_rotation", serde_json::json!({}));
+        let fresh = std::fs::read_to_string(&path).expect("read");
+        assert!(fresh.contains("after_rotation") && fresh.lines().count() == 1);
     }
 
     #[test]

@@ -144,7 +144,8 @@ async fn serve(config: Config) -> anyhow::Result<()> {
     }
     tracing::info!(listen = %config.listen, image = %config.image, runtime, audit_log = %audit_path.display(), "ready");
 
-    tracker.spawn(reload_keys_on_sighup(
+    tracker.spawn(reload_on_sighup(
+        kernels.audit().clone(),
         keys.clone(),
         kernels.clone(),
         cancel.clone(),
@@ -218,9 +219,15 @@ fn auth_from(config: &Config) -> anyhow::Result<(Keys, Option<String>)> {
     Ok((keys, generated))
 }
 
-/// On SIGHUP the keys file is read again: revoked keys are refused from then on, their
-/// WebSockets close, and their kernels are removed.
-async fn reload_keys_on_sighup(keys: Arc<Keys>, kernels: Arc<Kernels>, cancel: CancellationToken) {
+/// On SIGHUP the audit log is reopened (log rotation) and the keys file read again:
+/// revoked keys are refused from then on, their WebSockets close, and their kernels are
+/// removed.
+async fn reload_on_sighup(
+    audit: Audit,
+    keys: Arc<Keys>,
+    kernels: Arc<Kernels>,
+    cancel: CancellationToken,
+) {
     let Ok(mut hup) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) else {
         tracing::warn!("cannot listen for SIGHUP: keys are read at start only");
         return;
@@ -229,6 +236,9 @@ async fn reload_keys_on_sighup(keys: Arc<Keys>, kernels: Arc<Kernels>, cancel: C
         tokio::select! {
             _ = cancel.cancelled() => return,
             got = hup.recv() => if got.is_none() { return },
+        }
+        if let Err(e) = audit.reopen() {
+            tracing::error!(error = %e, "cannot reopen the audit log; records go to the old file");
         }
         match keys.reload() {
             Err(e) => tracing::error!(error = %e, "keys file not reloaded; the keys in force stay"),
