@@ -188,6 +188,16 @@ pub struct Config {
     #[arg(long, env = "KERNELGATE_AUDIT_FSYNC", default_value_t = false)]
     pub audit_fsync: bool,
 
+    /// Execution policy (TOML, docs/policy.md): rules that deny code, or hold it until an
+    /// admin approves, by the modules it imports, the functions it calls and shell escapes.
+    /// A guardrail, not a wall: the container is the wall.
+    #[arg(long, env = "KERNELGATE_POLICY")]
+    pub policy: Option<PathBuf>,
+
+    /// Seconds an execution held by an `ask` rule waits for an answer before it is denied.
+    #[arg(long, env = "KERNELGATE_APPROVAL_TIMEOUT", default_value_t = 300, value_parser = clap::value_parser!(u64).range(1..))]
+    pub approval_timeout: u64,
+
     /// Serve without any token. Refused unless listening on a loopback address.
     #[arg(long, env = "KERNELGATE_NO_AUTH", default_value_t = false)]
     pub no_auth: bool,

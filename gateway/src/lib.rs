@@ -16,4 +16,5 @@ pub mod kernels;
 pub mod kernelspecs;
 pub mod metrics;
 pub mod notebook;
+pub mod policy;
 pub mod tenants;

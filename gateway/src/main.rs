@@ -91,8 +91,26 @@ async fn serve(config: Config) -> anyhow::Result<()> {
     };
     let tracker = TaskTracker::new();
     let cancel = CancellationToken::new();
+    let guard = match &config.policy {
+        None => None,
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("cannot read the policy file {}", path.display()))?;
+            let policy = kernelgate_policy::Policy::from_toml(&text).map_err(|e| {
+                anyhow::anyhow!("policy file {}: {e} (see docs/policy.md)", path.display())
+            })?;
+            tracing::info!(policy = %path.display(), rules = policy.rules(), "execution policy in force");
+            Some(kernelgate::policy::Guard::new(
+                policy,
+                Duration::from_secs(config.approval_timeout),
+                tracker.clone(),
+                cancel.clone(),
+            ))
+        }
+    };
     let settings = Settings {
         audit,
+        guard: guard.clone(),
         max_kernels: config.max_kernels,
         startup_timeout: Duration::from_secs(config.startup_timeout),
         autorestart: config.autorestart,
@@ -124,6 +142,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
             loopback_hosts_only: config.no_auth,
         }),
         runtime,
+        guard,
     };
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await

@@ -234,6 +234,36 @@ def gateway(artifacts: Path) -> Iterator[Gateway]:
     its kernel containers)."""
     gw = start_gateway(artifacts / "gateway.log")
     yield gw
+    stop_gateway(gw)
+
+
+# The execution policy of `policy_gateway` (format: docs/policy.md).
+POLICY = """
+[[rule]]
+action = "deny"
+reason = "no subprocesses in analyses"
+imports = ["subprocess"]
+calls = ["os.system"]
+shell = true
+
+[[rule]]
+action = "ask"
+reason = "network access needs a person's OK"
+imports = ["socket"]
+"""
+
+
+@pytest.fixture
+def policy_gateway(artifacts: Path, tmp_path: Path) -> Iterator[Gateway]:
+    """Like `gateway`, with the execution policy POLICY in force."""
+    policy = tmp_path / "policy.toml"
+    policy.write_text(POLICY)
+    gw = start_gateway(artifacts / "gateway.log", ["--policy", str(policy)])
+    yield gw
+    stop_gateway(gw)
+
+
+def stop_gateway(gw: Gateway) -> None:
     code = stop_process(gw.proc, timeout=30)
     try:
         gw.runtime_dir.rmdir()  # empty once the gateway removed its kernels; else kept to inspect

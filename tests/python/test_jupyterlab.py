@@ -107,7 +107,9 @@ def session_kernel_ids(lab_server) -> list[str]:
     return [s["kernel"]["id"] for s in r.json()]
 
 
-def test_jupyterlab_notebook_on_gateway(gateway, jupyter_factory, chromium, artifacts):
+def test_jupyterlab_notebook_on_gateway(policy_gateway, jupyter_factory, chromium, artifacts):
+    # The whole notebook runs under an execution policy: what it does not match runs as usual.
+    gateway = policy_gateway
     server = jupyter_factory("lab", gateway)
     context = chromium.new_context(viewport={"width": 1280, "height": 900})
     context.set_default_timeout(30_000)
@@ -149,6 +151,36 @@ def test_jupyterlab_notebook_on_gateway(gateway, jupyter_factory, chromium, arti
         cell = lab.run("x + 1")
         expect(lab.outputs(cell, "text/plain")).to_have_text("42")
         lab.shot("x-plus-1-is-42")
+
+        # A cell the policy denies fails like any cell, with the rule's reason.
+        cell = lab.run("import subprocess\nsubprocess.run(['id'])")
+        err = lab.outputs(cell, "application/vnd.jupyter.stderr")
+        expect(err).to_contain_text("PolicyViolation")
+        expect(err).to_contain_text("no subprocesses in analyses")
+        lab.shot("policy-denied")
+
+        # A cell an `ask` rule holds waits, busy, until an admin approves it.
+        cell = lab.start("import socket\ny = x + 1\nprint('approved', y)")
+        expect(cell.locator(".jp-InputPrompt")).to_have_text("[*]:")
+        expect(lab.outputs(cell, "application/vnd.jupyter.stderr")).to_contain_text(
+            "waits for an administrator's approval", timeout=CELL_TIMEOUT_MS
+        )
+        lab.shot("policy-waiting")
+        pending = wait_until(
+            "the approval to be listed",
+            lambda: gateway.request("GET", "/api/kernelgate/approvals").json(),
+            30,
+        )
+        assert pending[0]["code"].startswith("import socket"), pending
+        answer = gateway.request(
+            "POST", f"/api/kernelgate/approvals/{pending[0]['id']}", json={"approve": True}
+        )
+        assert answer.status_code == 204, answer.text
+        expect(lab.outputs(cell, "application/vnd.jupyter.stdout")).to_have_text(
+            "approved 42", timeout=CELL_TIMEOUT_MS
+        )
+        expect(cell.locator(".jp-InputPrompt")).to_have_text(re.compile(r"\[\d+\]:"))
+        lab.shot("policy-approved")
 
         # stdout and stderr both render, each in its own stream.
         cell = lab.run(

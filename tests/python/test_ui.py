@@ -287,3 +287,61 @@ def test_ui_printed_url_logs_in_and_forgets_the_token(gateway, chromium, artifac
         raise
     finally:
         context.close()
+
+
+def test_ui_approvals(policy_gateway, chromium, artifacts):
+    """An admin answers the executions the policy holds from the console: the waiting code,
+    its rule's reason and who asked are listed with Approve and Deny buttons; approved code
+    runs, denied code fails with PolicyViolation and never runs."""
+    gateway = policy_gateway
+    context = chromium.new_context(viewport={"width": 1280, "height": 900})
+    context.set_default_timeout(30_000)
+    page = context.new_page()
+    ui = Console(page, artifacts)
+    panel = page.locator("#approvals")
+    try:
+        page.goto(gateway.url + "/")
+        page.locator("#token").fill(gateway.token)
+        page.locator("#connect").click()
+        page.locator("#new-kernel").click()
+        ui.wait_status("idle")
+        expect(panel).to_be_hidden()  # nothing waits
+
+        # Denied outright: a failed run, nothing to approve.
+        denied = ui.run("import subprocess", outcome="error")
+        expect(denied.locator(".error-output")).to_contain_text("PolicyViolation")
+        expect(denied.locator(".error-output")).to_contain_text("no subprocesses in analyses")
+        expect(panel).to_be_hidden()
+
+        # Held: the run waits and the panel lists it.
+        held = ui.start("import socket\nanswer = 6 * 7\nprint('ran', answer)")
+        expect(held.locator(".stream-stderr")).to_contain_text("waits for an administrator's approval")
+        ui.wait_status("busy")
+        item = panel.locator(".approval")
+        expect(item).to_have_count(1)
+        expect(item).to_contain_text("network access needs a person's OK")
+        expect(item.locator("pre")).to_have_text("import socket\nanswer = 6 * 7\nprint('ran', answer)")
+        expect(item).to_contain_text("key admin")
+        ui.shot("approval-waiting")
+        item.locator("button.approve").click()
+        expect(held).to_have_class(re.compile(r"\bstatus-ok\b"), timeout=CELL_TIMEOUT_MS)
+        expect(held.locator(".stream-stdout")).to_have_text("ran 42\n")
+        expect(panel).to_be_hidden()
+        ui.shot("approved")
+
+        # Denied from the console: the code never runs.
+        held = ui.start("import socket\nleaked = 1")
+        expect(item).to_have_count(1, timeout=CELL_TIMEOUT_MS)
+        item.locator("button.deny").click()
+        expect(held).to_have_class(re.compile(r"\bstatus-error\b"), timeout=CELL_TIMEOUT_MS)
+        expect(held.locator(".error-output")).to_contain_text("PolicyViolation")
+        expect(held.locator(".error-output")).to_contain_text("denied")
+        check = ui.run("print('leaked' in globals())")
+        expect(check.locator(".stream-stdout")).to_have_text("False\n")
+        assert gateway.request("GET", "/api/kernelgate/approvals").json() == []
+        ui.shot("denied")
+    except BaseException:
+        ui.shot("failure")
+        raise
+    finally:
+        context.close()

@@ -103,6 +103,7 @@ async fn exercise(handle: &str, connection: &kernelgate_protocol::ConnectionInfo
             replay_for: Duration::from_secs(60),
         },
         kernelgate::audit::Audit::disabled(),
+        None,
     );
     let info = kernel
         .connect(

@@ -11,6 +11,7 @@
   const TOKEN_KEY = 'kernelgate.token';
   const KERNEL_KEY = 'kernelgate.kernel';
   const POLL_MS = 10000;
+  const APPROVALS_POLL_MS = 2000;
   const KERNEL_STATES = new Set(['starting', 'idle', 'busy', 'restarting', 'dead']);
   const MAX_STREAM_CHARS = 1 << 20; // per output block; older text is dropped beyond it
   // Jupyter's order of preference when one output offers several formats.
@@ -376,6 +377,7 @@
     select: $('kernel-select'), newKernel: $('new-kernel'), status: $('kernel-status'),
     statusText: $('kernel-status-text'), interrupt: $('interrupt'), restart: $('restart'),
     logout: $('disconnect'), notice: $('notice'), log: $('log'), code: $('code'), run: $('run'),
+    approvals: $('approvals'), approvalList: $('approval-list'),
   };
   const app = {
     token: sessionStorage.getItem(TOKEN_KEY) || '',
@@ -385,6 +387,7 @@
     backoff: 1000,
     reconnectTimer: null,
     pollTimer: null,
+    approvalsTimer: null,
     runs: new Map(),
     displays: new Map(), // display_id -> [box] for update_display_data
     history: [],
@@ -472,6 +475,7 @@
       }
       clearInterval(app.pollTimer);
       app.pollTimer = setInterval(poll, POLL_MS);
+      watchApprovals();
     } catch (e) {
       sessionStorage.removeItem(TOKEN_KEY);
       app.token = '';
@@ -534,8 +538,74 @@
     }
   }
 
+  // ------------------------------------------------ approvals (admin keys)
+
+  // Admin keys see the executions the policy holds and answer them here. Other keys get
+  // 403 and the panel stays hidden.
+  function watchApprovals() {
+    clearInterval(app.approvalsTimer);
+    app.approvalsTimer = setInterval(refreshApprovals, APPROVALS_POLL_MS);
+    refreshApprovals();
+  }
+
+  async function refreshApprovals() {
+    if (!app.token) return;
+    let pending;
+    try {
+      pending = await api('GET', '/api/kernelgate/approvals');
+    } catch (e) {
+      if (e.status === 403 || e.status === 404) {
+        clearInterval(app.approvalsTimer);
+        ui.approvals.hidden = true;
+      }
+      return;
+    }
+    showApprovals(Array.isArray(pending) ? pending : []);
+  }
+
+  function showApprovals(pending) {
+    ui.approvals.hidden = pending.length === 0;
+    const shown = new Set(pending.map((a) => a.id));
+    for (const li of Array.from(ui.approvalList.children)) {
+      if (!shown.has(li.dataset.approvalId)) li.remove();
+    }
+    for (const a of pending) {
+      if (ui.approvalList.querySelector(`[data-approval-id="${CSS.escape(a.id)}"]`)) continue;
+      const li = el('li', 'approval');
+      li.dataset.approvalId = a.id;
+      li.appendChild(el('div', 'approval-meta',
+        `key ${a.key} · kernel ${String(a.kernel_id).slice(0, 8)} · asked ${a.requested_at}`));
+      li.appendChild(el('div', 'approval-reason', a.reason));
+      li.appendChild(el('pre', 'approval-code', a.code));
+      const actions = el('div', 'approval-actions');
+      const yes = el('button', 'primary approve', 'Approve');
+      const no = el('button', 'deny', 'Deny');
+      yes.type = no.type = 'button';
+      yes.addEventListener('click', () => answerApproval(a.id, true, li));
+      no.addEventListener('click', () => answerApproval(a.id, false, li));
+      actions.append(yes, no);
+      li.appendChild(actions);
+      ui.approvalList.appendChild(li);
+    }
+  }
+
+  async function answerApproval(id, approve, li) {
+    for (const b of li.querySelectorAll('button')) b.disabled = true;
+    try {
+      await api('POST', `/api/kernelgate/approvals/${encodeURIComponent(id)}`, { approve });
+      notice(approve ? 'Approved: the code runs now.' : 'Denied: the code will not run.');
+      setTimeout(() => notice(''), 3000);
+    } catch (e) {
+      notice(`Could not answer: ${e.message}`, 'error');
+    }
+    li.remove();
+    refreshApprovals();
+  }
+
   function logout(reason) {
     detach();
+    clearInterval(app.approvalsTimer);
+    ui.approvals.hidden = true;
     clearInterval(app.pollTimer);
     sessionStorage.removeItem(TOKEN_KEY);
     app.token = '';
@@ -677,6 +747,8 @@
           break;
         case 'stream':
           if (run) run.stream(content.name, content.text || '');
+          // Held by the execution policy: show the approval at once, not at the next poll.
+          if (String(content.text || '').startsWith('[kernelgate] This code waits')) refreshApprovals();
           break;
         case 'display_data':
         case 'execute_result': {

@@ -1,6 +1,7 @@
 //! HTTP and WebSockets: Jupyter Server's kernel REST API, the channels WebSocket, and
 //! token authentication. Handlers stay thin; the work is in [`crate::kernels`].
 
+pub mod approvals;
 pub mod auth;
 pub mod channels;
 pub mod error;
@@ -43,6 +44,8 @@ pub struct AppState {
     pub origins: Arc<origin::OriginPolicy>,
     /// The OCI runtime kernels run under (`runc` or `runsc`), for `GET /api`.
     pub runtime: &'static str,
+    /// The execution policy, when `--policy` set one.
+    pub guard: Option<Arc<crate::policy::Guard>>,
 }
 
 /// The whole HTTP surface.
@@ -65,6 +68,8 @@ pub fn router(state: AppState) -> Router {
             "/api/kernels/{id}/files/{*path}",
             get(files::get).put(files::put).delete(files::delete),
         )
+        .route("/api/kernelgate/approvals", get(approvals::list))
+        .route("/api/kernelgate/approvals/{id}", post(approvals::answer))
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             auth::require_token,
@@ -128,7 +133,10 @@ async fn request_span(req: Request, next: Next) -> Response {
 async fn version(State(state): State<AppState>) -> Json<serde_json::Value> {
     Json(serde_json::json!({
         "version": env!("CARGO_PKG_VERSION"),
-        "kernelgate": {"version": env!("CARGO_PKG_VERSION"), "runtime": state.runtime},
+        "kernelgate": {
+            "version": env!("CARGO_PKG_VERSION"), "runtime": state.runtime,
+            "policy": state.guard.is_some(),
+        },
     }))
 }
 

@@ -4,17 +4,22 @@
 
 pub mod clients;
 pub mod executions;
+pub mod gate;
 pub mod heartbeat;
 pub mod link;
 
 use crate::audit::Audit;
 use crate::metrics::{self, Direction, DropReason};
+use crate::policy::{Answer, Guard};
 use chrono::{DateTime, Utc};
 use clients::{ClientLimits, Clients, Outbound, Take, Ticket};
 use executions::{Executions, Verdict};
+use gate::{Gate, Held, Refusal};
+use kernelgate_policy::Decision;
 use kernelgate_protocol::content::{ExecutionState, KernelInfoReply};
 use kernelgate_protocol::{Channel, ConnectionInfo, Execution, Header, Message, RawJson};
 use link::{Dispatch, Link};
+use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 use tokio::time::Instant;
@@ -54,6 +59,12 @@ struct State {
     backlog: Vec<(Channel, Message)>,
     /// Executions in flight: their start (for the metrics) and output (for the cap).
     executions: Executions,
+    /// Shell messages held by the execution policy, in the order clients sent them.
+    held: VecDeque<Held>,
+    /// A task is sending the held messages whose turn came ([`Kernel::release`]).
+    releasing: bool,
+    /// The kernel's latest execution count, for the replies the gateway gives in its place.
+    execution_count: i64,
 }
 
 /// Most client messages held while a kernel restarts; past this, sends fail.
@@ -68,16 +79,27 @@ pub struct Kernel {
     /// Largest message accepted from the kernel.
     max_message_bytes: usize,
     audit: Audit,
+    /// The execution policy, when one is set.
+    guard: Option<Arc<Guard>>,
+    /// The aliases this kernel's cells bound, as the policy resolves names.
+    scope: Arc<Mutex<kernelgate_policy::Scope>>,
     state: Mutex<State>,
 }
 
 impl Kernel {
-    pub fn new(id: &str, limits: ClientLimits, audit: Audit) -> Arc<Self> {
+    pub fn new(
+        id: &str,
+        limits: ClientLimits,
+        audit: Audit,
+        guard: Option<Arc<Guard>>,
+    ) -> Arc<Self> {
         Arc::new(Kernel {
             id: id.to_owned(),
             session: uuid::Uuid::new_v4().to_string(),
             max_message_bytes: limits.kernel_message_bytes,
             audit,
+            guard,
+            scope: Arc::default(),
             state: Mutex::new(State {
                 clients: Clients::new(limits),
                 execution_state: ExecutionState::Starting,
@@ -85,6 +107,9 @@ impl Kernel {
                 link: None,
                 backlog: Vec::new(),
                 executions: Executions::new(limits.output_bytes),
+                held: VecDeque::new(),
+                releasing: false,
+                execution_count: 0,
             }),
         })
     }
@@ -221,7 +246,13 @@ impl Kernel {
 
     /// Ends every client session: their connections see the kernel go away.
     pub fn close_clients(&self) {
-        self.lock().clients.close_all();
+        let mut st = self.lock();
+        st.clients.close_all();
+        for held in st.held.drain(..) {
+            if let (Gate::Waiting { approval, .. }, Some(guard)) = (&held.gate, &self.guard) {
+                guard.forget(approval);
+            }
+        }
     }
 
     /// A message created by the gateway, in its own session.
@@ -245,40 +276,316 @@ impl Kernel {
     }
 
     async fn send(
-        &self,
+        self: &Arc<Self>,
         session: &str,
         key: &str,
         channel: Channel,
         message: Message,
     ) -> Result<(), KernelError> {
-        let link = {
+        let decision = self.screen(key, channel, &message).await;
+        if channel == Channel::Control && message.msg_type() == "interrupt_request" {
+            self.cancel_waiting();
+        }
+        let (link, message) = {
             let mut st = self.lock();
             if matches!(channel, Channel::Shell | Channel::Control) {
                 st.clients.note_request(message.msg_id(), session);
             }
             // Written before the code can reach the kernel.
             let code_sha256 = self.audit_request(key, &message);
-            if message.msg_type() == "execute_request" {
-                st.executions
-                    .started(&message.header, key, code_sha256.unwrap_or_default());
-            }
             metrics::relayed(Direction::ClientToKernel, wire_size(&message));
             st.last_activity = Utc::now();
-            match st.link.clone() {
-                Some(link) => link,
-                None if matches!(
-                    st.execution_state,
-                    ExecutionState::Starting | ExecutionState::Restarting
-                ) && st.backlog.len() < MAX_BACKLOG =>
-                {
-                    st.backlog.push((channel, message));
-                    return Ok(());
+            if message.msg_type() == "debug_request" && self.guard.is_some() {
+                self.audit_decision(key, &message, "deny", None, None, None);
+                st.clients
+                    .route(gate::debug_refused(&message, &self.session));
+                return Ok(());
+            }
+            // Behind a held message, or held itself: the policy keeps shell order.
+            let hold = channel == Channel::Shell
+                && (!st.held.is_empty() || st.releasing || matches!(decision, Decision::Ask(_)));
+            if hold || matches!(decision, Decision::Deny(_)) {
+                let gate = self.gate(&mut st, key, &message, decision);
+                let held = Held {
+                    message,
+                    key: key.to_owned(),
+                    code_sha256,
+                    gate,
+                };
+                if hold {
+                    st.held.push_back(held);
+                } else if let Gate::Refuse(why) = &held.gate {
+                    self.refuse(&mut st, &held, why);
                 }
-                None => return Err(KernelError::KernelGone),
+                return Ok(());
+            }
+            match self.route_to_kernel(&mut st, channel, message, key, code_sha256)? {
+                Some(sending) => sending,
+                None => return Ok(()),
             }
         };
         link.send(channel, message).await
     }
+
+    /// The link to send a client message on, or `None` when it was queued for a kernel
+    /// that is (re)starting.
+    fn route_to_kernel(
+        &self,
+        st: &mut State,
+        channel: Channel,
+        message: Message,
+        key: &str,
+        code_sha256: Option<String>,
+    ) -> Result<Option<(Arc<Link>, Message)>, KernelError> {
+        if message.msg_type() == "execute_request" {
+            st.executions
+                .started(&message.header, key, code_sha256.unwrap_or_default());
+        }
+        match st.link.clone() {
+            Some(link) => Ok(Some((link, message))),
+            None if matches!(
+                st.execution_state,
+                ExecutionState::Starting | ExecutionState::Restarting
+            ) && st.backlog.len() < MAX_BACKLOG =>
+            {
+                st.backlog.push((channel, message));
+                Ok(None)
+            }
+            None => Err(KernelError::KernelGone),
+        }
+    }
+}
+
+/// The execution policy's side of the relay: what is checked, held, refused and released.
+impl Kernel {
+    /// The policy's decision on a client message: only execute requests are checked, and
+    /// never the gateway's own (warm-kernel set-up).
+    async fn screen(&self, key: &str, channel: Channel, message: &Message) -> Decision {
+        let Some(guard) = &self.guard else {
+            return Decision::Allow;
+        };
+        if channel != Channel::Shell
+            || message.msg_type() != "execute_request"
+            || key == GATEWAY_KEY
+        {
+            return Decision::Allow;
+        }
+        let request: CodeRequest = message.content.parse().unwrap_or_default();
+        let expressions = request
+            .user_expressions
+            .values()
+            .filter_map(|v| v.as_str().map(str::to_owned))
+            .collect();
+        guard
+            .check(self.scope.clone(), request.code, expressions)
+            .await
+    }
+
+    /// What becomes of a message the policy decided on: for `ask`, an approval is opened
+    /// and clients are told the execution waits.
+    fn gate(
+        self: &Arc<Self>,
+        st: &mut State,
+        key: &str,
+        message: &Message,
+        decision: Decision,
+    ) -> Gate {
+        match (decision, &self.guard) {
+            (Decision::Deny(verdict), _) => {
+                self.audit_decision(key, message, "deny", Some(&verdict), None, None);
+                Gate::Refuse(Refusal::policy(describe(&verdict)))
+            }
+            (Decision::Ask(verdict), Some(guard)) => {
+                let request: CodeRequest = message.content.parse().unwrap_or_default();
+                let approval = guard.hold(self, key, &request.code, &verdict.reason);
+                self.audit_decision(key, message, "ask", Some(&verdict), Some(&approval), None);
+                let reason = describe(&verdict);
+                let text = format!(
+                    "[kernelgate] This code waits for an administrator's approval: {reason}. \
+                     Approval id {approval}; it is denied if nobody answers within {} s. \
+                     Interrupt the kernel to cancel it.\n",
+                    guard.approval_timeout().as_secs()
+                );
+                for out in gate::awaiting(&message.header, &self.session, text) {
+                    st.clients.route(out);
+                }
+                Gate::Waiting { approval, reason }
+            }
+            _ => Gate::Pass,
+        }
+    }
+
+    /// Answers a refused execution in the kernel's place (its audit record first).
+    fn refuse(&self, st: &mut State, held: &Held, why: &Refusal) {
+        let h = &held.message.header;
+        self.audit.record(
+            "execution_finished",
+            serde_json::json!({
+                "key": held.key, "kernel": self.id, "msg_id": h.msg_id, "session": h.session,
+                "code_sha256": held.code_sha256, "status": "error", "ename": why.ename,
+                "duration_ms": 0, "output_bytes": 0, "output": "", "truncated": false,
+                "ran": false,
+            }),
+        );
+        for out in gate::refusal(h, &self.session, st.execution_count, why) {
+            st.clients.route(out);
+        }
+    }
+
+    /// An administrator answered (or the timeout did) the approval `approval`; false if
+    /// this kernel holds no such execution any more.
+    pub fn decide(self: &Arc<Self>, approval: &str, answer: Answer) -> bool {
+        let timeout = self
+            .guard
+            .as_ref()
+            .map_or(0, |g| g.approval_timeout().as_secs());
+        let mut st = self.lock();
+        let Some(held) = st
+            .held
+            .iter_mut()
+            .find(|h| matches!(&h.gate, Gate::Waiting { approval: id, .. } if id == approval))
+        else {
+            return false;
+        };
+        let reason = match &held.gate {
+            Gate::Waiting { reason, .. } => reason.clone(),
+            _ => String::new(),
+        };
+        let (word, by) = match &answer {
+            Answer::Approved { by } => {
+                held.gate = Gate::Pass;
+                ("approved", Some(by.as_str()))
+            }
+            Answer::Denied { by } => {
+                held.gate = Gate::Refuse(Refusal::policy(format!(
+                    "{reason}; an administrator ({by}) denied running it"
+                )));
+                ("denied", Some(by.as_str()))
+            }
+            Answer::TimedOut => {
+                held.gate = Gate::Refuse(Refusal::policy(format!(
+                    "{reason}; nobody approved it within {timeout} s"
+                )));
+                ("timed_out", None)
+            }
+        };
+        self.audit_decision(&held.key, &held.message, word, None, Some(approval), by);
+        self.start_release(&mut st);
+        true
+    }
+
+    /// An interrupt cancels the executions waiting for approval: they never run.
+    pub fn cancel_waiting(self: &Arc<Self>) {
+        let Some(guard) = &self.guard else {
+            return;
+        };
+        let mut st = self.lock();
+        let mut cancelled = false;
+        for held in st.held.iter_mut() {
+            if let Gate::Waiting { approval, .. } = &held.gate {
+                guard.forget(approval);
+                self.audit_decision(
+                    &held.key,
+                    &held.message,
+                    "cancelled",
+                    None,
+                    Some(approval),
+                    None,
+                );
+                held.gate = Gate::Refuse(Refusal {
+                    ename: "KeyboardInterrupt",
+                    evalue: "interrupted while waiting for approval; the code never ran".into(),
+                });
+                cancelled = true;
+            }
+        }
+        if cancelled {
+            self.start_release(&mut st);
+        }
+    }
+
+    fn start_release(self: &Arc<Self>, st: &mut State) {
+        if let (false, Some(guard)) = (st.releasing, &self.guard) {
+            st.releasing = true;
+            guard.tracker().spawn(self.clone().release());
+        }
+    }
+
+    /// Sends (or answers) the held messages in order, until none is left or the next one
+    /// still waits for approval.
+    async fn release(self: Arc<Self>) {
+        loop {
+            let (link, message) = {
+                let mut st = self.lock();
+                let ready = st
+                    .held
+                    .front()
+                    .is_some_and(|h| !matches!(h.gate, Gate::Waiting { .. }));
+                let next = if ready { st.held.pop_front() } else { None };
+                let Some(held) = next else {
+                    st.releasing = false;
+                    return;
+                };
+                if let Gate::Refuse(why) = &held.gate {
+                    self.refuse(&mut st, &held, why);
+                    continue;
+                }
+                match self.route_to_kernel(
+                    &mut st,
+                    Channel::Shell,
+                    held.message,
+                    &held.key,
+                    held.code_sha256,
+                ) {
+                    Ok(Some(sending)) => sending,
+                    Ok(None) => continue,
+                    Err(e) => {
+                        tracing::warn!(kernel = %self.id, error = %e, "a held message was not sent");
+                        continue;
+                    }
+                }
+            };
+            if let Err(e) = link.send(Channel::Shell, message).await {
+                tracing::warn!(kernel = %self.id, error = %e, "a held message was not sent");
+            }
+        }
+    }
+
+    /// A `policy_decision` audit record.
+    fn audit_decision(
+        &self,
+        key: &str,
+        message: &Message,
+        decision: &str,
+        verdict: Option<&kernelgate_policy::Verdict>,
+        approval: Option<&str>,
+        by: Option<&str>,
+    ) {
+        let mut record = self.who(key, message);
+        if let Some(o) = record.as_object_mut() {
+            o.insert("msg_type".into(), message.msg_type().into());
+            o.insert("decision".into(), decision.into());
+            if let Some(v) = verdict {
+                o.insert("rule".into(), v.rule.into());
+                o.insert("reason".into(), v.reason.clone().into());
+                o.insert("matched".into(), v.matched.clone().into());
+            }
+            o.insert("approval_id".into(), approval.into());
+            o.insert("by".into(), by.into());
+        }
+        self.audit.record("policy_decision", record);
+    }
+}
+
+/// A verdict as people read it: the rule's reason and what matched.
+fn describe(verdict: &kernelgate_policy::Verdict) -> String {
+    if verdict.rule == 0 {
+        return verdict.reason.clone();
+    }
+    format!(
+        "{} (rule {}: {})",
+        verdict.reason, verdict.rule, verdict.matched
+    )
 }
 
 impl Dispatch for Kernel {
@@ -294,8 +601,11 @@ impl Dispatch for Kernel {
             let finished = message
                 .parent_msg_id()
                 .and_then(|id| st.executions.replied(id));
+            let reply = message.content_as::<ReplyStatus>().unwrap_or_default();
+            if let Some(count) = reply.execution_count {
+                st.execution_count = count;
+            }
             if let Some(f) = finished {
-                let reply = message.content_as::<ReplyStatus>().unwrap_or_default();
                 metrics::execution_ended(&reply.status, f.took);
                 // Written before the reply is forwarded.
                 self.audit.record(
@@ -353,6 +663,8 @@ struct ReplyStatus {
     status: String,
     #[serde(default)]
     ename: Option<String>,
+    #[serde(default)]
+    execution_count: Option<i64>,
 }
 
 /// What of a request that makes the kernel run code the audit trail keeps.
@@ -370,15 +682,20 @@ impl Kernel {
     /// Audits a client request that runs code or talks to kernel-side objects: execute
     /// requests (code and user expressions), debug requests and comm messages. Returns the
     /// code's SHA-256 for an execute request.
+    /// Who sent a message, as every audit record about it starts.
+    fn who(&self, key: &str, message: &Message) -> serde_json::Value {
+        let h = &message.header;
+        serde_json::json!({
+            "key": key, "username": h.username, "agent_id": h.extra.get("agent_id"),
+            "kernel": self.id, "session": h.session, "msg_id": h.msg_id,
+        })
+    }
+
     fn audit_request(&self, key: &str, message: &Message) -> Option<String> {
         if !self.audit.enabled() {
             return None;
         }
-        let h = &message.header;
-        let who = serde_json::json!({
-            "key": key, "username": h.username, "agent_id": h.extra.get("agent_id"),
-            "kernel": self.id, "session": h.session, "msg_id": h.msg_id,
-        });
+        let who = self.who(key, message);
         let with = |mut base: serde_json::Value, more: serde_json::Value| {
             if let (Some(b), serde_json::Value::Object(m)) = (base.as_object_mut(), more) {
                 b.extend(m);

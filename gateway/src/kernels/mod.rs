@@ -55,6 +55,8 @@ pub struct Settings {
     pub specs: Arc<KernelSpecs>,
     pub limits: ClientLimits,
     pub audit: Audit,
+    /// The execution policy (`--policy`), shared by every kernel.
+    pub guard: Option<Arc<crate::policy::Guard>>,
 }
 
 /// One kernel of the table.
@@ -522,7 +524,12 @@ impl Kernels {
         connection: ConnectionInfo,
         timeout: Duration,
     ) -> Result<Arc<LiveKernel>, CreateError> {
-        let kernel = Kernel::new(id, self.settings.limits, self.settings.audit.clone());
+        let kernel = Kernel::new(
+            id,
+            self.settings.limits,
+            self.settings.audit.clone(),
+            self.settings.guard.clone(),
+        );
         let cancel = self.cancel.child_token();
         // Shutdown may come while this kernel starts: it must not outlive the gateway.
         let connected = tokio::select! {
@@ -552,7 +559,10 @@ impl Kernels {
         Ok(live)
     }
 
+    /// Interrupts the kernel's process (SIGINT); executions still waiting for approval are
+    /// cancelled.
     pub async fn interrupt(&self, live: &LiveKernel) -> Result<(), BackendError> {
+        live.kernel.cancel_waiting();
         self.backend.interrupt(&live.handle).await
     }
 

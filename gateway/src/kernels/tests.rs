@@ -24,6 +24,7 @@ fn settings() -> Settings {
         heartbeat: HeartbeatCheck::default(),
         specs: specs(&[], &["0"]),
         audit: crate::audit::Audit::disabled(),
+        guard: None,
         limits: ClientLimits {
             kernel_message_bytes: 1 << 20,
             buffer_bytes: 1 << 20,

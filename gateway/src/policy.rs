@@ -1,0 +1,207 @@
+//! The execution policy in force (`--policy`, docs/policy.md): the rules (scanned by
+//! `kernelgate-policy`) and the executions held until an administrator answers.
+//!
+//! The kernel's relay ([`crate::kernel`]) asks [`Guard::check`] about each client
+//! `execute_request` and holds the ones a rule says to `ask` about; this module keeps the
+//! list of those (`GET /api/kernelgate/approvals`), takes the answers (`POST
+//! /api/kernelgate/approvals/{id}`, the web console's buttons) and denies what nobody
+//! answered within `--approval-timeout`.
+
+use crate::kernel::{now_iso, Kernel};
+use kernelgate_policy::{Decision, Policy, Scope, STACK_BYTES};
+use serde::Serialize;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+/// One execution waiting for an administrator, as the approvals API lists it.
+#[derive(Debug, Clone, Serialize)]
+pub struct Approval {
+    pub id: String,
+    pub kernel_id: String,
+    /// The key that asked to run it.
+    pub key: String,
+    pub code: String,
+    /// The matching rule's reason.
+    pub reason: String,
+    pub requested_at: String,
+}
+
+/// How a held execution was answered.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Answer {
+    Approved {
+        by: String,
+    },
+    Denied {
+        by: String,
+    },
+    /// Nobody answered within `--approval-timeout`.
+    TimedOut,
+}
+
+#[derive(Debug)]
+struct Pending {
+    approval: Approval,
+    kernel: Weak<Kernel>,
+    /// Ends the task that denies it at the timeout.
+    timer: CancellationToken,
+}
+
+/// The policy and its pending approvals; shared by every kernel.
+#[derive(Debug)]
+pub struct Guard {
+    policy: Policy,
+    approval_timeout: Duration,
+    pending: Mutex<HashMap<String, Pending>>,
+    /// Owns the timeout tasks and the relays' release tasks.
+    tracker: TaskTracker,
+    /// Scans running at once: one per core is enough, and bounds the stack memory a flood
+    /// of deeply nested cells can commit.
+    scanners: tokio::sync::Semaphore,
+    cancel: CancellationToken,
+}
+
+impl Guard {
+    pub fn new(
+        policy: Policy,
+        approval_timeout: Duration,
+        tracker: TaskTracker,
+        cancel: CancellationToken,
+    ) -> Arc<Guard> {
+        Arc::new(Guard {
+            policy,
+            approval_timeout,
+            pending: Mutex::new(HashMap::new()),
+            tracker,
+            scanners: tokio::sync::Semaphore::new(2),
+            cancel,
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, HashMap<String, Pending>> {
+        self.pending.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn approval_timeout(&self) -> Duration {
+        self.approval_timeout
+    }
+
+    pub fn tracker(&self) -> &TaskTracker {
+        &self.tracker
+    }
+
+    /// The decision for an execute request; `scope` is the kernel's (aliases its earlier
+    /// cells bound). Parsing untrusted code takes time and stack: it runs on a thread of
+    /// its own with the stack the scanner asks for, a bounded number at once.
+    pub async fn check(
+        self: &Arc<Self>,
+        scope: Arc<Mutex<Scope>>,
+        code: String,
+        user_expressions: Vec<String>,
+    ) -> Decision {
+        let failed = |why: &str| {
+            // The scanner is fuzzed, so this is a bug; failing closed keeps the promise.
+            tracing::error!(error = why, "policy scan failed; the code is denied");
+            Decision::Deny(kernelgate_policy::Verdict {
+                rule: 0,
+                reason: "the code could not be checked".into(),
+                matched: "scanner failure".into(),
+            })
+        };
+        let Ok(_permit) = self.scanners.acquire().await else {
+            return failed("scanner pool closed");
+        };
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let me = self.clone();
+        let spawned = std::thread::Builder::new()
+            .name("policy-scan".into())
+            .stack_size(STACK_BYTES)
+            .spawn(move || {
+                let mut scope = scope.lock().unwrap_or_else(|e| e.into_inner());
+                let decision = me.policy.check_in(
+                    &mut scope,
+                    &code,
+                    user_expressions.iter().map(String::as_str),
+                );
+                let _ = tx.send(decision);
+            });
+        if let Err(e) = spawned {
+            return failed(&e.to_string());
+        }
+        match rx.await {
+            Ok(decision) => decision,
+            Err(_) => failed("the scanner thread panicked"),
+        }
+    }
+
+    /// Holds an execution of `kernel` for an administrator; returns the approval's id.
+    /// Unanswered, it is denied after the approval timeout.
+    pub fn hold(
+        self: &Arc<Self>,
+        kernel: &Arc<Kernel>,
+        key: &str,
+        code: &str,
+        reason: &str,
+    ) -> String {
+        let id = uuid::Uuid::new_v4().to_string();
+        let timer = self.cancel.child_token();
+        self.lock().insert(
+            id.clone(),
+            Pending {
+                approval: Approval {
+                    id: id.clone(),
+                    kernel_id: kernel.id().to_owned(),
+                    key: key.to_owned(),
+                    code: code.to_owned(),
+                    reason: reason.to_owned(),
+                    requested_at: now_iso(),
+                },
+                kernel: Arc::downgrade(kernel),
+                timer: timer.clone(),
+            },
+        );
+        let me = self.clone();
+        let approval = id.clone();
+        let timeout = self.approval_timeout;
+        self.tracker.spawn(async move {
+            tokio::select! {
+                _ = tokio::time::sleep(timeout) => { me.answer(&approval, Answer::TimedOut); }
+                _ = timer.cancelled() => {}
+            }
+        });
+        id
+    }
+
+    /// The executions waiting, oldest first (those of kernels since removed are dropped).
+    pub fn list(&self) -> Vec<Approval> {
+        let mut pending = self.lock();
+        pending.retain(|_, p| p.kernel.strong_count() > 0);
+        let mut all: Vec<Approval> = pending.values().map(|p| p.approval.clone()).collect();
+        all.sort_by(|a, b| a.requested_at.cmp(&b.requested_at));
+        all
+    }
+
+    /// Answers a held execution; false if there is no such approval (answered already,
+    /// timed out, cancelled, or its kernel is gone).
+    pub fn answer(&self, id: &str, answer: Answer) -> bool {
+        let Some(pending) = self.lock().remove(id) else {
+            return false;
+        };
+        pending.timer.cancel();
+        match pending.kernel.upgrade() {
+            Some(kernel) => kernel.decide(id, answer),
+            None => false,
+        }
+    }
+
+    /// Drops an approval without answering it (its execution was cancelled or its kernel
+    /// removed).
+    pub fn forget(&self, id: &str) {
+        if let Some(p) = self.lock().remove(id) {
+            p.timer.cancel();
+        }
+    }
+}

@@ -1,0 +1,812 @@
+//! What a cell does, read from its syntax tree: the modules it imports, the dotted names
+//! it calls or refers to (through the aliases it and earlier cells bound), and the shell
+//! commands it runs through IPython.
+//!
+//! Names are resolved as paths: `o.system` with `import os as o` is `os.system`,
+//! `getattr(os, "system")` is `os.system`, `__import__("os").system` is `os.system`, and
+//! `get_ipython().system` is IPython's shell escape. A name bound to several things (in
+//! this cell or an earlier one) stands for all of them: the scan over-approximates.
+
+use crate::ipython;
+use rustpython_ast::{self as ast, Constant, Expr, Visitor};
+use std::collections::{BTreeSet, HashMap};
+
+/// The deepest syntax tree walked; deeper code is not judged (see [`Limit`]).
+pub const MAX_NESTING: usize = 1000;
+/// Code (from `exec("...")`, a magic's argument, a cell magic's body) scanned inside code,
+/// at most this many levels down.
+const MAX_INNER: usize = 4;
+/// Bindings remembered per kernel, and targets per name.
+const MAX_NAMES: usize = 4096;
+const MAX_TARGETS: usize = 16;
+/// Paths resolved from one reference, at most.
+const MAX_RESOLVED: usize = 32;
+
+/// Line magics that run shell commands: IPython's own, and its default aliases (each runs
+/// the shell command of that name).
+pub const SHELL_LINE_MAGICS: &[&str] = &[
+    "system",
+    "sx",
+    "sc",
+    "pip",
+    "conda",
+    "mamba",
+    "micromamba",
+    "uv",
+    "alias",
+    "rehashx",
+    "bash",
+    "sh",
+    "script",
+    "ls",
+    "cat",
+    "cp",
+    "mv",
+    "rm",
+    "mkdir",
+    "rmdir",
+    "ll",
+    "lf",
+    "lk",
+    "lx",
+    "ldir",
+    "less",
+    "more",
+    "man",
+    "clear",
+];
+/// Cell magics that hand their body to a shell or another interpreter.
+const SHELL_CELL_MAGICS: &[&str] = &[
+    "bash", "sh", "script", "system", "!", "sx", "sc", "perl", "ruby", "python", "python2",
+    "python3", "pypy",
+];
+/// Magics whose argument (line) or body (cell) is Python that runs.
+pub const PYTHON_LINE_MAGICS: &[&str] = &["time", "timeit", "prun", "debug"];
+const PYTHON_CELL_MAGICS: &[&str] = &["time", "timeit", "prun", "debug", "capture"];
+
+/// Why a cell could not be judged.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Limit {
+    /// It (or code inside it) does not parse.
+    Parse(String),
+    /// Nested deeper than [`MAX_NESTING`], or code-in-code deeper than the scanner follows.
+    TooDeep,
+}
+
+/// What a cell does, as the rules match it.
+#[derive(Debug, Default, Clone)]
+pub struct Findings {
+    /// Modules imported, dotted, in order (`from a import b` gives `a` and `a.b`).
+    pub imports: Vec<String>,
+    /// Dotted names called (true) or referred to (false), resolved.
+    pub names: Vec<(String, bool)>,
+    /// Shell commands, as people read them (`!ls`, `%%bash`, `%system id`).
+    pub shell: Vec<String>,
+    /// Parts that could not be judged; the first one.
+    pub limit: Option<Limit>,
+}
+
+/// Aliases a kernel's earlier cells bound: name to the dotted paths it may stand for, and
+/// the modules star-imported. Kept per kernel, since its namespace outlives a cell.
+#[derive(Debug, Default, Clone)]
+pub struct Scope {
+    names: HashMap<String, BTreeSet<String>>,
+    stars: BTreeSet<String>,
+}
+
+impl Scope {
+    fn bind(&mut self, name: &str, target: String) {
+        if self.names.len() >= MAX_NAMES && !self.names.contains_key(name) {
+            return;
+        }
+        let set = self.names.entry(name.to_owned()).or_default();
+        if set.len() < MAX_TARGETS {
+            set.insert(target);
+        }
+    }
+}
+
+/// Scans an IPython cell. `scope` gives the aliases of earlier cells and takes this one's.
+pub fn cell(code: &str, scope: &mut Scope) -> Findings {
+    let mut findings = Findings::default();
+    scan_cell(code, scope, &mut findings, 0);
+    findings
+}
+
+/// Scans a Python expression or statement (a `user_expressions` entry).
+pub fn python(code: &str, scope: &mut Scope) -> Findings {
+    let mut findings = Findings::default();
+    scan_python(code, scope, &mut findings, 0);
+    findings
+}
+
+/// Scans an IPython cell; false if it does not parse.
+fn scan_cell(code: &str, scope: &mut Scope, out: &mut Findings, inner: usize) -> bool {
+    let transformed = ipython::transform_cell(code);
+    if let Some((name, args)) = ipython::automagic(&transformed, SHELL_LINE_MAGICS) {
+        out.shell
+            .push(format!("%{name} {args}").trim_end().to_owned());
+    }
+    if let Some((name, args)) = ipython::automagic(&transformed, PYTHON_LINE_MAGICS) {
+        python_argument(args, scope, out, inner + 1);
+        let _ = name;
+    }
+    let parsed = scan_python(&transformed, scope, out, inner);
+    if !parsed {
+        // With autocall on, `f a` on a line of its own runs `f(a)`.
+        if let Some((ifun, rest)) = ipython::split_ifun(transformed.trim_end()) {
+            if !rest.trim().is_empty() && !ifun.starts_with('.') {
+                let mut extra = Findings::default();
+                if scan_python(&format!("{ifun}()"), scope, &mut extra, inner + 1) {
+                    out.names.extend(extra.names);
+                    out.imports.extend(extra.imports);
+                    out.shell.extend(extra.shell);
+                }
+            }
+        }
+    }
+    parsed
+}
+
+/// Parses and walks Python; false (with `out.limit` set) if it does not parse.
+fn scan_python(code: &str, scope: &mut Scope, out: &mut Findings, inner: usize) -> bool {
+    if inner > MAX_INNER {
+        out.limit.get_or_insert(Limit::TooDeep);
+        return false;
+    }
+    let suite = match rustpython_parser::parse(code, rustpython_parser::Mode::Module, "<cell>") {
+        Ok(ast::Mod::Module(m)) => m.body,
+        Ok(_) => Vec::new(),
+        Err(e) => {
+            out.limit.get_or_insert(Limit::Parse(e.error.to_string()));
+            return false;
+        }
+    };
+    let mut walk = Walk::default();
+    for stmt in suite {
+        walk.visit_stmt(stmt);
+    }
+    if walk.too_deep {
+        out.limit.get_or_insert(Limit::TooDeep);
+    }
+    // Bindings first (a function may call a name bound after it), then what they mean.
+    let cell_names: Vec<(String, Path)> = walk.bindings;
+    let mut local = Scope {
+        names: HashMap::new(),
+        stars: scope.stars.clone(),
+    };
+    local.stars.extend(walk.stars.iter().cloned());
+    let resolver = Resolver {
+        cell: &cell_names,
+        earlier: scope,
+        stars: &local.stars,
+    };
+    let mut bound: Vec<(String, String)> = Vec::new();
+    for (name, path) in &cell_names {
+        for target in resolver.resolve(path, 0) {
+            bound.push((name.clone(), target));
+        }
+    }
+    let mut inner_code: Vec<(InnerKind, String)> = Vec::new();
+    out.imports.extend(walk.imports);
+    for r in &walk.refs {
+        for name in resolver.resolve(&r.path, 0) {
+            classify(&name, r, out, &mut inner_code);
+            out.names.push((name, r.called));
+        }
+    }
+    for (name, target) in bound {
+        scope.bind(&name, target);
+    }
+    scope.stars.extend(walk.stars);
+    for (kind, code) in inner_code {
+        match kind {
+            InnerKind::Python => {
+                let mut inner_out = Findings::default();
+                scan_python(&code, scope, &mut inner_out, inner + 1);
+                merge(out, inner_out, false);
+            }
+            InnerKind::Cell => {
+                let mut inner_out = Findings::default();
+                scan_cell(&code, scope, &mut inner_out, inner + 1);
+                merge(out, inner_out, false);
+            }
+            InnerKind::Argument => python_argument(&code, scope, out, inner + 1),
+        }
+    }
+    true
+}
+
+/// Adds what inner code does. Inner code that does not parse fails at run time in the
+/// kernel too, so only its depth limit carries over.
+fn merge(out: &mut Findings, inner: Findings, parse_errors_count: bool) {
+    out.imports.extend(inner.imports);
+    out.names.extend(inner.names);
+    out.shell.extend(inner.shell);
+    match inner.limit {
+        Some(Limit::TooDeep) => {
+            out.limit.get_or_insert(Limit::TooDeep);
+        }
+        Some(l @ Limit::Parse(_)) if parse_errors_count => {
+            out.limit.get_or_insert(l);
+        }
+        _ => {}
+    }
+}
+
+/// A magic's argument that is code after options (`%timeit -n 10 f(x)`, read as a cell:
+/// `%time !ls` runs the shell): the longest tail that parses is scanned, and so is each
+/// quoted option value (`-s "setup"`).
+fn python_argument(args: &str, scope: &mut Scope, out: &mut Findings, inner: usize) {
+    let words: Vec<usize> = std::iter::once(0)
+        .chain(
+            args.char_indices()
+                .filter(|(i, c)| c.is_whitespace() && *i + 1 < args.len())
+                .map(|(i, c)| i + c.len_utf8()),
+        )
+        .collect();
+    for start in words {
+        let tail = &args[start..];
+        if tail.trim().is_empty() {
+            continue;
+        }
+        let mut tail_out = Findings::default();
+        if scan_cell(tail.trim_start(), scope, &mut tail_out, inner) {
+            merge(out, tail_out, false);
+            break;
+        }
+        if tail_out.limit == Some(Limit::TooDeep) {
+            out.limit.get_or_insert(Limit::TooDeep);
+            return;
+        }
+    }
+    for quoted in quoted_parts(args) {
+        let mut q = Findings::default();
+        scan_python(&quoted, scope, &mut q, inner);
+        merge(out, q, false);
+    }
+}
+
+fn quoted_parts(s: &str) -> Vec<String> {
+    let mut parts = Vec::new();
+    let mut chars = s.chars();
+    while let Some(c) = chars.next() {
+        if c == '"' || c == '\'' {
+            let body: String = chars.by_ref().take_while(|x| *x != c).collect();
+            parts.push(body);
+        }
+    }
+    parts
+}
+
+#[derive(Debug, Clone, Copy)]
+enum InnerKind {
+    /// Python: `exec("...")`, `eval`, `compile`.
+    Python,
+    /// An IPython cell: `get_ipython().run_cell("...")`, a Python cell magic's body.
+    Cell,
+    /// A Python magic's argument, after its options.
+    Argument,
+}
+
+const IMPORTERS: &[&str] = &[
+    "__import__",
+    "builtins.__import__",
+    "importlib.import_module",
+    "importlib.__import__",
+    "importlib.util.find_spec",
+    "runpy.run_module",
+    "pkgutil.resolve_name",
+];
+const EVALUATORS: &[&str] = &[
+    "exec",
+    "eval",
+    "compile",
+    "builtins.exec",
+    "builtins.eval",
+    "builtins.compile",
+];
+
+/// What a resolved call means beyond its name: an import by string, code in a string, or
+/// one of IPython's entry points.
+fn classify(name: &str, r: &Ref, out: &mut Findings, inner: &mut Vec<(InnerKind, String)>) {
+    if !r.called {
+        return;
+    }
+    let arg = |i: usize| r.strings.get(i).and_then(|s| s.as_deref());
+    if IMPORTERS.contains(&name) {
+        if let Some(m) = arg(0) {
+            let m = m.trim_start_matches('.');
+            let m = m.split(':').next().unwrap_or(m);
+            if !m.is_empty() {
+                out.imports.push(m.to_owned());
+            }
+        }
+        return;
+    }
+    if EVALUATORS.contains(&name) {
+        if let Some(code) = arg(0) {
+            inner.push((InnerKind::Python, code.to_owned()));
+        }
+        return;
+    }
+    let Some((receiver, method)) = name.rsplit_once('.') else {
+        return;
+    };
+    if !receiver.ends_with("get_ipython()") {
+        return;
+    }
+    match method {
+        "system" | "system_raw" | "system_piped" | "getoutput" => {
+            out.shell.push(format!("!{}", arg(0).unwrap_or("…")));
+        }
+        "run_line_magic" | "magic" => {
+            let (magic, args) = match (method, arg(0), arg(1)) {
+                ("magic", Some(line), _) => {
+                    let line = line.trim_start_matches('%');
+                    line.split_once(' ').unwrap_or((line, ""))
+                }
+                (_, Some(m), a) => (m.trim_start_matches('%'), a.unwrap_or("")),
+                // A magic chosen at run time may be any of them.
+                _ => {
+                    out.shell.push("a magic chosen at run time".into());
+                    return;
+                }
+            };
+            line_magic(magic, args, out, inner);
+        }
+        "run_cell_magic" => match (arg(0), arg(1), arg(2)) {
+            (Some(magic), line, body) => {
+                let magic = magic.trim_start_matches('%');
+                if SHELL_CELL_MAGICS.contains(&magic) {
+                    let first = line.unwrap_or("").trim();
+                    out.shell
+                        .push(format!("%%{magic} {first}").trim_end().to_owned());
+                } else if PYTHON_CELL_MAGICS.contains(&magic) {
+                    if let Some(body) = body {
+                        inner.push((InnerKind::Cell, body.to_owned()));
+                    }
+                    if let Some(line) = line {
+                        inner.push((InnerKind::Argument, line.to_owned()));
+                    }
+                }
+            }
+            _ => out.shell.push("a cell magic chosen at run time".into()),
+        },
+        "run_cell" | "run_cell_async" | "ex" | "ev" | "safe_execfile_ipy" => {
+            if let Some(code) = arg(0) {
+                inner.push((InnerKind::Cell, code.to_owned()));
+            }
+        }
+        _ => {}
+    }
+}
+
+fn line_magic(magic: &str, args: &str, out: &mut Findings, inner: &mut Vec<(InnerKind, String)>) {
+    if SHELL_LINE_MAGICS.contains(&magic) {
+        out.shell
+            .push(format!("%{magic} {args}").trim_end().to_owned());
+    } else if PYTHON_LINE_MAGICS.contains(&magic) {
+        inner.push((InnerKind::Argument, args.to_owned()));
+    } else if magic == "run" || magic == "load_ext" || magic == "reload_ext" {
+        // `%run -m mod` and `%load_ext mod` import that module.
+        let mut words = args.split_whitespace();
+        let module = match (magic, words.next()) {
+            ("run", Some("-m")) => words.next(),
+            ("run", _) => None,
+            (_, first) => first,
+        };
+        if let Some(m) = module {
+            out.imports.push(m.to_owned());
+        }
+    }
+}
+
+/// A name as the code spells it: a root and the attributes after it.
+#[derive(Debug, Clone)]
+struct Path {
+    root: Root,
+    attrs: Vec<String>,
+}
+
+#[derive(Debug, Clone)]
+enum Root {
+    /// A variable, resolved through the aliases.
+    Name(String),
+    /// A module named by a string or an import.
+    Module(String),
+    /// The result of calling a path with no arguments (`get_ipython()`).
+    Called(Box<Path>),
+}
+
+/// A reference to a path in the code, called or not, with the string constants of its
+/// call's positional arguments.
+#[derive(Debug)]
+struct Ref {
+    path: Path,
+    called: bool,
+    strings: Vec<Option<String>>,
+}
+
+struct Resolver<'a> {
+    cell: &'a [(String, Path)],
+    earlier: &'a Scope,
+    stars: &'a BTreeSet<String>,
+}
+
+impl Resolver<'_> {
+    /// Every dotted name a path may stand for.
+    fn resolve(&self, path: &Path, depth: usize) -> Vec<String> {
+        let roots: Vec<String> = match &path.root {
+            Root::Module(m) => vec![m.clone()],
+            Root::Called(inner) if depth < 8 => self
+                .resolve(inner, depth + 1)
+                .into_iter()
+                .map(|s| format!("{s}()"))
+                .collect(),
+            Root::Called(_) => Vec::new(),
+            Root::Name(n) => {
+                let mut all: Vec<String> = Vec::new();
+                let mut aliased = false;
+                if depth < 8 {
+                    for (name, target) in self.cell {
+                        if name == n {
+                            aliased = true;
+                            all.extend(self.resolve(target, depth + 1));
+                        }
+                    }
+                }
+                if let Some(targets) = self.earlier.names.get(n) {
+                    aliased = true;
+                    all.extend(targets.iter().cloned());
+                }
+                if !aliased {
+                    all.push(n.clone());
+                    all.extend(self.stars.iter().map(|m| format!("{m}.{n}")));
+                }
+                all
+            }
+        };
+        let mut out: Vec<String> = Vec::new();
+        for root in roots {
+            let mut s = root;
+            for a in &path.attrs {
+                s.push('.');
+                s.push_str(a);
+            }
+            if !out.contains(&s) {
+                out.push(s);
+            }
+            if out.len() >= MAX_RESOLVED {
+                break;
+            }
+        }
+        out
+    }
+}
+
+/// The walk over one parsed cell.
+#[derive(Default)]
+struct Walk {
+    depth: usize,
+    too_deep: bool,
+    imports: Vec<String>,
+    stars: Vec<String>,
+    bindings: Vec<(String, Path)>,
+    refs: Vec<Ref>,
+}
+
+fn string_of(e: &Expr) -> Option<String> {
+    match e {
+        Expr::Constant(c) => match &c.value {
+            Constant::Str(s) => Some(s.clone()),
+            _ => None,
+        },
+        _ => None,
+    }
+}
+
+/// The path an expression spells, if it is one: `a.b.c`, `getattr(a, "b")`,
+/// `__import__("m")`, `importlib.import_module("m")`, `f()`, `a.__dict__["b"]`. Walked
+/// without recursion into long attribute chains.
+fn path_of(e: &Expr, budget: usize) -> Option<Path> {
+    if budget == 0 {
+        return None;
+    }
+    let mut attrs: Vec<String> = Vec::new();
+    let mut cur = e;
+    loop {
+        match cur {
+            Expr::Attribute(a) => {
+                attrs.push(a.attr.to_string());
+                cur = &a.value;
+            }
+            Expr::Subscript(s) => {
+                // `x.__dict__["name"]` and `vars(x)["name"]`
+                let key = string_of(&s.slice)?;
+                match &*s.value {
+                    Expr::Attribute(a) if a.attr.as_str() == "__dict__" => {
+                        attrs.push(key);
+                        cur = &a.value;
+                    }
+                    Expr::Call(c) if is_name(&c.func, "vars") && c.args.len() == 1 => {
+                        attrs.push(key);
+                        cur = &c.args[0];
+                    }
+                    _ => return None,
+                }
+            }
+            Expr::Name(n) => {
+                attrs.reverse();
+                return Some(Path {
+                    root: Root::Name(n.id.to_string()),
+                    attrs,
+                });
+            }
+            Expr::Call(c) => {
+                if is_name(&c.func, "getattr") && c.args.len() >= 2 {
+                    attrs.push(string_of(&c.args[1])?);
+                    cur = &c.args[0];
+                    continue;
+                }
+                if let Some(module) = c.args.first().and_then(string_of) {
+                    if is_name(&c.func, "__import__") {
+                        // `__import__("a.b")` returns `a`.
+                        let top = module.split('.').next().unwrap_or_default().to_owned();
+                        attrs.reverse();
+                        return Some(Path {
+                            root: Root::Module(top),
+                            attrs,
+                        });
+                    }
+                    if dotted(&c.func).as_deref() == Some("importlib.import_module") {
+                        attrs.reverse();
+                        return Some(Path {
+                            root: Root::Module(module),
+                            attrs,
+                        });
+                    }
+                }
+                if c.args.is_empty() && c.keywords.is_empty() {
+                    let inner = path_of(&c.func, budget - 1)?;
+                    attrs.reverse();
+                    return Some(Path {
+                        root: Root::Called(Box::new(inner)),
+                        attrs,
+                    });
+                }
+                return None;
+            }
+            _ => return None,
+        }
+        if attrs.len() > 64 {
+            return None;
+        }
+    }
+}
+
+fn is_name(e: &Expr, name: &str) -> bool {
+    matches!(e, Expr::Name(n) if n.id.as_str() == name)
+}
+
+/// `a.b.c` as written, for a plain attribute chain on a name.
+fn dotted(e: &Expr) -> Option<String> {
+    let p = path_of(e, 1)?;
+    match p.root {
+        Root::Name(n) => Some(
+            std::iter::once(n)
+                .chain(p.attrs)
+                .collect::<Vec<_>>()
+                .join("."),
+        ),
+        _ => None,
+    }
+}
+
+impl Walk {
+    fn bind_target(&mut self, target: &Expr, value: &Expr) {
+        match (target, value) {
+            (Expr::Name(n), v) => {
+                if let Some(p) = path_of(v, 4) {
+                    self.bindings.push((n.id.to_string(), p));
+                }
+            }
+            (Expr::Tuple(t), Expr::Tuple(v)) if t.elts.len() == v.elts.len() => {
+                for (a, b) in t.elts.iter().zip(&v.elts) {
+                    self.bind_target(a, b);
+                }
+            }
+            (Expr::List(t), Expr::List(v)) if t.elts.len() == v.elts.len() => {
+                for (a, b) in t.elts.iter().zip(&v.elts) {
+                    self.bind_target(a, b);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    fn import(&mut self, module: String, bound_as: Option<String>, binds: Option<String>) {
+        if let Some(name) = bound_as {
+            self.bindings.push((
+                name,
+                Path {
+                    root: Root::Module(binds.unwrap_or_else(|| module.clone())),
+                    attrs: Vec::new(),
+                },
+            ));
+        }
+        self.imports.push(module);
+    }
+
+    fn reference(&mut self, e: &Expr, called: bool, strings: Vec<Option<String>>) -> bool {
+        match path_of(e, 4) {
+            Some(path) => {
+                self.refs.push(Ref {
+                    path,
+                    called,
+                    strings,
+                });
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Visits what a path expression contains besides its names: the arguments of the
+    /// calls in it (`getattr(x, "a")`'s `x`), subscripts' values.
+    fn visit_path_parts(&mut self, e: Expr) {
+        let mut cur = e;
+        loop {
+            match cur {
+                Expr::Attribute(a) => cur = *a.value,
+                Expr::Subscript(s) => cur = *s.value,
+                Expr::Call(c) => {
+                    // `__import__("m").f`: the inner call is classified too.
+                    let strings = c.args.iter().map(string_of).collect();
+                    self.reference(&c.func, true, strings);
+                    for arg in c.args {
+                        self.visit_expr(arg);
+                    }
+                    for kw in c.keywords {
+                        self.visit_expr(kw.value);
+                    }
+                    cur = *c.func;
+                    if matches!(cur, Expr::Name(_)) {
+                        return;
+                    }
+                }
+                _ => return,
+            }
+        }
+    }
+}
+
+impl Visitor for Walk {
+    fn visit_stmt(&mut self, node: ast::Stmt) {
+        self.depth += 1;
+        if self.depth > MAX_NESTING {
+            self.too_deep = true;
+        } else {
+            self.generic_visit_stmt(node);
+        }
+        self.depth -= 1;
+    }
+
+    fn visit_expr(&mut self, node: Expr) {
+        self.depth += 1;
+        if self.depth > MAX_NESTING {
+            self.too_deep = true;
+            self.depth -= 1;
+            return;
+        }
+        match node {
+            Expr::Call(call) => {
+                let strings = call.args.iter().map(string_of).collect();
+                let func = *call.func;
+                if self.reference(&func, true, strings) {
+                    self.visit_path_parts(func);
+                } else {
+                    self.visit_expr(func);
+                }
+                for arg in call.args {
+                    self.visit_expr(arg);
+                }
+                for kw in call.keywords {
+                    self.visit_expr(kw.value);
+                }
+            }
+            e @ (Expr::Attribute(_) | Expr::Name(_) | Expr::Subscript(_)) => {
+                let load = match &e {
+                    Expr::Name(n) => n.ctx == ast::ExprContext::Load,
+                    Expr::Attribute(a) => a.ctx == ast::ExprContext::Load,
+                    _ => true,
+                };
+                if load && self.reference(&e, false, Vec::new()) {
+                    self.visit_path_parts(e);
+                } else {
+                    self.generic_visit_expr(e);
+                }
+            }
+            Expr::NamedExpr(n) => {
+                self.bind_target(&n.target, &n.value);
+                self.visit_expr(*n.value);
+            }
+            other => self.generic_visit_expr(other),
+        }
+        self.depth -= 1;
+    }
+
+    fn visit_stmt_import(&mut self, node: ast::StmtImport) {
+        for alias in node.names {
+            let module = alias.name.to_string();
+            match alias.asname {
+                Some(asname) => self.import(module, Some(asname.to_string()), None),
+                None => {
+                    let top = module.split('.').next().unwrap_or_default().to_owned();
+                    self.import(module, Some(top.clone()), Some(top));
+                }
+            }
+        }
+    }
+
+    fn visit_stmt_import_from(&mut self, node: ast::StmtImportFrom) {
+        let relative = node.level.is_some_and(|l| l.to_u32() > 0);
+        let Some(module) = node.module.map(|m| m.to_string()) else {
+            return;
+        };
+        if relative {
+            return;
+        }
+        self.imports.push(module.clone());
+        for alias in node.names {
+            let name = alias.name.to_string();
+            if name == "*" {
+                self.stars.push(module.clone());
+                continue;
+            }
+            let full = format!("{module}.{name}");
+            // Importing a function by name is a use of it.
+            self.refs.push(Ref {
+                path: Path {
+                    root: Root::Module(full.clone()),
+                    attrs: Vec::new(),
+                },
+                called: false,
+                strings: Vec::new(),
+            });
+            let bound = alias.asname.map_or(name, |a| a.to_string());
+            self.import(full.clone(), Some(bound), Some(full));
+        }
+    }
+
+    fn visit_stmt_assign(&mut self, node: ast::StmtAssign) {
+        for t in &node.targets {
+            self.bind_target(t, &node.value);
+        }
+        self.generic_visit_stmt_assign(node);
+    }
+
+    fn visit_stmt_ann_assign(&mut self, node: ast::StmtAnnAssign) {
+        if let Some(v) = &node.value {
+            self.bind_target(&node.target, v);
+        }
+        self.generic_visit_stmt_ann_assign(node);
+    }
+
+    fn visit_arguments(&mut self, node: ast::Arguments) {
+        // `def f(run=os.system)`: the parameter is an alias inside the function.
+        for a in node
+            .posonlyargs
+            .iter()
+            .chain(&node.args)
+            .chain(&node.kwonlyargs)
+        {
+            if let Some(default) = &a.default {
+                if let Some(p) = path_of(default, 4) {
+                    self.bindings.push((a.def.arg.to_string(), p));
+                }
+            }
+        }
+        self.generic_visit_arguments(node);
+    }
+}
