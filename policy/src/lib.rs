@@ -157,6 +157,16 @@ impl Policy {
     ) -> Decision {
         let expressions: Vec<&str> = expressions.into_iter().collect();
         let size = code.len() + expressions.iter().map(|e| e.len()).sum::<usize>();
+        self.check_sized(scope, code, &expressions, size)
+    }
+
+    fn check_sized(
+        &self,
+        scope: &mut Scope,
+        code: &str,
+        expressions: &[&str],
+        size: usize,
+    ) -> Decision {
         if size > MAX_CODE_BYTES {
             return Decision::Deny(Verdict {
                 rule: 0,
@@ -166,6 +176,16 @@ impl Policy {
                 matched: "size limit".into(),
             });
         }
+        // What the cell binds is remembered only if it may run: a denied cell binds nothing.
+        let mut after = scope.clone();
+        let decision = self.decide(&mut after, code, &expressions);
+        if !matches!(decision, Decision::Deny(_)) {
+            *scope = after;
+        }
+        decision
+    }
+
+    fn decide(&self, scope: &mut Scope, code: &str, expressions: &[&str]) -> Decision {
         let mut findings = scan::cell(code, scope);
         for e in expressions {
             let f = scan::python(e, scope);

@@ -195,6 +195,12 @@ fn scan_python(code: &str, scope: &mut Scope, out: &mut Findings, inner: usize) 
             out.names.push((name, r.called));
         }
     }
+    // A name this cell bound to a plain value no longer stands for what it aliased.
+    for name in &walk.rebound {
+        if !cell_names.iter().any(|(n, _)| n == name) {
+            scope.names.remove(name);
+        }
+    }
     for (name, target) in bound {
         scope.bind(&name, target);
     }
@@ -493,6 +499,8 @@ struct Walk {
     imports: Vec<String>,
     stars: Vec<String>,
     bindings: Vec<(String, Path)>,
+    /// Names bound to something that is not a path (`s = "text"`, `def s():`).
+    rebound: Vec<String>,
     refs: Vec<Ref>,
 }
 
@@ -585,6 +593,18 @@ fn path_of(e: &Expr, budget: usize) -> Option<Path> {
     }
 }
 
+/// A literal: a constant, an f-string, or a container display of literals.
+fn is_literal(e: &Expr) -> bool {
+    match e {
+        Expr::Constant(_) | Expr::JoinedStr(_) => true,
+        Expr::List(l) => l.elts.iter().all(is_literal),
+        Expr::Tuple(t) => t.elts.iter().all(is_literal),
+        Expr::Set(s) => s.elts.iter().all(is_literal),
+        Expr::Dict(d) => d.keys.iter().flatten().all(is_literal) && d.values.iter().all(is_literal),
+        _ => false,
+    }
+}
+
 fn is_name(e: &Expr, name: &str) -> bool {
     matches!(e, Expr::Name(n) if n.id.as_str() == name)
 }
@@ -606,11 +626,12 @@ fn dotted(e: &Expr) -> Option<String> {
 impl Walk {
     fn bind_target(&mut self, target: &Expr, value: &Expr) {
         match (target, value) {
-            (Expr::Name(n), v) => {
-                if let Some(p) = path_of(v, 4) {
-                    self.bindings.push((n.id.to_string(), p));
-                }
-            }
+            (Expr::Name(n), v) => match path_of(v, 4) {
+                Some(p) => self.bindings.push((n.id.to_string(), p)),
+                // Only a value that cannot be the old one (`o = 3 if c else o` could).
+                None if is_literal(v) => self.rebound.push(n.id.to_string()),
+                None => {}
+            },
             (Expr::Tuple(t), Expr::Tuple(v)) if t.elts.len() == v.elts.len() => {
                 for (a, b) in t.elts.iter().zip(&v.elts) {
                     self.bind_target(a, b);
@@ -791,6 +812,16 @@ impl Visitor for Walk {
             self.bind_target(&node.target, v);
         }
         self.generic_visit_stmt_ann_assign(node);
+    }
+
+    fn visit_stmt_function_def(&mut self, node: ast::StmtFunctionDef) {
+        self.rebound.push(node.name.to_string());
+        self.generic_visit_stmt_function_def(node);
+    }
+
+    fn visit_stmt_class_def(&mut self, node: ast::StmtClassDef) {
+        self.rebound.push(node.name.to_string());
+        self.generic_visit_stmt_class_def(node);
     }
 
     fn visit_arguments(&mut self, node: ast::Arguments) {
