@@ -178,7 +178,7 @@ impl Policy {
         }
         // What the cell binds is remembered only if it may run: a denied cell binds nothing.
         let mut after = scope.clone();
-        let decision = self.decide(&mut after, code, &expressions);
+        let decision = self.decide(&mut after, code, expressions);
         if !matches!(decision, Decision::Deny(_)) {
             *scope = after;
         }

@@ -265,6 +265,25 @@ impl Gateway {
         Ok((status, r.json().await.unwrap_or(Value::Null)))
     }
 
+    /// A request as the holder of `token` (another tenant's key): status and JSON body.
+    pub async fn call_as(
+        &self,
+        token: &str,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<Value>,
+    ) -> Result<(u16, Value)> {
+        let mut req = reqwest::Client::new()
+            .request(method, self.url(path))
+            .header("Authorization", format!("token {token}"));
+        if let Some(b) = body {
+            req = req.json(&b);
+        }
+        let r = req.send().await?;
+        let status = r.status().as_u16();
+        Ok((status, r.json().await.unwrap_or(Value::Null)))
+    }
+
     /// Runs code through the agent API (`POST /api/kernels/{id}/execute`); its JSON answer.
     pub async fn execute(&self, id: &str, code: &str) -> Result<Value> {
         let (status, body) = self

@@ -44,24 +44,6 @@ fn add_key(file: &Path, name: &str) -> Result<String> {
     Ok(String::from_utf8(out.stdout)?.trim().to_owned())
 }
 
-async fn call(
-    gw: &Gateway,
-    token: &str,
-    method: Method,
-    path: &str,
-    body: Option<Value>,
-) -> Result<(u16, Value)> {
-    let mut req = reqwest::Client::new()
-        .request(method, gw.url(path))
-        .header("Authorization", format!("token {token}"));
-    if let Some(b) = body {
-        req = req.json(&b);
-    }
-    let r = req.send().await?;
-    let status = r.status().as_u16();
-    Ok((status, r.json().await.unwrap_or(Value::Null)))
-}
-
 /// Polls the approvals list (admin) until `n` executions wait; returns them.
 async fn pending(gw: &Gateway, n: usize) -> Result<Vec<Value>> {
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -314,16 +296,18 @@ async fn ask_holds_code_until_an_admin_answers() -> Result<()> {
     assert!(text.contains(&approval));
 
     // Only admins see or answer approvals.
-    let (status, _) = call(&gw, &alice, Method::GET, "/api/kernelgate/approvals", None).await?;
+    let (status, _) = gw
+        .call_as(&alice, Method::GET, "/api/kernelgate/approvals", None)
+        .await?;
     assert_eq!(status, 403);
-    let (status, _) = call(
-        &gw,
-        &alice,
-        Method::POST,
-        &format!("/api/kernelgate/approvals/{approval}"),
-        Some(json!({"approve": true})),
-    )
-    .await?;
+    let (status, _) = gw
+        .call_as(
+            &alice,
+            Method::POST,
+            &format!("/api/kernelgate/approvals/{approval}"),
+            Some(json!({"approve": true})),
+        )
+        .await?;
     assert_eq!(status, 403);
     // Nothing ran yet: no reply for either.
     tokio::time::sleep(Duration::from_millis(500)).await;

@@ -64,33 +64,15 @@ fn tenants(alice_max: &str) -> Result<Tenants> {
     })
 }
 
-async fn call(
-    gw: &Gateway,
-    token: &str,
-    method: Method,
-    path: &str,
-    body: Option<Value>,
-) -> Result<(u16, Value)> {
-    let mut req = reqwest::Client::new()
-        .request(method, gw.url(path))
-        .header("Authorization", format!("token {token}"));
-    if let Some(b) = body {
-        req = req.json(&b);
-    }
-    let r = req.send().await?;
-    let status = r.status().as_u16();
-    Ok((status, r.json().await.unwrap_or(Value::Null)))
-}
-
 async fn create(gw: &Gateway, token: &str) -> Result<String> {
-    let (status, model) = call(
-        gw,
-        token,
-        Method::POST,
-        "/api/kernels",
-        Some(json!({"name": "python3"})),
-    )
-    .await?;
+    let (status, model) = gw
+        .call_as(
+            token,
+            Method::POST,
+            "/api/kernels",
+            Some(json!({"name": "python3"})),
+        )
+        .await?;
     if status != 201 {
         bail!("create: {status} {model}");
     }
@@ -98,14 +80,14 @@ async fn create(gw: &Gateway, token: &str) -> Result<String> {
 }
 
 async fn run(gw: &Gateway, token: &str, id: &str, code: &str) -> Result<Value> {
-    let (status, r) = call(
-        gw,
-        token,
-        Method::POST,
-        &format!("/api/kernels/{id}/execute"),
-        Some(json!({"code": code})),
-    )
-    .await?;
+    let (status, r) = gw
+        .call_as(
+            token,
+            Method::POST,
+            &format!("/api/kernels/{id}/execute"),
+            Some(json!({"code": code})),
+        )
+        .await?;
     if status != 200 {
         bail!("execute: {status} {r}");
     }
@@ -158,7 +140,9 @@ async fn a_tenant_cannot_see_or_touch_another_tenants_kernels() -> Result<()> {
     .await?;
     assert_eq!(r["status"], "ok", "{r}");
 
-    let (status, list) = call(&gw, &t.bob, Method::GET, "/api/kernels", None).await?;
+    let (status, list) = gw
+        .call_as(&t.bob, Method::GET, "/api/kernels", None)
+        .await?;
     assert_eq!(status, 200);
     assert!(
         !ids(&list).contains(&a),
@@ -184,7 +168,7 @@ async fn a_tenant_cannot_see_or_touch_another_tenants_kernels() -> Result<()> {
         (Method::DELETE, format!("{k}/files/mine.txt"), None),
         (Method::DELETE, k.clone(), None),
     ] {
-        let (status, body) = call(&gw, &t.bob, method.clone(), &path, body).await?;
+        let (status, body) = gw.call_as(&t.bob, method.clone(), &path, body).await?;
         assert_eq!(status, 404, "{method} {path} as bob: {body}");
     }
     match websocket(&gw, &t.bob, &a).await? {
@@ -198,14 +182,18 @@ async fn a_tenant_cannot_see_or_touch_another_tenants_kernels() -> Result<()> {
 
     // The admin sees and uses every kernel; bob's own kernel is his.
     let b = create(&gw, &t.bob).await?;
-    let (_, list) = call(&gw, &t.root, Method::GET, "/api/kernels", None).await?;
+    let (_, list) = gw
+        .call_as(&t.root, Method::GET, "/api/kernels", None)
+        .await?;
     let all = ids(&list);
     assert!(all.contains(&a) && all.contains(&b), "{list}");
     assert_eq!(
         run(&gw, &t.root, &a, "secret").await?["results"][0]["data"]["text/plain"],
         "'alice'"
     );
-    let (_, mine) = call(&gw, &t.alice, Method::GET, "/api/kernels", None).await?;
+    let (_, mine) = gw
+        .call_as(&t.alice, Method::GET, "/api/kernels", None)
+        .await?;
     assert_eq!(ids(&mine), vec![a.clone()]);
 
     // `keys list` shows names and limits, never tokens.
@@ -231,8 +219,7 @@ async fn key_limits_hold_under_concurrent_creates() -> Result<()> {
     ])
     .await?;
     let creates = (0..20).map(|_| {
-        call(
-            &gw,
+        gw.call_as(
             &t.alice,
             Method::POST,
             "/api/kernels",
@@ -256,7 +243,9 @@ async fn key_limits_hold_under_concurrent_creates() -> Result<()> {
         }
     }
     assert_eq!(created, 3, "exactly alice's limit");
-    let (_, list) = call(&gw, &t.root, Method::GET, "/api/kernels", None).await?;
+    let (_, list) = gw
+        .call_as(&t.root, Method::GET, "/api/kernels", None)
+        .await?;
     assert_eq!(ids(&list).len(), 3);
     // Bob's count is his own.
     create(&gw, &t.bob).await?;
@@ -283,7 +272,8 @@ async fn a_revoked_key_is_refused_and_loses_its_sockets_and_kernels() -> Result<
     // Refused at once (the reload is asynchronous: give it a moment).
     let mut refused = false;
     for _ in 0..50 {
-        if call(&gw, &t.bob, Method::GET, "/api/kernels", None)
+        if gw
+            .call_as(&t.bob, Method::GET, "/api/kernels", None)
             .await?
             .0
             == 403
@@ -314,7 +304,9 @@ async fn a_revoked_key_is_refused_and_loses_its_sockets_and_kernels() -> Result<
     };
     let mut gone = false;
     for _ in 0..100 {
-        let (_, list) = call(&gw, &t.root, Method::GET, "/api/kernels", None).await?;
+        let (_, list) = gw
+            .call_as(&t.root, Method::GET, "/api/kernels", None)
+            .await?;
         if !ids(&list).contains(&b) && !container_exists()? {
             gone = true;
             break;
@@ -342,24 +334,22 @@ async fn owners_survive_a_restart_of_the_gateway() -> Result<()> {
     gw.crash().await?;
 
     let gw = Gateway::start(&["--keys", &file, "--runtime-dir", &dir, "--pool-size", "0"]).await?;
-    let (_, mine) = call(&gw, &t.alice, Method::GET, "/api/kernels", None).await?;
+    let (_, mine) = gw
+        .call_as(&t.alice, Method::GET, "/api/kernels", None)
+        .await?;
     let mut mine = ids(&mine);
     mine.sort();
     let mut expected = vec![pooled.clone(), cold.clone()];
     expected.sort();
     assert_eq!(mine, expected, "alice's kernels are hers again");
-    let (_, bobs) = call(&gw, &t.bob, Method::GET, "/api/kernels", None).await?;
+    let (_, bobs) = gw
+        .call_as(&t.bob, Method::GET, "/api/kernels", None)
+        .await?;
     assert_eq!(ids(&bobs), Vec::<String>::new());
     assert_eq!(
-        call(
-            &gw,
-            &t.bob,
-            Method::GET,
-            &format!("/api/kernels/{pooled}"),
-            None
-        )
-        .await?
-        .0,
+        gw.call_as(&t.bob, Method::GET, &format!("/api/kernels/{pooled}"), None)
+            .await?
+            .0,
         404
     );
     assert_eq!(gw.stop().await?.code(), Some(0));
@@ -372,14 +362,9 @@ async fn failed_logins_are_throttled_and_valid_tokens_never() -> Result<()> {
     let t = tenants("3")?;
     let gw = Gateway::start(&["--keys", &t.file.display().to_string()]).await?;
     for i in 0..10 {
-        let (status, _) = call(
-            &gw,
-            &format!("wrong-{i}"),
-            Method::GET,
-            "/api/kernels",
-            None,
-        )
-        .await?;
+        let (status, _) = gw
+            .call_as(&format!("wrong-{i}"), Method::GET, "/api/kernels", None)
+            .await?;
         assert_eq!(status, 403);
     }
     let r = reqwest::Client::new()
@@ -397,7 +382,7 @@ async fn failed_logins_are_throttled_and_valid_tokens_never() -> Result<()> {
     assert!((1..=60).contains(&wait), "{wait}");
     // From the same address, a valid key still passes at once.
     assert_eq!(
-        call(&gw, &t.alice, Method::GET, "/api/kernels", None)
+        gw.call_as(&t.alice, Method::GET, "/api/kernels", None)
             .await?
             .0,
         200
