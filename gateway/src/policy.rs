@@ -7,7 +7,6 @@
 //! /api/kernelgate/approvals/{id}`, the web console's buttons) and denies what nobody
 //! answered within `--approval-timeout`.
 
-use crate::kernel::{now_iso, Kernel};
 use kernelgate_policy::{Decision, Policy, Scope, STACK_BYTES};
 use serde::Serialize;
 use std::collections::HashMap;
@@ -29,6 +28,14 @@ pub struct Approval {
     pub requested_at: String,
 }
 
+/// What holds an execution for approval (a kernel's relay), told the answer when it comes.
+pub trait Holder: Send + Sync + std::fmt::Debug {
+    /// The kernel's id, for the approvals list.
+    fn kernel_id(&self) -> &str;
+    /// Applies the answer; false if it holds no such execution any more.
+    fn decide(self: Arc<Self>, approval: &str, answer: Answer) -> bool;
+}
+
 /// How a held execution was answered.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Answer {
@@ -45,7 +52,7 @@ pub enum Answer {
 #[derive(Debug)]
 struct Pending {
     approval: Approval,
-    kernel: Weak<Kernel>,
+    kernel: Weak<dyn Holder>,
     /// Ends the task that denies it at the timeout.
     timer: CancellationToken,
 }
@@ -141,7 +148,7 @@ impl Guard {
     /// Unanswered, it is denied after the approval timeout.
     pub fn hold(
         self: &Arc<Self>,
-        kernel: &Arc<Kernel>,
+        kernel: Arc<dyn Holder>,
         key: &str,
         code: &str,
         reason: &str,
@@ -153,13 +160,15 @@ impl Guard {
             Pending {
                 approval: Approval {
                     id: id.clone(),
-                    kernel_id: kernel.id().to_owned(),
+                    kernel_id: kernel.kernel_id().to_owned(),
                     key: key.to_owned(),
                     code: code.to_owned(),
                     reason: reason.to_owned(),
-                    requested_at: now_iso(),
+                    requested_at: chrono::Utc::now()
+                        .format("%Y-%m-%dT%H:%M:%S%.6fZ")
+                        .to_string(),
                 },
-                kernel: Arc::downgrade(kernel),
+                kernel: Arc::downgrade(&kernel),
                 timer: timer.clone(),
             },
         );

@@ -10,7 +10,7 @@ pub mod link;
 
 use crate::audit::Audit;
 use crate::metrics::{self, Direction, DropReason};
-use crate::policy::{Answer, Guard};
+use crate::policy::{Answer, Guard, Holder};
 use chrono::{DateTime, Utc};
 use clients::{ClientLimits, Clients, Outbound, Take, Ticket};
 use executions::{Executions, Verdict};
@@ -397,7 +397,7 @@ impl Kernel {
             }
             (Decision::Ask(verdict), Some(guard)) => {
                 let request: CodeRequest = message.content.parse().unwrap_or_default();
-                let approval = guard.hold(self, key, &request.code, &verdict.reason);
+                let approval = guard.hold(self.clone(), key, &request.code, &verdict.reason);
                 self.audit_decision(key, message, "ask", Some(&verdict), Some(&approval), None);
                 let reason = describe(&verdict);
                 let text = format!(
@@ -434,7 +434,7 @@ impl Kernel {
 
     /// An administrator answered (or the timeout did) the approval `approval`; false if
     /// this kernel holds no such execution any more.
-    pub fn decide(self: &Arc<Self>, approval: &str, answer: Answer) -> bool {
+    fn decide_held(self: &Arc<Self>, approval: &str, answer: Answer) -> bool {
         let timeout = self
             .guard
             .as_ref()
@@ -586,6 +586,16 @@ fn describe(verdict: &kernelgate_policy::Verdict) -> String {
         "{} (rule {}: {})",
         verdict.reason, verdict.rule, verdict.matched
     )
+}
+
+impl Holder for Kernel {
+    fn kernel_id(&self) -> &str {
+        &self.id
+    }
+
+    fn decide(self: Arc<Self>, approval: &str, answer: Answer) -> bool {
+        self.decide_held(approval, answer)
+    }
 }
 
 impl Dispatch for Kernel {
