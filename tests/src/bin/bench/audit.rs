@@ -1,6 +1,7 @@
-//! What the audit trail costs an execute round trip: the same release build with the audit
-//! log off, written (one `write` per record), and written with `--audit-fsync`, measured
-//! round by round side by side.
+//! What the audit trail and the execution policy cost an execute round trip: the same
+//! release build with the audit log off, written (one `write` per record), written with
+//! `--audit-fsync`, and off with an execution policy (each cell parsed and matched),
+//! measured round by round side by side.
 
 use crate::conn::Conn;
 use crate::procs::{Paths, Server};
@@ -11,19 +12,38 @@ use serde_json::json;
 use std::time::Duration;
 
 /// The modes compared, in table order.
-pub const MODES: [&str; 3] = ["off", "write", "fsync"];
+pub const MODES: [&str; 4] = ["off", "write", "fsync", "policy"];
+
+/// The policy of the `policy` mode: docs/policy.md's example, none of it matching `1+1`.
+const POLICY: &str = r#"
+[[rule]]
+action = "deny"
+reason = "no subprocesses in analyses"
+imports = ["subprocess", "pty"]
+calls = ["os.system", "os.popen"]
+shell = true
+
+[[rule]]
+action = "ask"
+reason = "network access needs a person's OK"
+imports = ["socket", "urllib.request", "http.client", "requests"]
+"#;
 
 pub async fn compare(opts: &Opts, paths: &Paths, results: &mut Results) -> Result<()> {
     let long = Duration::from_secs(120);
     let log_file = paths.work.join("bench-audit.log");
     let log_path = log_file.display().to_string();
+    let policy_file = paths.work.join("bench-policy.toml");
+    std::fs::write(&policy_file, POLICY).context("writing the bench's policy file")?;
+    let policy_path = policy_file.display().to_string();
     let mut servers = Vec::new();
     for mode in MODES {
         let mut extra = vec!["--runtime", "runc", "--audit-log"];
         match mode {
             "off" => extra.push("off"),
             "write" => extra.push(&log_path),
-            _ => extra.extend([log_path.as_str(), "--audit-fsync"]),
+            "fsync" => extra.extend([log_path.as_str(), "--audit-fsync"]),
+            _ => extra.extend(["off", "--policy", policy_path.as_str()]),
         }
         servers.push(Server::kernelgate(paths, 0, &extra).await?);
     }
@@ -35,7 +55,7 @@ pub async fn compare(opts: &Opts, paths: &Paths, results: &mut Results) -> Resul
         c.wait_iopub(long).await?;
         conns.push(c);
     }
-    let mut rt: [Vec<f64>; 3] = Default::default();
+    let mut rt: [Vec<f64>; 4] = Default::default();
     for round in 0..opts.rounds {
         for (m, c) in conns.iter_mut().enumerate() {
             for _ in 0..20 {
@@ -63,6 +83,7 @@ pub async fn compare(opts: &Opts, paths: &Paths, results: &mut Results) -> Resul
         .map(|t| t.lines().count())
         .context("the audit log the bench wrote")?;
     let _ = std::fs::remove_file(&log_file);
+    let _ = std::fs::remove_file(&policy_file);
     for (m, mode) in MODES.iter().enumerate() {
         results.set(
             "audit_execute_rt_ms",

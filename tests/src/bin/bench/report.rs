@@ -258,16 +258,18 @@ pub fn markdown(doc: &Value) -> String {
     out
 }
 
-/// The execute round trip with the audit trail off, written, and synced.
+/// The execute round trip with the audit trail off, written, and synced, and with a policy.
 fn audit_table(m: &Value) -> String {
     let rt = |mode: &str| num(&m["audit_execute_rt_ms"][mode]["p50"]);
     let off = rt("off");
-    let mut out =
-        String::from("\n| audit trail | `1+1` round trip p50 (ms) | vs off |\n|---|---:|---:|\n");
+    let mut out = String::from(
+        "\n| audit trail, policy | `1+1` round trip p50 (ms) | vs off |\n|---|---:|---:|\n",
+    );
     for (mode, label) in [
         ("off", "off (`--audit-log off`)"),
         ("write", "written (default)"),
         ("fsync", "written + `--audit-fsync`"),
+        ("policy", "off, with `--policy` (docs/policy.md's example)"),
     ] {
         let v = rt(mode);
         let ratio = match (off, v) {
