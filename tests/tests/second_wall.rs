@@ -109,6 +109,11 @@ print('done')
         "limited to 1 CPU, the kernel used {cpus:.2} under {}",
         runtime()
     );
-    assert!(cpus >= 0.5, "the kernel did get its CPU: {cpus:.2}");
+    // The reading is this container's: the spin shows in it. (How much CPU the kernel gets
+    // under the limit depends on what else the host runs, so no lower bound on the rate.)
+    assert!(
+        used >= 0.5,
+        "the busy processes' CPU time shows in the kernel's cgroup: {used:.2} s"
+    );
     Ok(())
 }
