@@ -37,10 +37,12 @@ from conftest import ARTIFACTS, POLICY, Gateway, start_gateway, stop_gateway
 
 # Generated requests per operation (plus the document's own examples). Kernel creates and
 # restarts take a second or more each on a loaded 2-core machine.
-EXAMPLES = 12
+EXAMPLES = 25
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 # A generated `timeout` of hours would hold the kernel that long if the code happened to hang.
 MAX_RUN_SECONDS = 5.0
+# The example of the files API's `path` in the document.
+EXAMPLE_FILE = "data/sales.csv"
 
 # Every operation of the HTTP API, as `METHOD path`.
 OPERATIONS = sorted(
@@ -90,6 +92,7 @@ def target(tmp_path_factory) -> Iterator[Target]:
     execution policy of the other tests in force (so the approvals API has a guard)."""
     artifacts = ARTIFACTS / "test_openapi"
     artifacts.mkdir(parents=True, exist_ok=True)
+    (artifacts / "cases.log").write_text("")  # status, method, URL and body of every case
     policy = tmp_path_factory.mktemp("policy") / "policy.toml"
     policy.write_text(POLICY)
     gw = start_gateway(
@@ -188,6 +191,11 @@ def check_case(case, target: Target) -> None:
         if uses_real_kernel(case.path_parameters["id"]):
             case.path_parameters["id"] = target.kernel_id
     headers = {"Authorization": f"token {target.gateway.token}"}
+    # The document's example file exists whenever a case names it, so reads and deletes of
+    # real files (and listings of real directories) are exercised too.
+    if path.startswith("/api/kernels/{id}/files") and case.path_parameters["id"] == target.kernel_id:
+        r = target.gateway.request("PUT", f"/api/kernels/{target.kernel_id}/files/{EXAMPLE_FILE}", data=b"m,sales\n1,100\n")
+        assert r.status_code == 201, r.text
     if path == "/api/kernels/{id}/execute" and isinstance(case.body, dict):
         timeout = case.body.get("timeout")
         number = isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
@@ -197,6 +205,8 @@ def check_case(case, target: Target) -> None:
             headers["Accept"] = "application/x-ndjson"
 
     response = case.call(headers=headers, timeout=120)
+    with open(ARTIFACTS / "test_openapi" / "cases.log", "a") as log:
+        log.write(f"{response.status_code} {case.method} {response.request.url} {str(case.body)[:200]!r}\n")
     case.validate_response(response, checks=CHECKS, headers=headers)
 
     # Schemathesis keeps every value of a header.

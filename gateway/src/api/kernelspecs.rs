@@ -115,6 +115,7 @@ fn by_name<S: serde::Serializer>(specs: &[KernelSpecModel], s: S) -> Result<S::O
 #[into_params(parameter_in = Path)]
 pub struct SpecPath {
     /// The kernel spec's name.
+    #[param(example = "python3")]
     name: String,
 }
 
@@ -123,8 +124,10 @@ pub struct SpecPath {
 #[into_params(parameter_in = Path)]
 pub struct ResourcePath {
     /// The kernel spec's name.
+    #[param(example = "python3")]
     name: String,
-    /// `logo-64x64.png` or `logo-svg.svg`.
+    /// One of the logos; any other name answers 404.
+    #[param(pattern = r"^(logo-64x64\.png|logo-svg\.svg)$", example = "logo-svg.svg")]
     file: String,
 }
 

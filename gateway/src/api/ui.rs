@@ -37,7 +37,8 @@ pub async fn index() -> Response {
 #[derive(Debug, Deserialize, IntoParams)]
 #[into_params(parameter_in = Path)]
 pub struct AssetPath {
-    /// `app.js`, `style.css` or `logo.svg`.
+    /// One of the console's files; any other name answers 404.
+    #[param(pattern = r"^(app\.js|style\.css|logo\.svg)$", example = "app.js")]
     file: String,
 }
 
