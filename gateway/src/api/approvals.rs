@@ -4,11 +4,12 @@
 
 use super::auth::Caller;
 use super::error::{body_refused, ApiError, ErrorBody};
+use super::extract::Path;
 use super::AppState;
 use crate::policy::{Answer, Approval};
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;

@@ -7,13 +7,14 @@
 
 use super::auth::Caller;
 use super::error::{body_refused, ApiError, ErrorBody};
+use super::extract::Path;
 use super::kernels::{find, KernelPath};
 use super::AppState;
 use crate::kernel::executions::TRUNCATED_METADATA;
 use crate::kernels::{Kernels, LiveKernel};
 use axum::body::{Body, Bytes};
 use axum::extract::rejection::BytesRejection;
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::http::{header, HeaderMap};
 use axum::response::{IntoResponse, Response};
 use axum::Json;

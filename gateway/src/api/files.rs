@@ -9,11 +9,12 @@
 
 use super::auth::Caller;
 use super::error::{body_refused, ApiError, ErrorBody};
+use super::extract::Path;
 use super::kernels::{find, KernelPath};
 use super::AppState;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};

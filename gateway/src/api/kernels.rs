@@ -2,12 +2,13 @@
 
 use super::auth::Caller;
 use super::error::{body_refused, ApiError, ErrorBody};
+use super::extract::Path;
 use super::AppState;
 use crate::kernel::iso;
 use crate::kernels::LiveKernel;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;

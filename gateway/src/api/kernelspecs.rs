@@ -2,9 +2,10 @@
 //! `/kernelspecs/{name}/{file}`, from the gateway's [`crate::kernelspecs`].
 
 use super::error::{ApiError, ErrorBody};
+use super::extract::Path;
 use super::AppState;
 use crate::kernelspecs::{KernelSpec, DEFAULT_SPEC};
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -127,7 +128,10 @@ pub struct ResourcePath {
     #[param(example = "python3")]
     name: String,
     /// One of the logos; any other name answers 404.
-    #[param(pattern = r"^(logo-64x64\.png|logo-svg\.svg)$", example = "logo-svg.svg")]
+    #[param(
+        pattern = r"^(logo-64x64\.png|logo-svg\.svg)$",
+        example = "logo-svg.svg"
+    )]
     file: String,
 }
 

@@ -6,6 +6,7 @@ pub mod auth;
 pub mod channels;
 pub mod error;
 pub mod execute;
+pub mod extract;
 pub mod files;
 pub mod kernels;
 pub mod kernelspecs;

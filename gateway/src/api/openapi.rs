@@ -168,6 +168,19 @@ pub fn document() -> OpenApi {
             "403",
             "With `--no-auth`, the `Host` is not a loopback name (a guard against DNS rebinding)",
         );
+        // extract::Path, for every path parameter.
+        let path_parameters = op
+            .parameters
+            .iter()
+            .flatten()
+            .any(|p| matches!(p.parameter_in, utoipa::openapi::path::ParameterIn::Path));
+        if path_parameters {
+            refuse(
+                op,
+                "400",
+                "A path parameter is not UTF-8 once percent-decoded",
+            );
+        }
         // DefaultBodyLimit, around every route.
         if op.request_body.is_some() {
             refuse(op, "413", "The body is larger than `--max-message-mb`");

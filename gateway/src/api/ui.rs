@@ -5,7 +5,7 @@
 //! These routes are public: the page holds no secret. It asks for the token and sends it
 //! with each API call (and as `?token=` on the WebSocket, where browsers cannot set headers).
 
-use axum::extract::Path;
+use super::extract::Path;
 use axum::http::{header, HeaderName, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
