@@ -11,10 +11,9 @@ file operations in its container, real restarts; the rest of the time a generate
 from __future__ import annotations
 
 import json
-import time
+import re
 import zlib
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterator
 
 import jsonschema
@@ -139,6 +138,22 @@ def test_the_document_is_valid_openapi_3_1_and_lists_every_route(target: Target)
         elif {} not in security:
             assert r.status_code in (403, 429), f"{op} without a token: {r.status_code} {r.text}"
             assert set(r.json()) == {"reason", "message"}
+
+
+def test_undecodable_path_parameters_are_documented_errors(target: Target):
+    """Generated parameters are always UTF-8; `%FF` is not: a JSON 400 on every operation
+    with path parameters, as the document says."""
+    doc = target.document
+    for op in OPERATIONS:
+        method, path = op.split(" ", 1)
+        if "{" not in path:
+            continue
+        assert "400" in doc["paths"][path][method.lower()]["responses"], op
+        url = target.gateway.url + re.sub(r"\{[a-z]+\}", "%FF", path)
+        r = target.gateway.request(method, url[len(target.gateway.url):])
+        assert r.status_code == 400, f"{op}: {r.status_code} {r.text}"
+        assert r.headers["content-type"] == "application/json", op
+        assert set(r.json()) == {"reason", "message"}, op
 
 
 @pytest.fixture(scope="module")
