@@ -445,7 +445,7 @@ mod tests {
             "the channels WebSocket is told in prose: {description}"
         );
         assert_eq!(
-            serde_json::to_value(&document()).expect("json")["openapi"],
+            serde_json::to_value(document()).expect("json")["openapi"],
             "3.1.0"
         );
     }
