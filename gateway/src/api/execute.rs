@@ -162,10 +162,12 @@ pub struct End {
     truncated: bool,
 }
 
-/// Runs code in the kernel and answers when it is done, with everything it produced; with
-/// `Accept: application/x-ndjson`, streams one JSON object per line as output arrives
-/// instead. Calls on one kernel run one at a time in arrival order; a caller that hangs up
-/// has its run interrupted. `input()` is refused.
+/// Runs code and answers with everything it produced.
+///
+/// The answer comes when the run is done; with `Accept: application/x-ndjson`, one JSON
+/// object per line streams as output arrives instead. Calls on one kernel run one at a
+/// time in arrival order; a caller that hangs up has its run interrupted. `input()` is
+/// refused.
 #[utoipa::path(
     post, path = "/api/kernels/{id}/execute", tag = "agent", operation_id = "execute",
     params(KernelPath),

@@ -143,6 +143,7 @@ fn json(bytes: Vec<u8>) -> Response {
         (status = 200, description = "The entries of the kernel's working directory", body = [FileEntry]),
         (status = 404, description = "No such kernel", body = ErrorBody),
         (status = 413, description = "The listing is larger than `--max-message-mb`", body = ErrorBody),
+        (status = 500, description = "The operation failed inside the container in a way it does not foresee (the message carries its error output)", body = ErrorBody),
         (status = 503, description = "Docker could not run the operation in the kernel's container", body = ErrorBody),
     ),
 )]
@@ -168,6 +169,7 @@ pub async fn list_root(
         (status = 404, description = "No such kernel, or no such file", body = ErrorBody),
         (status = 409, description = "A part of the path is a file, not a directory", body = ErrorBody),
         (status = 413, description = "The file is larger than `--max-message-mb`", body = ErrorBody),
+        (status = 500, description = "The operation failed inside the container in a way it does not foresee (the message carries its error output)", body = ErrorBody),
         (status = 503, description = "Docker could not run the operation in the kernel's container", body = ErrorBody),
     ),
 )]
@@ -198,6 +200,7 @@ pub async fn get(
         (status = 403, description = "The kernel's user may not write there", body = ErrorBody),
         (status = 404, description = "No such kernel", body = ErrorBody),
         (status = 409, description = "A directory has that name, or a part of the path is a file", body = ErrorBody),
+        (status = 500, description = "The operation failed inside the container in a way it does not foresee (the message carries its error output)", body = ErrorBody),
         (status = 503, description = "Docker could not run the operation in the kernel's container", body = ErrorBody),
         (status = 507, description = "The kernel's working directory (`--kernel-disk-mb`) is full", body = ErrorBody),
     ),
@@ -226,6 +229,7 @@ pub async fn put(
         (status = 403, description = "The kernel's user may not delete it", body = ErrorBody),
         (status = 404, description = "No such kernel, or no such file", body = ErrorBody),
         (status = 409, description = "The directory is not empty", body = ErrorBody),
+        (status = 500, description = "The operation failed inside the container in a way it does not foresee (the message carries its error output)", body = ErrorBody),
         (status = 503, description = "Docker could not run the operation in the kernel's container", body = ErrorBody),
     ),
 )]

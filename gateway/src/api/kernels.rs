@@ -108,8 +108,10 @@ pub struct CreateBody {
     env: BTreeMap<String, Value>,
 }
 
-/// Starts a kernel (from the warm pool when one is ready). A client that hangs up while it
-/// starts has it rolled back.
+/// Starts a kernel.
+///
+/// From the warm pool when one is ready. A client that hangs up while it starts has it
+/// rolled back.
 #[utoipa::path(
     post, path = "/api/kernels", tag = "kernels", operation_id = "create_kernel",
     request_body(content = Option<CreateBody>, content_type = "application/json"),

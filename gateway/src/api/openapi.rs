@@ -107,8 +107,10 @@ static DOCUMENT: LazyLock<String> = LazyLock::new(|| {
     serde_json::to_string(&document()).unwrap_or_else(|_| "{}".to_owned())
 });
 
-/// This document (OpenAPI 3.1): served without a token, like `GET /api`, since it holds no
-/// secret and clients read it before they have one.
+/// This document (OpenAPI 3.1).
+///
+/// Served without a token, like `GET /api`: it holds no secret, and clients read it before
+/// they have one.
 #[utoipa::path(
     get, path = "/api/openapi.json", tag = "meta", operation_id = "openapi",
     responses((status = 200, description = "The OpenAPI 3.1 document of this gateway",

@@ -82,8 +82,9 @@ fn pool_state_schema() -> utoipa::openapi::Object {
         .build()
 }
 
-/// Kernels can be started: Docker answers and the image is there (a readiness probe; Docker
-/// is asked at most every 2 s).
+/// Kernels can be started (a readiness probe).
+///
+/// Docker answers and the image is there; Docker is asked at most every 2 s.
 #[utoipa::path(
     get, path = "/readyz", tag = "operations", operation_id = "readyz",
     responses(
@@ -147,8 +148,9 @@ pub async fn readyz(State(state): State<AppState>) -> Response {
     (status, Json(body)).into_response()
 }
 
-/// Prometheus metrics (OpenMetrics text). An admin key or the `--metrics-token`, unless the
-/// gateway runs with `--metrics-public`.
+/// Prometheus metrics (OpenMetrics text).
+///
+/// An admin key or the `--metrics-token`, unless the gateway runs with `--metrics-public`.
 #[utoipa::path(
     get, path = "/metrics", tag = "operations", operation_id = "metrics",
     security(("token" = []), ("bearer" = []), ("token_query" = []), ()),
