@@ -156,6 +156,30 @@ def test_undecodable_path_parameters_are_documented_errors(target: Target):
         assert set(r.json()) == {"reason", "message"}, op
 
 
+def test_both_answers_of_the_agent_api_match_their_schemas(target: Target):
+    """The generated cases rarely produce output; this run has every kind: stdout, stderr,
+    a display, the cell's value and an error, as JSON and as NDJSON lines."""
+    code = (
+        "import sys\nfrom IPython.display import display, HTML\nprint('out')\n"
+        "print('err', file=sys.stderr)\ndisplay(HTML('<b>x</b>'))\n"
+        "if 'ran' in globals():\n    1 / 0\nran = True\n41 + 1"
+    )
+    path = f"/api/kernels/{target.kernel_id}/execute"
+    r = target.gateway.request("POST", path, json={"code": code, "timeout": 30})
+    assert r.status_code == 200 and r.headers["content-type"] == "application/json", r.text
+    result = r.json()
+    validator(target.document, "ExecuteResult").validate(result)
+    assert (result["status"], result["stdout"], result["stderr"]) == ("ok", "out\n", "err\n")
+    assert [x["is_main_result"] for x in result["results"]] == [False, True]
+
+    streaming = {**target.gateway.headers(), "Accept": "application/x-ndjson"}
+    r = requests.post(target.gateway.url + path, json={"code": code, "timeout": 30}, headers=streaming, timeout=60)
+    assert r.status_code == 200 and r.headers["content-type"] == "application/x-ndjson", r.text
+    lines = check_ndjson(target.document, r.text)
+    assert [line["type"] for line in lines] == ["stdout", "stderr", "result", "error", "end"]
+    assert lines[-1]["status"] == "error"
+
+
 @pytest.fixture(scope="module")
 def api_schema(target: Target):
     config = SchemathesisConfig.from_dict(
@@ -221,12 +245,11 @@ def check_case(case, target: Target) -> None:
 
     response = case.call(headers=headers, timeout=120)
     with open(ARTIFACTS / "test_openapi" / "cases.log", "a") as log:
-        log.write(f"{response.status_code} {case.method} {response.request.url} {str(case.body)[:200]!r}\n")
+        sent = f"{case.method} {response.request.url} {str(case.body)[:200]!r}"
+        log.write(f"{response.status_code} {content_type(response)} {sent}\n")
     case.validate_response(response, checks=CHECKS, headers=headers)
 
-    # Schemathesis keeps every value of a header.
-    content_type = {k.lower(): v for k, v in response.headers.items()}.get("content-type", [""])
-    if content_type[0].startswith("application/x-ndjson"):
+    if content_type(response).startswith("application/x-ndjson"):
         check_ndjson(target.document, response.text)
     # Keep the table within --max-kernels: what a case created goes again; what it deleted
     # is replaced.
@@ -236,11 +259,23 @@ def check_case(case, target: Target) -> None:
         target.kernel_id = target.create_kernel()
 
 
-def check_ndjson(document: dict, text: str) -> None:
+def content_type(response) -> str:
+    """Schemathesis keeps every value of a header."""
+    values = {k.lower(): v for k, v in response.headers.items()}.get("content-type")
+    return values[0] if values else ""
+
+
+def validator(document: dict, name: str) -> jsonschema.Draft202012Validator:
+    """A validator of the document's schema `name`."""
+    schema = {"$ref": f"#/components/schemas/{name}", "components": document["components"]}
+    return jsonschema.Draft202012Validator(schema)
+
+
+def check_ndjson(document: dict, text: str) -> list[dict]:
     """Each line of a streamed run is one `Line` object of the document; the last is `end`."""
-    line_schema = {"$ref": "#/components/schemas/Line", "components": document["components"]}
-    lines = text.splitlines()
+    lines = [json.loads(line) for line in text.splitlines()]
     assert lines, "a streamed run sends at least its end line"
     for line in lines:
-        jsonschema.Draft202012Validator(line_schema).validate(json.loads(line))
-    assert json.loads(lines[-1])["type"] == "end"
+        validator(document, "Line").validate(line)
+    assert lines[-1]["type"] == "end"
+    return lines

@@ -1,5 +1,6 @@
 //! HTTP and WebSockets: Jupyter Server's kernel REST API, the channels WebSocket, and
-//! token authentication. Handlers stay thin; the work is in [`crate::kernels`].
+//! token authentication, all described by the OpenAPI document of [`openapi`]. Handlers
+//! stay thin; the work is in [`crate::kernels`].
 
 pub mod approvals;
 pub mod auth;
@@ -71,6 +72,8 @@ frames. Clients send unsigned messages: the gateway signs them and fills missing
 fields. A new socket with the same `session_id` takes over and first receives what was \
 produced while none was connected. 404 for an unknown kernel.";
 
+/// Every route of the gateway. A new one goes here: as an operation (`routes!` of handlers
+/// annotated with `#[utoipa::path]`), or as prose when OpenAPI cannot describe it.
 pub fn surface() -> Surface {
     let public = Routes::default()
         .operations(routes!(ui::index))
