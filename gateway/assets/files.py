@@ -2,9 +2,17 @@
 # Usage: python3 -c <this> OP RELPATH    (OP: get, put, list, delete; put reads stdin)
 # Paths are relative to the kernel's working directory; anything that would leave it
 # (absolute paths, "..", symlinks pointing out) is refused. Exit codes carry the outcome.
-import json, os, stat, sys
+import errno, json, os, stat, sys
 
-OK, NOT_FOUND, BAD_PATH, IS_DIR, NOT_DIR, EXISTS_DIR = 0, 10, 11, 12, 13, 14
+OK, NOT_FOUND, BAD_PATH, IS_DIR, NOT_DIR, EXISTS_DIR, FORBIDDEN, NO_SPACE = 0, 10, 11, 12, 13, 14, 15, 16
+# What an OSError means for the caller; any other is a failure of the gateway's (exit 1).
+ERRNO_EXITS = {
+    errno.ENOENT: NOT_FOUND,
+    errno.ELOOP: BAD_PATH, errno.ENAMETOOLONG: BAD_PATH, errno.EINVAL: BAD_PATH,
+    errno.ENOTDIR: NOT_DIR, errno.EEXIST: NOT_DIR, errno.EISDIR: IS_DIR, errno.ENOTEMPTY: IS_DIR,
+    errno.EACCES: FORBIDDEN, errno.EPERM: FORBIDDEN, errno.EROFS: FORBIDDEN,
+    errno.ENOSPC: NO_SPACE, errno.EDQUOT: NO_SPACE, errno.EFBIG: NO_SPACE,
+}
 ROOT = os.path.realpath(os.environ.get("KERNELGATE_WORKDIR") or os.getcwd())
 
 
@@ -68,13 +76,20 @@ def main():
             fail(BAD_PATH, "path leads outside the working directory (through a symlink)")
         tmp = path + ".kernelgate-upload"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
-        with os.fdopen(fd, "wb") as f:
-            while True:
-                chunk = sys.stdin.buffer.read(1 << 20)
-                if not chunk:
-                    break
-                f.write(chunk)
-        os.replace(tmp, path)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                while True:
+                    chunk = sys.stdin.buffer.read(1 << 20)
+                    if not chunk:
+                        break
+                    f.write(chunk)
+            os.replace(tmp, path)
+        except OSError:
+            try:
+                os.unlink(tmp)  # a full disk leaves no half upload behind
+            except OSError:
+                pass
+            raise
         json.dump(entry(path), sys.stdout)
     elif op == "delete":
         if path == ROOT:
@@ -95,4 +110,4 @@ def main():
 try:
     main()
 except OSError as e:
-    fail(BAD_PATH if e.errno in (40, 36) else 1, f"{e.strerror}")
+    fail(ERRNO_EXITS.get(e.errno, 1), f"{e.strerror}")

@@ -16,15 +16,20 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 /// One execution waiting for an administrator, as the approvals API lists it.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 pub struct Approval {
+    /// What `POST /api/kernelgate/approvals/{id}` answers.
+    #[schema(format = "uuid")]
     pub id: String,
+    #[schema(format = "uuid")]
     pub kernel_id: String,
     /// The key that asked to run it.
     pub key: String,
     pub code: String,
     /// The matching rule's reason.
     pub reason: String,
+    /// ISO 8601, microseconds, UTC.
+    #[schema(example = "2026-11-25T10:02:11.532114Z")]
     pub requested_at: String,
 }
 

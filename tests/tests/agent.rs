@@ -189,6 +189,69 @@ async fn concurrent_calls_run_in_order() -> Result<()> {
     Ok(())
 }
 
+/// What the kernel's own filesystem refuses is the caller's problem, said as such: a file
+/// where a directory should be (409), no permission (403), a full working directory (507,
+/// with no half upload left behind). Never a 500.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn file_errors_say_what_the_filesystem_refused() -> Result<()> {
+    let gw = Gateway::start(&["--kernel-disk-mb", "4"]).await?;
+    let id = kernel(&gw).await?;
+    let call = |method: reqwest::Method, path: &str, body: Vec<u8>| {
+        gw.request(method, &format!("/api/kernels/{id}/files/{path}"))
+            .body(body)
+            .send()
+    };
+    let answer = |r: reqwest::Response| async move {
+        let status = r.status().as_u16();
+        let body: Value = r.json().await.unwrap_or(Value::Null);
+        (
+            status,
+            body["message"].as_str().unwrap_or_default().to_owned(),
+        )
+    };
+
+    assert_eq!(
+        call(reqwest::Method::PUT, "a", b"x".to_vec())
+            .await?
+            .status(),
+        201
+    );
+    let (status, message) = answer(call(reqwest::Method::PUT, "a/b", b"x".to_vec()).await?).await;
+    assert_eq!((status, message.as_str()), (409, "a/b: File exists"));
+
+    let r = execute(
+        &gw,
+        &id,
+        "import os\nos.makedirs('locked')\nopen('locked/f', 'w').write('1')\nos.chmod('locked/f', 0)\nos.chmod('locked', 0o500)",
+        None,
+    )
+    .await?;
+    assert_eq!(r["status"], "ok", "{r}");
+    for (method, path) in [
+        (reqwest::Method::GET, "locked/f"),
+        (reqwest::Method::PUT, "locked/g"),
+        (reqwest::Method::DELETE, "locked/f"),
+    ] {
+        let (status, message) = answer(call(method.clone(), path, b"x".to_vec()).await?).await;
+        assert_eq!(status, 403, "{method} {path}: {message}");
+        assert!(message.contains("Permission denied"), "{message}");
+    }
+
+    let (status, message) =
+        answer(call(reqwest::Method::PUT, "big", vec![7u8; 5 << 20]).await?).await;
+    assert_eq!(status, 507, "{message}");
+    assert!(message.contains("No space left"), "{message}");
+    let (_, listing) = gw.get_json(&format!("/api/kernels/{id}/files")).await?;
+    let names: Vec<&str> = listing
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|e| e["name"].as_str())
+        .collect();
+    assert_eq!(names, ["a", "locked"], "no half upload stays");
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn files_go_in_and_out_and_stay_confined() -> Result<()> {
     let gw = Gateway::start(&["--max-message-mb", "1"]).await?;

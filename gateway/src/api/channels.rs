@@ -6,12 +6,13 @@
 
 use super::auth::Caller;
 use super::error::ApiError;
+use super::extract::Path;
 use super::kernels::find;
 use super::AppState;
 use crate::kernel::{now_iso, Attachment};
 use crate::metrics::{self, DropReason};
 use axum::extract::ws::{CloseFrame, Message as WsMessage, WebSocket, WebSocketUpgrade};
-use axum::extract::{Path, Query, State};
+use axum::extract::{Query, State};
 use axum::response::Response;
 use futures::{Sink, SinkExt, Stream, StreamExt};
 use kernelgate_protocol::websocket::{self, Encoding, Frame, V1_SUBPROTOCOL};

@@ -4,9 +4,23 @@
 use crate::backend::BackendError;
 use crate::kernel::KernelError;
 use crate::kernels::CreateError;
+use axum::extract::rejection::BytesRejection;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
+use serde::Serialize;
+use utoipa::ToSchema;
+
+/// The body of every error answer.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ErrorBody {
+    /// The HTTP reason phrase of the status (`Not Found`).
+    #[schema(example = "Not Found")]
+    pub reason: String,
+    /// What went wrong, and often what to do about it; safe to show to a user.
+    #[schema(example = "Kernel does not exist: 2f0c8a1e-8d2b-4c11-9d3e-5b6f7a8b9c0d")]
+    pub message: String,
+}
 
 #[derive(Debug)]
 pub struct ApiError {
@@ -36,10 +50,27 @@ impl ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let reason = self.status.canonical_reason().unwrap_or("Error");
-        let body = serde_json::json!({"reason": reason, "message": self.message});
+        let body = ErrorBody {
+            reason: self.status.canonical_reason().unwrap_or("Error").to_owned(),
+            message: self.message,
+        };
         (self.status, Json(body)).into_response()
     }
+}
+
+/// The answer to a request body that could not be read: over `--max-message-mb` (413), or
+/// cut short. The rest of the body is not read, so the connection cannot be reused; saying
+/// so keeps clients from sending their next request on it.
+pub fn body_refused(e: BytesRejection, limit_bytes: usize) -> Response {
+    let error = ApiError::new(
+        e.status(),
+        format!(
+            "request body refused: {} (the limit is {} MiB)",
+            e.body_text(),
+            limit_bytes >> 20
+        ),
+    );
+    ([(axum::http::header::CONNECTION, "close")], error).into_response()
 }
 
 impl From<BackendError> for ApiError {

@@ -6,25 +6,28 @@
 //! mid-run gets its run interrupted too. The kernel's state survives both.
 
 use super::auth::Caller;
-use super::error::ApiError;
-use super::kernels::find;
+use super::error::{body_refused, ApiError, ErrorBody};
+use super::extract::Path;
+use super::kernels::{find, KernelPath};
 use super::AppState;
 use crate::kernel::executions::TRUNCATED_METADATA;
 use crate::kernels::{Kernels, LiveKernel};
 use axum::body::{Body, Bytes};
-use axum::extract::{Path, State};
+use axum::extract::rejection::BytesRejection;
+use axum::extract::State;
 use axum::http::{header, HeaderMap};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use kernelgate_protocol::content::{ErrorContent, ExecuteRequest};
 use kernelgate_protocol::execution::{Display, Event, Interruption, Phase, Status};
 use kernelgate_protocol::{Channel, Execution, Outcome, RawJson};
-use serde::Deserialize;
-use serde_json::{json, Map, Value};
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 use tracing::Instrument;
+use utoipa::ToSchema;
 
 /// Used when a call gives no timeout.
 const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
@@ -35,33 +38,110 @@ const INTERRUPT_GRACE: Duration = Duration::from_secs(10);
 /// then ends with what arrived instead of waiting for its timeout.
 const IOPUB_GRACE: Duration = Duration::from_secs(10);
 
-#[derive(Debug, Deserialize)]
+/// The body of `POST /api/kernels/{id}/execute`.
+#[derive(Debug, Deserialize, ToSchema)]
 pub struct ExecuteBody {
+    /// The cell's code (IPython syntax).
+    #[schema(example = "x = 41\nx + 1")]
     code: String,
-    /// Seconds; fractional values are allowed.
+    /// Seconds, fractions allowed, above 0 and at most 86400 (default 300). When it passes,
+    /// the kernel is interrupted and the answer has status `timeout`.
     #[serde(default)]
+    #[schema(exclusive_minimum = 0.0, maximum = 86400.0, example = 30)]
     timeout: Option<f64>,
     /// Which agent runs this, for the audit trail.
     #[serde(default)]
     agent_id: Option<String>,
 }
 
+fn status_schema() -> utoipa::openapi::Object {
+    utoipa::openapi::ObjectBuilder::new()
+        .schema_type(utoipa::openapi::schema::Type::String)
+        .enum_values(Some(["ok", "error", "timeout"]))
+        .build()
+}
+
+/// A display (`plt.show()`, `display(...)`) or the cell's value, with every MIME type the
+/// kernel sent (`image/png` as base64).
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ResultOutput {
+    /// MIME type to data: `text/plain`, `text/html`, `image/png`, `application/json`, ...
+    #[schema(value_type = HashMap<String, Value>)]
+    data: Map<String, Value>,
+    #[schema(value_type = HashMap<String, Value>)]
+    metadata: Map<String, Value>,
+    /// The cell's value (`execute_result`), as opposed to a display.
+    is_main_result: bool,
+}
+
+impl From<Display> for ResultOutput {
+    fn from(d: Display) -> Self {
+        ResultOutput {
+            data: d.data,
+            metadata: d.metadata,
+            is_main_result: d.is_result,
+        }
+    }
+}
+
+/// The exception that ended the run (`KernelDied` when the kernel died under it).
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ErrorOutput {
+    #[schema(example = "ZeroDivisionError")]
+    ename: String,
+    #[schema(example = "division by zero")]
+    evalue: String,
+    /// Lines with ANSI colour codes, as IPython prints them.
+    traceback: Vec<String>,
+}
+
+impl From<ErrorContent> for ErrorOutput {
+    fn from(e: ErrorContent) -> Self {
+        ErrorOutput {
+            ename: e.ename,
+            evalue: e.evalue,
+            traceback: e.traceback,
+        }
+    }
+}
+
+/// The answer of a run, once it is done.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ExecuteResult {
+    #[schema(schema_with = status_schema)]
+    status: &'static str,
+    execution_count: Option<i64>,
+    stdout: String,
+    stderr: String,
+    results: Vec<ResultOutput>,
+    /// Set when `status` is `error`.
+    error: Option<ErrorOutput>,
+    duration_ms: u64,
+    /// Output past `--max-output-mb` was dropped.
+    truncated: bool,
+}
+
+/// One line of a streamed run (`Accept: application/x-ndjson`): each output as it arrives,
+/// and last the `end` line.
+#[derive(Debug, Serialize, ToSchema)]
+#[serde(tag = "type", rename_all = "lowercase")]
+pub enum Line {
+    Stdout { text: String },
+    Stderr { text: String },
+    Result(ResultOutput),
+    Error(ErrorOutput),
+    End(End),
+}
+
 /// One NDJSON line of a streamed run: an output, or the `end` line with the status.
-fn event_line(event: &Event) -> Option<Value> {
+fn event_line(event: Event) -> Option<Line> {
     Some(match event {
-        Event::Stream { name, text } => json!({"type": name, "text": text}),
-        Event::Display(d) => result_json(d),
-        Event::Error(e) => error_json(e),
+        Event::Stream { name, text } if name == "stderr" => Line::Stderr { text },
+        Event::Stream { text, .. } => Line::Stdout { text },
+        Event::Display(d) => Line::Result(d.into()),
+        Event::Error(e) => Line::Error(e.into()),
         _ => return None,
     })
-}
-
-fn result_json(d: &Display) -> Value {
-    json!({"type": "result", "data": d.data, "metadata": d.metadata, "is_main_result": d.is_result})
-}
-
-fn error_json(e: &ErrorContent) -> Value {
-    json!({"type": "error", "ename": e.ename, "evalue": e.evalue, "traceback": e.traceback})
 }
 
 /// What [`run`] sends: each event as it happens, then how the run ended.
@@ -71,28 +151,47 @@ enum Progress {
     End(End),
 }
 
-#[derive(Debug)]
-struct End {
-    status: Status,
+/// How a run ended: the last line of a streamed run.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct End {
+    #[schema(schema_with = status_schema)]
+    status: &'static str,
     execution_count: Option<i64>,
     duration_ms: u64,
     /// Output past `--max-output-mb` was dropped.
     truncated: bool,
 }
 
-impl End {
-    fn to_json(&self) -> Value {
-        json!({"type": "end", "status": self.status.as_str(), "execution_count": self.execution_count, "duration_ms": self.duration_ms, "truncated": self.truncated})
-    }
-}
-
+/// Runs code and answers with everything it produced.
+///
+/// The answer comes when the run is done; with `Accept: application/x-ndjson`, one JSON
+/// object per line streams as output arrives instead. Calls on one kernel run one at a
+/// time in arrival order; a caller that hangs up has its run interrupted. `input()` is
+/// refused.
+#[utoipa::path(
+    post, path = "/api/kernels/{id}/execute", tag = "agent", operation_id = "execute",
+    params(KernelPath),
+    request_body = ExecuteBody,
+    responses(
+        (status = 200, description = "The run is done (`application/json`, the default), or its \
+            outputs stream as they come (`application/x-ndjson`, when the `Accept` header names \
+            it: one `Line` object per line, the last of type `end`)",
+         content((ExecuteResult = "application/json"), (Line = "application/x-ndjson"))),
+        (status = 400, description = "The body is not JSON of this shape, or the timeout is out of range", body = ErrorBody),
+        (status = 404, description = "No such kernel", body = ErrorBody),
+    ),
+)]
 pub async fn execute(
     State(state): State<AppState>,
     caller: Caller,
-    Path(id): Path<String>,
+    Path(KernelPath { id }): Path<KernelPath>,
     headers: HeaderMap,
-    body: Bytes,
+    body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
+    let body = match body {
+        Ok(body) => body,
+        Err(e) => return Ok(body_refused(e, state.max_message_bytes)),
+    };
     let body: ExecuteBody = serde_json::from_slice(&body).map_err(|e| {
         ApiError::bad_request(format!(
             "body must be JSON like {{\"code\": \"1+1\", \"timeout\": 30}}: {e}"
@@ -127,11 +226,11 @@ pub async fn execute(
         let lines = futures::stream::unfold(rx, |mut rx| async move {
             loop {
                 let line = match rx.recv().await? {
-                    Progress::Event(e) => event_line(&e),
-                    Progress::End(end) => Some(end.to_json()),
+                    Progress::Event(e) => event_line(e),
+                    Progress::End(end) => Some(Line::End(end)),
                 };
-                if let Some(line) = line {
-                    let mut line = line.to_string();
+                // Serializing plain strings and maps cannot fail; a line that did is skipped.
+                if let Some(Ok(mut line)) = line.map(|l| serde_json::to_string(&l)) {
                     line.push('\n');
                     return Some((Ok::<_, std::convert::Infallible>(line), rx));
                 }
@@ -147,10 +246,10 @@ pub async fn execute(
 }
 
 /// Folds a run's events into the single JSON answer.
-async fn collect(mut rx: mpsc::Receiver<Progress>) -> Value {
+async fn collect(mut rx: mpsc::Receiver<Progress>) -> ExecuteResult {
     let mut outcome = Outcome::default();
     let mut end = End {
-        status: Status::Error,
+        status: Status::Error.as_str(),
         execution_count: None,
         duration_ms: 0,
         truncated: false,
@@ -161,27 +260,16 @@ async fn collect(mut rx: mpsc::Receiver<Progress>) -> Value {
             Progress::End(e) => end = e,
         }
     }
-    // The same objects as the streamed lines, without their `type`.
-    let untyped = |mut v: Value| {
-        if let Some(o) = v.as_object_mut() {
-            o.remove("type");
-        }
-        v
-    };
-    let results: Vec<Value> = outcome
-        .displays
-        .iter()
-        .map(|d| untyped(result_json(d)))
-        .collect();
-    let error = outcome
-        .error
-        .as_ref()
-        .map_or(Value::Null, |e| untyped(error_json(e)));
-    json!({
-        "status": end.status.as_str(), "execution_count": end.execution_count,
-        "stdout": outcome.stdout, "stderr": outcome.stderr, "results": results, "error": error,
-        "duration_ms": end.duration_ms, "truncated": end.truncated,
-    })
+    ExecuteResult {
+        status: end.status,
+        execution_count: end.execution_count,
+        stdout: outcome.stdout,
+        stderr: outcome.stderr,
+        results: outcome.displays.into_iter().map(Into::into).collect(),
+        error: outcome.error.map(Into::into),
+        duration_ms: end.duration_ms,
+        truncated: end.truncated,
+    }
 }
 
 /// Runs one execution to its end, sending events as they come. Stops the kernel's work
@@ -221,7 +309,7 @@ async fn run(
     let mut truncated = false;
     let end = |execution: &Execution, truncated: bool| {
         Progress::End(End {
-            status: execution.status(),
+            status: execution.status().as_str(),
             execution_count: execution.reply().and_then(|r| r.execution_count),
             duration_ms: started.elapsed().as_millis() as u64,
             truncated,

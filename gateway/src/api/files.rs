@@ -8,14 +8,17 @@
 //! so callers get a clear error rather than a surprise.
 
 use super::auth::Caller;
-use super::error::ApiError;
-use super::kernels::find;
+use super::error::{body_refused, ApiError, ErrorBody};
+use super::extract::Path;
+use super::kernels::{find, KernelPath};
 use super::AppState;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
+use serde::{Deserialize, Serialize};
+use utoipa::{IntoParams, ToSchema};
 
 const SCRIPT: &str = include_str!("../../assets/files.py");
 
@@ -25,6 +28,44 @@ const BAD_PATH: i64 = 11;
 const IS_DIR: i64 = 12;
 const NOT_DIR: i64 = 13;
 const EXISTS_DIR: i64 = 14;
+const FORBIDDEN: i64 = 15;
+const NO_SPACE: i64 = 16;
+
+/// A file or directory, as the script writes it (listings are arrays of these).
+#[allow(dead_code)] // built by files.py inside the container; this type is its schema
+#[derive(Debug, Serialize, ToSchema)]
+struct FileEntry {
+    name: String,
+    /// Relative to the working directory.
+    #[schema(example = "data/sales.csv")]
+    path: String,
+    #[serde(rename = "type")]
+    #[schema(schema_with = entry_type_schema)]
+    kind: String,
+    /// Bytes.
+    size: u64,
+    /// Seconds since the Unix epoch.
+    modified: f64,
+}
+
+fn entry_type_schema() -> utoipa::openapi::Object {
+    utoipa::openapi::ObjectBuilder::new()
+        .schema_type(utoipa::openapi::schema::Type::String)
+        .enum_values(Some(["file", "directory", "other"]))
+        .build()
+}
+
+/// The `{id}` and `{path}` of a file route.
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Path)]
+pub struct FilePath {
+    /// The kernel's id.
+    id: String,
+    /// Relative to the kernel's working directory; may hold `/`. Absolute paths, `..`,
+    /// control characters and symlinks leading out are refused (400).
+    #[param(example = "data/sales.csv")]
+    path: String,
+}
 
 async fn run(
     state: &AppState,
@@ -73,6 +114,8 @@ async fn run(
         NOT_FOUND => StatusCode::NOT_FOUND,
         BAD_PATH => StatusCode::BAD_REQUEST,
         IS_DIR | NOT_DIR | EXISTS_DIR => StatusCode::CONFLICT,
+        FORBIDDEN => StatusCode::FORBIDDEN,
+        NO_SPACE => StatusCode::INSUFFICIENT_STORAGE,
         _ => StatusCode::INTERNAL_SERVER_ERROR,
     };
     Err(ApiError::new(
@@ -92,22 +135,48 @@ fn json(bytes: Vec<u8>) -> Response {
     ([(header::CONTENT_TYPE, "application/json")], bytes).into_response()
 }
 
-/// `GET .../files`: the working directory's listing.
+/// The working directory's listing.
+#[utoipa::path(
+    get, path = "/api/kernels/{id}/files", tag = "files", operation_id = "list_files",
+    params(KernelPath),
+    responses(
+        (status = 200, description = "The entries of the kernel's working directory", body = [FileEntry]),
+        (status = 404, description = "No such kernel", body = ErrorBody),
+        (status = 413, description = "The listing is larger than `--max-message-mb`", body = ErrorBody),
+        (status = 500, description = "The operation failed inside the container in a way it does not foresee (the message carries its error output)", body = ErrorBody),
+        (status = 503, description = "Docker could not run the operation in the kernel's container", body = ErrorBody),
+    ),
+)]
 pub async fn list_root(
     State(state): State<AppState>,
     caller: Caller,
-    Path(id): Path<String>,
+    Path(KernelPath { id }): Path<KernelPath>,
 ) -> Result<Response, ApiError> {
     Ok(json(
         run(&state, &caller, &id, "list", "", Bytes::new()).await?,
     ))
 }
 
-/// `GET .../files/{path}`: a file's bytes, or a directory's listing.
+/// A file's bytes, or a directory's listing.
+#[utoipa::path(
+    get, path = "/api/kernels/{id}/files/{*path}", tag = "files", operation_id = "get_file",
+    params(FilePath),
+    responses(
+        (status = 200, description = "A file's bytes (`application/octet-stream`), or a directory's entries (`application/json`)",
+         content(("application/octet-stream"), ([FileEntry] = "application/json"))),
+        (status = 400, description = "The path is absolute, holds `..` or control characters, or leads out through a symlink", body = ErrorBody),
+        (status = 403, description = "The kernel's user may not read it", body = ErrorBody),
+        (status = 404, description = "No such kernel, or no such file", body = ErrorBody),
+        (status = 409, description = "A part of the path is a file, not a directory", body = ErrorBody),
+        (status = 413, description = "The file is larger than `--max-message-mb`", body = ErrorBody),
+        (status = 500, description = "The operation failed inside the container in a way it does not foresee (the message carries its error output)", body = ErrorBody),
+        (status = 503, description = "Docker could not run the operation in the kernel's container", body = ErrorBody),
+    ),
+)]
 pub async fn get(
     State(state): State<AppState>,
     caller: Caller,
-    Path((id, path)): Path<(String, String)>,
+    Path(FilePath { id, path }): Path<FilePath>,
 ) -> Result<Response, ApiError> {
     match run(&state, &caller, &id, "get", &path, Bytes::new()).await {
         Ok(bytes) => {
@@ -120,38 +189,54 @@ pub async fn get(
     }
 }
 
-/// `PUT .../files/{path}`: uploads the body, creating parent directories.
+/// Uploads the body as the file, creating parent directories; replaces a file of that name.
+#[utoipa::path(
+    put, path = "/api/kernels/{id}/files/{*path}", tag = "files", operation_id = "put_file",
+    params(FilePath),
+    request_body(content(("application/octet-stream")), description = "The file's bytes"),
+    responses(
+        (status = 201, description = "Written", body = FileEntry),
+        (status = 400, description = "The path is absolute, holds `..` or control characters, names the working directory, or leads out through a symlink", body = ErrorBody),
+        (status = 403, description = "The kernel's user may not write there", body = ErrorBody),
+        (status = 404, description = "No such kernel", body = ErrorBody),
+        (status = 409, description = "A directory has that name, or a part of the path is a file", body = ErrorBody),
+        (status = 500, description = "The operation failed inside the container in a way it does not foresee (the message carries its error output)", body = ErrorBody),
+        (status = 503, description = "Docker could not run the operation in the kernel's container", body = ErrorBody),
+        (status = 507, description = "The kernel's working directory (`--kernel-disk-mb`) is full", body = ErrorBody),
+    ),
+)]
 pub async fn put(
     State(state): State<AppState>,
     caller: Caller,
-    Path((id, path)): Path<(String, String)>,
+    Path(FilePath { id, path }): Path<FilePath>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let body = match body {
         Ok(body) => body,
-        Err(e) => {
-            let error = ApiError::new(
-                e.status(),
-                format!(
-                    "upload refused: {} (the limit is {} MiB)",
-                    e.body_text(),
-                    state.max_message_bytes >> 20
-                ),
-            );
-            // The rest of the body is not read: the connection cannot be reused, and saying
-            // so keeps clients from sending their next request on it.
-            return Ok(([(header::CONNECTION, "close")], error).into_response());
-        }
+        Err(e) => return Ok(body_refused(e, state.max_message_bytes)),
     };
     let entry = run(&state, &caller, &id, "put", &path, body).await?;
     Ok((StatusCode::CREATED, json(entry)).into_response())
 }
 
-/// `DELETE .../files/{path}`: a file or an empty directory.
+/// Deletes a file or an empty directory.
+#[utoipa::path(
+    delete, path = "/api/kernels/{id}/files/{*path}", tag = "files", operation_id = "delete_file",
+    params(FilePath),
+    responses(
+        (status = 204, description = "Deleted"),
+        (status = 400, description = "The path is absolute, holds `..` or control characters, names the working directory, or leads out through a symlink", body = ErrorBody),
+        (status = 403, description = "The kernel's user may not delete it", body = ErrorBody),
+        (status = 404, description = "No such kernel, or no such file", body = ErrorBody),
+        (status = 409, description = "The directory is not empty", body = ErrorBody),
+        (status = 500, description = "The operation failed inside the container in a way it does not foresee (the message carries its error output)", body = ErrorBody),
+        (status = 503, description = "Docker could not run the operation in the kernel's container", body = ErrorBody),
+    ),
+)]
 pub async fn delete(
     State(state): State<AppState>,
     caller: Caller,
-    Path((id, path)): Path<(String, String)>,
+    Path(FilePath { id, path }): Path<FilePath>,
 ) -> Result<StatusCode, ApiError> {
     run(&state, &caller, &id, "delete", &path, Bytes::new()).await?;
     Ok(StatusCode::NO_CONTENT)

@@ -1,28 +1,58 @@
 //! Jupyter Server's kernel REST API: list, create, get, delete, interrupt, restart.
 
 use super::auth::Caller;
-use super::error::ApiError;
+use super::error::{body_refused, ApiError, ErrorBody};
+use super::extract::Path;
 use super::AppState;
 use crate::kernel::iso;
 use crate::kernels::LiveKernel;
-use axum::extract::{Path, State};
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::State;
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
+use utoipa::{IntoParams, ToSchema};
 
-/// The kernel model of Jupyter Server's REST API.
-pub fn model(live: &LiveKernel) -> Value {
-    let k = &live.kernel;
-    json!({
-        "id": live.id(),
-        "name": live.name,
-        "last_activity": iso(k.last_activity()),
-        "execution_state": k.execution_state().as_str(),
-        "connections": k.connections(),
-    })
+/// The kernel model of Jupyter Server's REST API. The three activity fields are truthful:
+/// JupyterLab's idle culler acts on them.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct KernelModel {
+    #[schema(format = "uuid")]
+    pub id: String,
+    /// The kernel spec it runs.
+    #[schema(example = "python3")]
+    pub name: String,
+    /// ISO 8601, microseconds, UTC (`Z`).
+    #[schema(example = "2026-11-22T07:00:00.123456Z")]
+    pub last_activity: String,
+    #[schema(schema_with = execution_state_schema)]
+    pub execution_state: &'static str,
+    /// WebSockets connected to it.
+    pub connections: usize,
+}
+
+fn execution_state_schema() -> utoipa::openapi::Object {
+    utoipa::openapi::ObjectBuilder::new()
+        .schema_type(utoipa::openapi::schema::Type::String)
+        .enum_values(Some(["starting", "idle", "busy", "restarting", "dead"]))
+        .build()
+}
+
+impl KernelModel {
+    pub fn of(live: &LiveKernel) -> KernelModel {
+        let k = &live.kernel;
+        KernelModel {
+            id: live.id().to_owned(),
+            name: live.name.clone(),
+            last_activity: iso(k.last_activity()),
+            execution_state: k.execution_state().as_str(),
+            connections: k.connections(),
+        }
+    }
 }
 
 /// The kernel `id`, if the caller may see it: another tenant's kernel does not exist for
@@ -39,38 +69,81 @@ pub fn find(
         .ok_or_else(|| ApiError::no_kernel(id))
 }
 
-pub async fn list(State(state): State<AppState>, caller: Caller) -> Json<Vec<Value>> {
+/// The `{id}` of the routes about one kernel.
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Path)]
+pub struct KernelPath {
+    /// The kernel's id, a UUID, as `POST /api/kernels` answered it.
+    pub id: String,
+}
+
+/// The caller's kernels (every kernel, for an admin key).
+#[utoipa::path(
+    get, path = "/api/kernels", tag = "kernels", operation_id = "list_kernels",
+    responses((status = 200, description = "The kernels the caller may use", body = [KernelModel])),
+)]
+pub async fn list(State(state): State<AppState>, caller: Caller) -> Json<Vec<KernelModel>> {
     Json(
         state
             .kernels
             .list()
             .iter()
             .filter(|l| caller.0.may_use(l.owner()))
-            .map(|l| model(l))
+            .map(|l| KernelModel::of(l))
             .collect(),
     )
 }
 
-#[derive(Debug, Default, Deserialize)]
+/// The body of `POST /api/kernels`; no body (or `null`) is the default spec with no variables.
+#[derive(Debug, Default, Deserialize, ToSchema)]
 pub struct CreateBody {
+    /// The kernel spec (`GET /api/kernelspecs`); the default spec when absent.
     #[serde(default)]
+    #[schema(example = "python3")]
     name: Option<String>,
+    /// Environment variables for the kernel: only `KERNEL_*` names are kept (and checked);
+    /// numbers and booleans are passed as their JSON text.
     #[serde(default)]
+    #[schema(value_type = HashMap<String, Value>)]
     env: BTreeMap<String, Value>,
 }
 
+/// Starts a kernel.
+///
+/// From the warm pool when one is ready. A client that hangs up while it starts has it
+/// rolled back.
+#[utoipa::path(
+    post, path = "/api/kernels", tag = "kernels", operation_id = "create_kernel",
+    request_body(content = Option<CreateBody>, content_type = "application/json"),
+    responses(
+        (status = 201, description = "The kernel runs", body = KernelModel,
+         headers(("Location" = String, description = "`/api/kernels/{id}`"))),
+        (status = 400, description = "The body is not JSON of this shape, or an env variable is refused", body = ErrorBody),
+        (status = 403, description = "Past `--max-kernels`, or past the key's `max_kernels`", body = ErrorBody),
+        (status = 404, description = "No kernel spec of that name", body = ErrorBody),
+        (status = 503, description = "Docker cannot be reached, the spec's image is missing (the message says how to build it), or the gateway is shutting down", body = ErrorBody),
+        (status = 504, description = "The kernel did not answer within `--startup-timeout`", body = ErrorBody),
+    ),
+)]
 pub async fn create(
     State(state): State<AppState>,
     caller: Caller,
-    body: axum::body::Bytes,
+    body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
+    let body = match body {
+        Ok(body) => body,
+        Err(e) => return Ok(body_refused(e, state.max_message_bytes)),
+    };
+    // No body, or `null`: the default spec.
     let body: CreateBody = match body.as_ref() {
         [] => CreateBody::default(),
-        bytes => serde_json::from_slice(bytes).map_err(|e| {
-            ApiError::bad_request(format!(
-                "body must be JSON like {{\"name\": \"python3\"}}: {e}"
-            ))
-        })?,
+        bytes => serde_json::from_slice::<Option<CreateBody>>(bytes)
+            .map_err(|e| {
+                ApiError::bad_request(format!(
+                    "body must be JSON like {{\"name\": \"python3\"}}: {e}"
+                ))
+            })?
+            .unwrap_or_default(),
     };
     // Clients send numbers and booleans in env too (KERNEL_LAUNCH_TIMEOUT); keep them as text.
     let env: BTreeMap<String, String> = body
@@ -89,24 +162,43 @@ pub async fn create(
     Ok((
         StatusCode::CREATED,
         [(header::LOCATION, location)],
-        Json(model(&live)),
+        Json(KernelModel::of(&live)),
     )
         .into_response())
 }
 
+/// One kernel.
+#[utoipa::path(
+    get, path = "/api/kernels/{id}", tag = "kernels", operation_id = "get_kernel",
+    params(KernelPath),
+    responses(
+        (status = 200, description = "The kernel", body = KernelModel),
+        (status = 404, description = "No such kernel (or another key's): it is gone", body = ErrorBody),
+    ),
+)]
 pub async fn get(
     State(state): State<AppState>,
     caller: Caller,
-    Path(id): Path<String>,
-) -> Result<Json<Value>, ApiError> {
+    Path(KernelPath { id }): Path<KernelPath>,
+) -> Result<Json<KernelModel>, ApiError> {
     let live = find(&state, &caller, &id)?;
-    Ok(Json(model(&live)))
+    Ok(Json(KernelModel::of(&live)))
 }
 
+/// Shuts a kernel down and removes its container; completes even if the client hangs up.
+#[utoipa::path(
+    delete, path = "/api/kernels/{id}", tag = "kernels", operation_id = "delete_kernel",
+    params(KernelPath),
+    responses(
+        (status = 204, description = "The kernel is gone"),
+        (status = 404, description = "No such kernel", body = ErrorBody),
+        (status = 503, description = "The kernel is gone from the gateway, but removing its container failed", body = ErrorBody),
+    ),
+)]
 pub async fn delete(
     State(state): State<AppState>,
     caller: Caller,
-    Path(id): Path<String>,
+    Path(KernelPath { id }): Path<KernelPath>,
 ) -> Result<StatusCode, ApiError> {
     let live = find(&state, &caller, &id)?;
     state.kernels.audit().record(
@@ -121,26 +213,47 @@ pub async fn delete(
     }
 }
 
+/// SIGINT to the kernel: a running cell ends with `KeyboardInterrupt`, state is kept.
+#[utoipa::path(
+    post, path = "/api/kernels/{id}/interrupt", tag = "kernels", operation_id = "interrupt_kernel",
+    params(KernelPath),
+    responses(
+        (status = 204, description = "Interrupted"),
+        (status = 404, description = "No such kernel, or its container is gone", body = ErrorBody),
+        (status = 503, description = "Docker could not signal the kernel", body = ErrorBody),
+    ),
+)]
 pub async fn interrupt(
     State(state): State<AppState>,
     caller: Caller,
-    Path(id): Path<String>,
+    Path(KernelPath { id }): Path<KernelPath>,
 ) -> Result<StatusCode, ApiError> {
     let live = find(&state, &caller, &id)?;
     state.kernels.interrupt(&live).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
+/// A fresh kernel process under the same id: variables and files are gone.
+#[utoipa::path(
+    post, path = "/api/kernels/{id}/restart", tag = "kernels", operation_id = "restart_kernel",
+    params(KernelPath),
+    responses(
+        (status = 200, description = "Restarted", body = KernelModel),
+        (status = 404, description = "No such kernel, or its container is gone", body = ErrorBody),
+        (status = 503, description = "Docker could not restart it, or the gateway is shutting down", body = ErrorBody),
+        (status = 504, description = "The restarted kernel did not answer within `--startup-timeout`", body = ErrorBody),
+    ),
+)]
 pub async fn restart(
     State(state): State<AppState>,
     caller: Caller,
-    Path(id): Path<String>,
-) -> Result<Json<Value>, ApiError> {
+    Path(KernelPath { id }): Path<KernelPath>,
+) -> Result<Json<KernelModel>, ApiError> {
     let live = find(&state, &caller, &id)?;
     state.kernels.audit().record(
         "kernel_restarted",
         json!({"kernel": id, "key": caller.0.name, "owner": live.owner()}),
     );
     state.kernels.restart(&live).await?;
-    Ok(Json(model(&live)))
+    Ok(Json(KernelModel::of(&live)))
 }

@@ -1,14 +1,17 @@
 //! HTTP and WebSockets: Jupyter Server's kernel REST API, the channels WebSocket, and
-//! token authentication. Handlers stay thin; the work is in [`crate::kernels`].
+//! token authentication, all described by the OpenAPI document of [`openapi`]. Handlers
+//! stay thin; the work is in [`crate::kernels`].
 
 pub mod approvals;
 pub mod auth;
 pub mod channels;
 pub mod error;
 pub mod execute;
+pub mod extract;
 pub mod files;
 pub mod kernels;
 pub mod kernelspecs;
+pub mod openapi;
 pub mod ops;
 pub mod origin;
 pub mod ui;
@@ -20,12 +23,16 @@ use axum::extract::{Request, State};
 use axum::http::HeaderValue;
 use axum::middleware::Next;
 use axum::response::Response;
-use axum::routing::{get, post};
+use axum::routing::get;
 use axum::{middleware, Json, Router};
+use openapi::Routes;
+use serde::Serialize;
 use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
+use utoipa::ToSchema;
+use utoipa_axum::routes;
 
 /// What every handler can reach.
 #[derive(Debug, Clone)]
@@ -48,39 +55,66 @@ pub struct AppState {
     pub guard: Option<Arc<crate::policy::Guard>>,
 }
 
+/// Every route, public or behind a token. The router and the OpenAPI document
+/// ([`openapi::document`]) are both made from this.
+#[derive(Debug)]
+pub struct Surface {
+    pub public: Routes,
+    pub protected: Routes,
+}
+
+const CHANNELS: &str = "The WebSocket of Jupyter Server's kernel API (`GET` with \
+`Upgrade: websocket`, optional `?session_id=S`; token as for the other kernel routes, \
+`?token=T` from browsers): all five channels of the kernel. Without a subprotocol, one JSON \
+text frame per message (`header`, `parent_header`, `metadata`, `content`, `buffers`, \
+`channel`, `msg_id`, `msg_type`); with `v1.kernel.websocket.jupyter.org` offered, its binary \
+frames. Clients send unsigned messages: the gateway signs them and fills missing header \
+fields. A new socket with the same `session_id` takes over and first receives what was \
+produced while none was connected. 404 for an unknown kernel.";
+
+/// Every route of the gateway. A new one goes here: as an operation (`routes!` of handlers
+/// annotated with `#[utoipa::path]`), or as prose when OpenAPI cannot describe it.
+pub fn surface() -> Surface {
+    let public = Routes::default()
+        .operations(routes!(ui::index))
+        .operations(routes!(ui::file))
+        .operations(routes!(version))
+        .operations(routes!(openapi::serve))
+        .operations(routes!(ops::healthz))
+        .operations(routes!(ops::readyz))
+        // Its own rules: an admin key or the metrics token, or nothing with --metrics-public.
+        .operations(routes!(ops::metrics));
+    let protected = Routes::default()
+        .operations(routes!(kernelspecs::list))
+        .operations(routes!(kernelspecs::get))
+        .operations(routes!(kernelspecs::resource))
+        .operations(routes!(kernels::list, kernels::create))
+        .operations(routes!(kernels::get, kernels::delete))
+        .operations(routes!(kernels::interrupt))
+        .operations(routes!(kernels::restart))
+        .prose(
+            "/api/kernels/{id}/channels",
+            get(channels::connect),
+            CHANNELS,
+        )
+        .operations(routes!(execute::execute))
+        .operations(routes!(files::list_root))
+        .operations(routes!(files::get, files::put, files::delete))
+        .operations(routes!(approvals::list))
+        .operations(routes!(approvals::answer));
+    Surface { public, protected }
+}
+
 /// The whole HTTP surface.
 pub fn router(state: AppState) -> Router {
-    let protected = Router::new()
-        .route("/api/kernelspecs", get(kernelspecs::list))
-        .route("/api/kernelspecs/{name}", get(kernelspecs::get))
-        .route("/kernelspecs/{name}/{file}", get(kernelspecs::resource))
-        .route("/api/kernels", get(kernels::list).post(kernels::create))
-        .route(
-            "/api/kernels/{id}",
-            get(kernels::get).delete(kernels::delete),
-        )
-        .route("/api/kernels/{id}/interrupt", post(kernels::interrupt))
-        .route("/api/kernels/{id}/restart", post(kernels::restart))
-        .route("/api/kernels/{id}/channels", get(channels::connect))
-        .route("/api/kernels/{id}/execute", post(execute::execute))
-        .route("/api/kernels/{id}/files", get(files::list_root))
-        .route(
-            "/api/kernels/{id}/files/{*path}",
-            get(files::get).put(files::put).delete(files::delete),
-        )
-        .route("/api/kernelgate/approvals", get(approvals::list))
-        .route("/api/kernelgate/approvals/{id}", post(approvals::answer))
-        .route_layer(middleware::from_fn_with_state(
-            state.clone(),
-            auth::require_token,
-        ));
-    Router::new()
-        .route("/", get(ui::index))
-        .route("/ui/{file}", get(ui::file))
-        .route("/api", get(version))
-        .route("/healthz", get(ops::healthz))
-        .route("/readyz", get(ops::readyz))
-        .route("/metrics", get(ops::metrics))
+    let Surface { public, protected } = surface();
+    let (public, _, _) = public.split();
+    let (protected, _, _) = protected.split();
+    let protected = protected.route_layer(middleware::from_fn_with_state(
+        state.clone(),
+        auth::require_token,
+    ));
+    public
         .merge(protected)
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(state.max_message_bytes))
@@ -129,15 +163,41 @@ async fn request_span(req: Request, next: Next) -> Response {
     response
 }
 
+/// What `GET /api` answers.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Version {
+    /// The version Jupyter clients check.
+    #[schema(example = "0.1.0")]
+    version: &'static str,
+    kernelgate: GatewayInfo,
+}
+
+/// This gateway.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct GatewayInfo {
+    #[schema(example = "0.1.0")]
+    version: &'static str,
+    /// The OCI runtime kernels run under: `runsc` (gVisor) or `runc`.
+    #[schema(example = "runsc")]
+    runtime: &'static str,
+    /// An execution policy (`--policy`) is in force.
+    policy: bool,
+}
+
 /// Jupyter Server's `GET /api` (`version`), and ours beside it: what kernels run under.
-async fn version(State(state): State<AppState>) -> Json<serde_json::Value> {
-    Json(serde_json::json!({
-        "version": env!("CARGO_PKG_VERSION"),
-        "kernelgate": {
-            "version": env!("CARGO_PKG_VERSION"), "runtime": state.runtime,
-            "policy": state.guard.is_some(),
+#[utoipa::path(
+    get, path = "/api", tag = "meta", operation_id = "version",
+    responses((status = 200, description = "The versions, and what kernels run under", body = Version)),
+)]
+async fn version(State(state): State<AppState>) -> Json<Version> {
+    Json(Version {
+        version: env!("CARGO_PKG_VERSION"),
+        kernelgate: GatewayInfo {
+            version: env!("CARGO_PKG_VERSION"),
+            runtime: state.runtime,
+            policy: state.guard.is_some(),
         },
-    }))
+    })
 }
 
 async fn not_found(uri: axum::http::Uri) -> error::ApiError {

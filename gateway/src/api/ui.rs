@@ -5,9 +5,11 @@
 //! These routes are public: the page holds no secret. It asks for the token and sends it
 //! with each API call (and as `?token=` on the WebSocket, where browsers cannot set headers).
 
-use axum::extract::Path;
+use super::extract::Path;
 use axum::http::{header, HeaderName, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
+use serde::Deserialize;
+use utoipa::IntoParams;
 
 /// Only this gateway's own files run. Kernel output is untrusted: images are `data:` URLs,
 /// HTML goes into sandboxed `srcdoc` frames that inherit this policy, so no script in an
@@ -22,13 +24,35 @@ const APP_JS: &str = include_str!("../../assets/ui/app.js");
 const STYLE_CSS: &str = include_str!("../../assets/ui/style.css");
 const LOGO_SVG: &[u8] = include_bytes!("../../assets/logo-svg.svg");
 
-/// `GET /`
+/// The web console: a page that is a client of the kernel API and the channels WebSocket.
+#[utoipa::path(
+    get, path = "/", tag = "console", operation_id = "console",
+    responses((status = 200, description = "The page", body = String, content_type = "text/html")),
+)]
 pub async fn index() -> Response {
     asset("text/html; charset=utf-8", INDEX_HTML.as_bytes())
 }
 
-/// `GET /ui/{file}`
-pub async fn file(Path(file): Path<String>) -> Response {
+/// The `{file}` of the console's assets.
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Path)]
+pub struct AssetPath {
+    /// One of the console's files; any other name answers 404.
+    #[param(pattern = r"^(app\.js|style\.css|logo\.svg)$", example = "app.js")]
+    file: String,
+}
+
+/// The web console's script, style sheet and logo.
+#[utoipa::path(
+    get, path = "/ui/{file}", tag = "console", operation_id = "console_asset",
+    params(AssetPath),
+    responses(
+        (status = 200, description = "The file",
+         content((String = "text/javascript"), (String = "text/css"), ("image/svg+xml"))),
+        (status = 404, description = "No such file", body = super::error::ErrorBody),
+    ),
+)]
+pub async fn file(Path(AssetPath { file }): Path<AssetPath>) -> Response {
     match file.as_str() {
         "app.js" => asset("text/javascript; charset=utf-8", APP_JS.as_bytes()),
         "style.css" => asset("text/css; charset=utf-8", STYLE_CSS.as_bytes()),

@@ -635,6 +635,6 @@ pub fn kernel_env(env: &BTreeMap<String, String>) -> Result<BTreeMap<String, Str
 }
 
 #[cfg(test)]
-mod fake;
+pub(crate) mod fake;
 #[cfg(test)]
 mod tests;
