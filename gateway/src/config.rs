@@ -314,4 +314,9 @@ pub struct Config {
     /// Largest WebSocket message or HTTP body accepted from a client, in MiB.
     #[arg(long, env = "KERNELGATE_MAX_MESSAGE_MB", default_value_t = 64, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     pub max_message_mb: usize,
+
+    /// Seconds an MCP session, or a kernel MCP's start_kernel handed out, may stay unused
+    /// before it ends and its kernel is deleted.
+    #[arg(long, env = "KERNELGATE_MCP_IDLE_TIMEOUT", default_value_t = 1800, value_parser = clap::value_parser!(u64).range(1..))]
+    pub mcp_idle_timeout: u64,
 }

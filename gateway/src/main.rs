@@ -128,6 +128,12 @@ async fn serve(config: Config) -> anyhow::Result<()> {
     let kernels = Kernels::new(backend, settings, tracker.clone(), cancel.clone());
     kernels.start().await;
 
+    let mcp = kernelgate::mcp::Mcp::new(
+        kernels.clone(),
+        tracker.clone(),
+        cancel.clone(),
+        Duration::from_secs(config.mcp_idle_timeout),
+    );
     let state = AppState {
         kernels: kernels.clone(),
         keys: keys.clone(),
@@ -143,6 +149,10 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         }),
         runtime,
         guard,
+        mcp: Arc::new(kernelgate::mcp::http::Endpoint::new(
+            mcp,
+            config.max_message_mb * 1024 * 1024,
+        )),
     };
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await

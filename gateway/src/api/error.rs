@@ -3,6 +3,7 @@
 
 use crate::backend::BackendError;
 use crate::kernel::KernelError;
+use crate::kernels::files::FileError;
 use crate::kernels::CreateError;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -78,5 +79,19 @@ impl From<CreateError> for ApiError {
             CreateError::Backend(b) => b.into(),
             CreateError::Kernel(k) => k.into(),
         }
+    }
+}
+
+impl From<FileError> for ApiError {
+    fn from(e: FileError) -> Self {
+        let status = match e {
+            FileError::NotFound { .. } => StatusCode::NOT_FOUND,
+            FileError::BadPath { .. } => StatusCode::BAD_REQUEST,
+            FileError::WrongKind { .. } => StatusCode::CONFLICT,
+            FileError::TooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            FileError::Failed { .. } => StatusCode::INTERNAL_SERVER_ERROR,
+            FileError::Backend(b) => return b.into(),
+        };
+        ApiError::new(status, e.to_string())
     }
 }

@@ -9,6 +9,7 @@ pub mod execute;
 pub mod files;
 pub mod kernels;
 pub mod kernelspecs;
+pub mod mcp;
 pub mod ops;
 pub mod origin;
 pub mod ui;
@@ -20,7 +21,7 @@ use axum::extract::{Request, State};
 use axum::http::HeaderValue;
 use axum::middleware::Next;
 use axum::response::Response;
-use axum::routing::{get, post};
+use axum::routing::{any, get, post};
 use axum::{middleware, Json, Router};
 use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
@@ -46,6 +47,8 @@ pub struct AppState {
     pub runtime: &'static str,
     /// The execution policy, when `--policy` set one.
     pub guard: Option<Arc<crate::policy::Guard>>,
+    /// The MCP server at `/mcp`.
+    pub mcp: Arc<crate::mcp::http::Endpoint>,
 }
 
 /// The whole HTTP surface.
@@ -68,6 +71,7 @@ pub fn router(state: AppState) -> Router {
             "/api/kernels/{id}/files/{*path}",
             get(files::get).put(files::put).delete(files::delete),
         )
+        .route("/mcp", any(mcp::serve))
         .route("/api/kernelgate/approvals", get(approvals::list))
         .route("/api/kernelgate/approvals/{id}", post(approvals::answer))
         .route_layer(middleware::from_fn_with_state(

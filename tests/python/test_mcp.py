@@ -1,0 +1,331 @@
+"""The MCP server, driven by the official Python `mcp` client against the real gateway and
+Docker: over Streamable HTTP (`/mcp`) in the client's default mode (2026-07-28: no session,
+kernels by `start_kernel` handle) and with the classic `initialize` handshake (a session
+with its own kernel).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import secrets
+import subprocess
+import time
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import AsyncIterator, Iterator
+
+import anyio
+import pytest
+from mcp import Client
+from mcp.client.streamable_http import streamable_http_client
+from mcp.shared._httpx_utils import create_mcp_http_client
+
+from conftest import ARTIFACTS, Gateway, start_gateway, stop_gateway, wait_until
+
+EXPECTED_TOOLS = {"run_python", "list_files", "read_file", "write_file", "restart_kernel", "start_kernel"}
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+# Two tenants besides the admin token, for the ownership tests.
+ALICE, BOB = secrets.token_hex(16), secrets.token_hex(16)
+
+
+@pytest.fixture(scope="module")
+def gw(tmp_path_factory) -> Iterator[Gateway]:
+    """One gateway for the module: a warm pool of 2, and two keys (alice, bob) besides the
+    admin token."""
+    keys = tmp_path_factory.mktemp("keys") / "keys.toml"
+    keys.write_text(
+        "".join(
+            f'[[key]]\nname = "{name}"\ntoken_sha256 = "{hashlib.sha256(t.encode()).hexdigest()}"\n\n'
+            for name, t in (("alice", ALICE), ("bob", BOB))
+        )
+    )
+    logs = ARTIFACTS / "test_mcp"
+    logs.mkdir(parents=True, exist_ok=True)
+    gateway = start_gateway(logs / "gateway.log", ["--pool-size", "2", "--keys", str(keys)])
+    yield gateway
+    stop_gateway(gateway)
+
+
+def client(gw: Gateway, mode: str = "auto", token: str | None = None) -> Client:
+    """An MCP client of `/mcp`: mode "auto" (the client's default: 2026-07-28 when the server
+    speaks it) or "legacy" (the initialize handshake, with a session)."""
+    http = create_mcp_http_client(headers={"Authorization": f"token {token or gw.token}"})
+    c = Client(streamable_http_client(gw.url + "/mcp", http_client=http), mode=mode, read_timeout_seconds=120)
+    c.server_http = http  # for tests that watch the HTTP exchanges
+    return c
+
+
+@asynccontextmanager
+async def connected(gw: Gateway, mode: str, token: str | None = None) -> AsyncIterator[tuple[Client, dict]]:
+    """A connected client and the arguments that pick its kernel: none in a session, the
+    kernel_id of start_kernel without one."""
+    async with client(gw, mode, token) as c:
+        target: dict = {}
+        if mode != "legacy":
+            started = await c.call_tool("start_kernel", {})
+            assert not started.is_error, text(started)
+            target = {"kernel_id": started.structured_content["kernel_id"]}
+        yield c, target
+
+
+def text(result) -> str:
+    return "\n".join(c.text for c in result.content if getattr(c, "type", "") == "text")
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def containers(gw: Gateway) -> set[str]:
+    """Kernel ids of this gateway's running containers."""
+    out = subprocess.run(
+        ["docker", "ps", "--filter", f"label=org.kernelgate.runtime_dir={gw.runtime_dir}",
+         "--format", '{{.Label "org.kernelgate.kernel_id"}}'],
+        capture_output=True, text=True, check=True,
+    ).stdout
+    return set(out.split())
+
+
+MODES = ["auto", "legacy"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_negotiated_protocol_and_tool_list(gw: Gateway, mode: str):
+    async def scenario():
+        async with client(gw, mode) as c:
+            tools = await c.list_tools()
+            names = {t.name for t in tools.tools}
+            assert names == EXPECTED_TOOLS
+            run_python = next(t for t in tools.tools if t.name == "run_python")
+            assert run_python.input_schema["required"] == ["code"]
+            assert "persist" in run_python.description
+            return c.protocol_version
+
+    version = run(scenario())
+    if mode == "auto":
+        assert version == "2026-07-28"
+    else:
+        assert version < "2026-07-28"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_variables_persist_between_calls(gw: Gateway, mode: str):
+    async def scenario():
+        async with connected(gw, mode) as (c, target):
+            first = await c.call_tool("run_python", {"code": "x = 41", **target})
+            assert not first.is_error, text(first)
+            second = await c.call_tool("run_python", {"code": "print('hi'); x + 1", **target})
+            assert not second.is_error, text(second)
+            assert text(second).split() == ["hi", "42"]
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_matplotlib_chart_is_png_image_content(gw: Gateway, mode: str):
+    code = (
+        "import matplotlib.pyplot as plt\n"
+        "plt.plot([1, 2, 3], [1, 4, 9])\n"
+        "plt.title('squares')\n"
+        "plt.show()\n"
+    )
+
+    async def scenario():
+        async with connected(gw, mode) as (c, target):
+            result = await c.call_tool("run_python", {"code": code, **target})
+            assert not result.is_error, text(result)
+            images = [b for b in result.content if b.type == "image"]
+            assert len(images) == 1, result.content
+            assert images[0].mime_type == "image/png"
+            assert base64.b64decode(images[0].data).startswith(PNG_MAGIC)
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_exception_is_a_tool_error_with_traceback(gw: Gateway, mode: str):
+    async def scenario():
+        async with connected(gw, mode) as (c, target):
+            result = await c.call_tool("run_python", {"code": "y = 1\n1/0", **target})
+            assert result.is_error
+            message = text(result)
+            assert message.startswith("ZeroDivisionError: division by zero")
+            assert "\x1b[" not in message, "ANSI colours must be stripped"
+            assert "1/0" in message  # the traceback
+            after = await c.call_tool("run_python", {"code": "y", **target})
+            assert text(after) == "1"
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_cancelled_call_returns_promptly_and_state_survives(gw: Gateway, mode: str):
+    async def scenario():
+        async with connected(gw, mode) as (c, target):
+            await c.call_tool("run_python", {"code": "x = 'kept'", **target})
+            started = time.monotonic()
+            with anyio.move_on_after(3) as scope:
+                await c.call_tool("run_python", {"code": "import time; time.sleep(60)", **target})
+            assert scope.cancelled_caught
+            assert time.monotonic() - started < 10
+            # The kernel was interrupted: the next call runs at once and still sees x.
+            t0 = time.monotonic()
+            after = await c.call_tool("run_python", {"code": "x", **target})
+            assert text(after) == "'kept'", text(after)
+            assert time.monotonic() - t0 < 20
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_files_written_by_code_and_by_the_tool(gw: Gateway, mode: str):
+    async def scenario():
+        async with connected(gw, mode) as (c, target):
+            made = await c.call_tool("run_python", {"code": "open('out.txt', 'w').write('from code\\n')", **target})
+            assert not made.is_error, text(made)
+            read = await c.call_tool("read_file", {"path": "out.txt", **target})
+            assert not read.is_error, text(read)
+            assert text(read) == "from code\n"
+
+            wrote = await c.call_tool("write_file", {"path": "data/in.csv", "content": "a,b\n1,2\n", **target})
+            assert not wrote.is_error, text(wrote)
+            seen = await c.call_tool("run_python", {"code": "import pandas as pd; int(pd.read_csv('data/in.csv').b.sum())", **target})
+            assert text(seen) == "2"
+
+            binary = base64.b64encode(bytes(range(256))).decode()
+            await c.call_tool("write_file", {"path": "blob.bin", "content": binary, "encoding": "base64", **target})
+            back = await c.call_tool("read_file", {"path": "blob.bin", **target})
+            blob = back.content[0].resource
+            assert base64.b64decode(blob.blob) == bytes(range(256))
+
+            listing = await c.call_tool("list_files", {**target})
+            assert "out.txt" in text(listing) and "data/" in text(listing)
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_bad_arguments_are_tool_errors_that_say_what_to_fix(gw: Gateway, mode: str):
+    async def scenario():
+        async with connected(gw, mode) as (c, target):
+            no_code = await c.call_tool("run_python", {**target})
+            assert no_code.is_error and "missing field `code`" in text(no_code)
+            wrong_type = await c.call_tool("run_python", {"code": 5, **target})
+            assert wrong_type.is_error and "invalid type" in text(wrong_type)
+            outside = await c.call_tool("read_file", {"path": "../../etc/passwd", **target})
+            assert outside.is_error and "'..'" in text(outside)
+            absolute = await c.call_tool("write_file", {"path": "/etc/x", "content": "x", **target})
+            assert absolute.is_error and "relative" in text(absolute)
+            big = await c.call_tool("write_file", {"path": "big.txt", "content": "x" * (10 * 1024 * 1024 + 1), **target})
+            assert big.is_error and "10 MiB" in text(big)
+            made = await c.call_tool("run_python", {"code": "open('huge.bin', 'wb').write(b'0' * (11 * 1024 * 1024))", **target})
+            assert not made.is_error, text(made)
+            huge = await c.call_tool("read_file", {"path": "huge.bin", **target})
+            assert huge.is_error and "10 MiB" in text(huge)
+            unknown = await c.call_tool("run_python", {"code": "1", "kernel_id": "nope"})
+            assert unknown.is_error and "start_kernel" in text(unknown)
+
+    run(scenario())
+
+
+def test_without_a_session_there_is_no_default_kernel(gw: Gateway):
+    async def scenario():
+        async with client(gw, "auto") as c:
+            result = await c.call_tool("run_python", {"code": "1"})
+            assert result.is_error and "start_kernel" in text(result)
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_two_sessions_do_not_see_each_others_variables(gw: Gateway, mode: str):
+    async def scenario():
+        async with connected(gw, mode) as (a, ta), connected(gw, mode) as (b, tb):
+            await a.call_tool("run_python", {"code": "secret = 'a'", **ta})
+            seen = await b.call_tool("run_python", {"code": "secret", **tb})
+            assert seen.is_error and "NameError" in text(seen)
+
+    run(scenario())
+
+
+def test_ending_the_session_removes_its_container(gw: Gateway):
+    async def scenario():
+        async with client(gw, "legacy") as c:
+            result = await c.call_tool("run_python", {"code": "import os; os.environ.get('HOSTNAME', '')"})
+            assert not result.is_error, text(result)
+            mine = {k["id"] for k in gw.kernels()} & containers(gw)
+            return mine
+
+    before = containers(gw)
+    during = run(scenario())
+    assert during, "the session's kernel ran in a container"
+    wait_until("the session's container to go", lambda: not (containers(gw) & (during - before)), timeout=30)
+
+
+def test_restart_clears_state(gw: Gateway):
+    async def scenario():
+        async with connected(gw, "legacy") as (c, target):
+            await c.call_tool("run_python", {"code": "z = 3", **target})
+            restarted = await c.call_tool("restart_kernel", {**target})
+            assert not restarted.is_error, text(restarted)
+            after = await c.call_tool("run_python", {"code": "z", **target})
+            assert after.is_error and "NameError" in text(after)
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_wrong_token_is_refused(gw: Gateway, mode: str):
+    statuses: list[int] = []
+
+    async def scenario():
+        async def record(response):
+            statuses.append(response.status_code)
+
+        c = client(gw, mode, token="wrong")
+        c.server_http.event_hooks["response"].append(record)
+        async with c:
+            await c.list_tools()
+
+    with pytest.raises(BaseException) as raised:
+        run(scenario())
+    assert "Server returned an error response" in repr(raised.value)
+    assert statuses and set(statuses) == {403}, statuses
+
+
+def test_another_key_gets_404_for_sessions_and_kernels(gw: Gateway):
+    import requests
+
+    async def scenario():
+        async with client(gw, "legacy", token=ALICE) as c:
+            await c.call_tool("run_python", {"code": "1"})
+            session = c.session  # noqa: F841 - the transport holds the id
+            started = await c.call_tool("start_kernel", {})
+            kernel = started.structured_content["kernel_id"]
+            # Bob cannot use Alice's kernel handle.
+            async with client(gw, "auto", token=BOB) as bob:
+                stolen = await bob.call_tool("run_python", {"code": "1", "kernel_id": kernel})
+                assert stolen.is_error and "no kernel" in text(stolen)
+            return kernel
+
+    run(scenario())
+    # Bob cannot use Alice's session id either: open one as Alice, replay it as Bob.
+    headers = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
+    init = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}}}
+    r = requests.post(gw.url + "/mcp", json=init, headers={**headers, "Authorization": f"token {ALICE}"}, timeout=30)
+    assert r.status_code == 200, r.text
+    sid = r.headers["mcp-session-id"]
+    ping = {"jsonrpc": "2.0", "id": 2, "method": "ping"}
+    as_bob = requests.post(gw.url + "/mcp", json=ping, timeout=30,
+                           headers={**headers, "Authorization": f"token {BOB}", "mcp-session-id": sid,
+                                    "mcp-protocol-version": "2025-11-25"})
+    assert as_bob.status_code == 404
+    as_alice = requests.post(gw.url + "/mcp", json=ping, timeout=30,
+                             headers={**headers, "Authorization": f"token {ALICE}", "mcp-session-id": sid,
+                                      "mcp-protocol-version": "2025-11-25"})
+    assert as_alice.status_code == 200, as_alice.text
+    requests.delete(gw.url + "/mcp", timeout=30, headers={"Authorization": f"token {ALICE}", "mcp-session-id": sid,
+                                                          "mcp-protocol-version": "2025-11-25"})
