@@ -9,7 +9,9 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
+import json
 import secrets
+import shutil
 import subprocess
 import time
 from contextlib import asynccontextmanager
@@ -22,7 +24,7 @@ from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared._httpx_utils import create_mcp_http_client
 
-from conftest import ARTIFACTS, Gateway, start_gateway, stop_gateway, wait_until
+from conftest import ARTIFACTS, POLICY, Gateway, start_gateway, stop_gateway, wait_until
 
 EXPECTED_TOOLS = {"run_python", "list_files", "read_file", "write_file", "restart_kernel", "start_kernel"}
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -32,8 +34,8 @@ ALICE, BOB = secrets.token_hex(16), secrets.token_hex(16)
 
 @pytest.fixture(scope="module")
 def gw(tmp_path_factory) -> Iterator[Gateway]:
-    """One gateway for the module: a warm pool of 2, and two keys (alice, bob) besides the
-    admin token."""
+    """One gateway for the module: a warm pool of 2, two keys (alice, bob) besides the admin
+    token, conftest's execution policy, and an audit log of its own."""
     keys = tmp_path_factory.mktemp("keys") / "keys.toml"
     keys.write_text(
         "".join(
@@ -41,9 +43,13 @@ def gw(tmp_path_factory) -> Iterator[Gateway]:
             for name, t in (("alice", ALICE), ("bob", BOB))
         )
     )
+    policy = keys.parent / "policy.toml"
+    policy.write_text(POLICY)
     logs = ARTIFACTS / "test_mcp"
-    logs.mkdir(parents=True, exist_ok=True)
-    gateway = start_gateway(logs / "gateway.log", ["--pool-size", "2", "--keys", str(keys)])
+    shutil.rmtree(logs, ignore_errors=True)
+    logs.mkdir(parents=True)
+    gateway = start_gateway(logs / "gateway.log", [
+        "--pool-size", "2", "--keys", str(keys), "--policy", str(policy), "--audit-log", str(logs / "audit.log")])
     yield gateway
     stop_gateway(gateway)
 
@@ -329,3 +335,77 @@ def test_another_key_gets_404_for_sessions_and_kernels(gw: Gateway):
     assert as_alice.status_code == 200, as_alice.text
     requests.delete(gw.url + "/mcp", timeout=30, headers={"Authorization": f"token {ALICE}", "mcp-session-id": sid,
                                                           "mcp-protocol-version": "2025-11-25"})
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_progress_notifications_carry_output_as_it_arrives(gw: Gateway, mode: str):
+    code = "import time\nprint('step 1', flush=True)\ntime.sleep(2)\nprint('step 2', flush=True)\n"
+    arrivals: list[tuple[float, str]] = []
+
+    async def on_progress(progress: float, total: float | None, message: str | None) -> None:
+        arrivals.append((time.monotonic(), message or ""))
+
+    async def scenario():
+        async with connected(gw, mode) as (c, target):
+            result = await c.call_tool("run_python", {"code": code, **target}, progress_callback=on_progress)
+            return time.monotonic(), result
+
+    ended, result = run(scenario())
+    assert text(result).split() == ["step", "1", "step", "2"]
+    messages = [m for _, m in arrivals]
+    assert messages == ["step 1\n", "step 2\n"], messages
+    # The first line came while the code still slept, not with the result.
+    assert ended - arrivals[0][0] > 1.5, (ended, arrivals)
+
+
+def test_cancelling_a_queued_call_only_removes_it_from_the_queue(gw: Gateway):
+    async def scenario():
+        async with connected(gw, "legacy") as (c, target):
+            results = {}
+
+            async def first():
+                results["first"] = await c.call_tool(
+                    "run_python", {"code": "import time; time.sleep(4); first_done = True", **target})
+
+            async def second():
+                with anyio.move_on_after(1.5):
+                    await c.call_tool("run_python", {"code": "second_ran = True", **target})
+                results["second_cancelled"] = True
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(first)
+                await anyio.sleep(0.5)  # the second call queues behind the first
+                tg.start_soon(second)
+            after = await c.call_tool("run_python", {"code": "(first_done, 'second_ran' in globals())", **target})
+            return results, text(after)
+
+    results, after = run(scenario())
+    assert results["second_cancelled"]
+    assert not results["first"].is_error, "the running call was not interrupted: " + text(results["first"])
+    assert after == "(True, False)", after
+
+
+def test_policy_and_audit_apply_with_the_session_as_agent_id(gw: Gateway):
+    session_ids: set[str] = set()
+
+    async def scenario():
+        async def record(response):
+            if "mcp-session-id" in response.headers:
+                session_ids.add(response.headers["mcp-session-id"])
+
+        c = client(gw, "legacy")
+        c.server_http.event_hooks["response"].append(record)
+        async with c:
+            denied = await c.call_tool("run_python", {"code": "import subprocess"})
+            assert denied.is_error and "PolicyViolation" in text(denied), text(denied)
+            ok = await c.call_tool("run_python", {"code": "audited = 1"})
+            assert not ok.is_error, text(ok)
+
+    run(scenario())
+    assert len(session_ids) == 1, session_ids
+    (session,) = session_ids
+    records = [json.loads(line) for line in (ARTIFACTS / "test_mcp" / "audit.log").read_text().splitlines()]
+    mine = [r for r in records if r.get("agent_id") == session]
+    decisions = [r for r in mine if r["event"] == "policy_decision"]
+    assert decisions and decisions[0]["decision"] == "deny", mine
+    assert any(r["event"] == "execution_requested" and "audited = 1" in json.dumps(r) for r in mine), [r["event"] for r in mine]

@@ -73,7 +73,7 @@ impl Endpoint {
         }
         let closing = req.method() == Method::DELETE;
         let response = self.service.handle(req).await;
-        let (parts, body) = response.into_parts();
+        let (mut parts, body) = response.into_parts();
         let opened = parts
             .headers
             .get(super::SESSION_HEADER)
@@ -87,6 +87,8 @@ impl Endpoint {
         }
         if let (true, Some(id)) = (closing && parts.status.is_success(), &session) {
             self.owners().remove(id);
+            // rmcp answers 202; the Python client takes only 200 or 204 as a clean close.
+            parts.status = StatusCode::NO_CONTENT;
         }
         if parts.status == StatusCode::NOT_FOUND {
             if let Some(id) = &session {

@@ -2,7 +2,7 @@
 //! table as the REST API, served by the official SDK (`rmcp`) over Streamable HTTP
 //! ([`http`], mounted at `/mcp`).
 //!
-//! State: a protocol session (the `initialize` handshake: one `Mcp-Session-Id` over HTTP,
+//! State: a protocol session (the `initialize` handshake, one `Mcp-Session-Id` over HTTP)
 //! gets a kernel of its own, created on its first tool call and deleted
 //! when the session ends (HTTP DELETE or expiry). Without a session (protocol
 //! 2026-07-28 over HTTP) `start_kernel` hands out a kernel id that the other tools take as
