@@ -25,6 +25,28 @@ pub enum Command {
     Keys(KeysArgs),
     /// Read the audit log back as a table (or JSON lines).
     Audit(AuditArgs),
+    /// Serve MCP (Model Context Protocol) over stdin/stdout, for hosts that launch a
+    /// command: kernels run on the local Docker engine (every `serve` flag that applies
+    /// works here).
+    Mcp(Box<McpArgs>),
+}
+
+/// `kernelgate mcp`: manages kernels itself, in a runtime directory of its own: the first
+/// free `<--runtime-dir>/<n>` (each locked by one process).
+#[derive(Debug, Clone, Args)]
+#[command(mut_arg("runtime_dir", |a| a.default_value("/run/kernelgate-mcp")))]
+#[command(mut_arg("pool_size", |a| a.default_value("1")))]
+// HTTP-only flags: nothing listens here.
+#[command(mut_arg("listen", |a| a.hide(true)))]
+#[command(mut_arg("token", |a| a.hide(true)))]
+#[command(mut_arg("keys", |a| a.hide(true)))]
+#[command(mut_arg("no_auth", |a| a.hide(true)))]
+#[command(mut_arg("allow_origin", |a| a.hide(true)))]
+#[command(mut_arg("metrics_public", |a| a.hide(true)))]
+#[command(mut_arg("metrics_token", |a| a.hide(true)))]
+pub struct McpArgs {
+    #[command(flatten)]
+    pub config: Config,
 }
 
 #[derive(Debug, Clone, Args)]

@@ -1,7 +1,8 @@
 """The MCP server, driven by the official Python `mcp` client against the real gateway and
 Docker: over Streamable HTTP (`/mcp`) in the client's default mode (2026-07-28: no session,
 kernels by `start_kernel` handle) and with the classic `initialize` handshake (a session
-with its own kernel).
+with its own kernel), and over stdio (`kernelgate mcp`, one session per process) in both
+modes.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import asyncio
 import base64
 import hashlib
 import json
+import os
 import secrets
 import shutil
 import subprocess
@@ -20,11 +22,11 @@ from typing import AsyncIterator, Iterator
 
 import anyio
 import pytest
-from mcp import Client
+from mcp import Client, StdioServerParameters
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared._httpx_utils import create_mcp_http_client
 
-from conftest import ARTIFACTS, POLICY, Gateway, start_gateway, stop_gateway, wait_until
+from conftest import ARTIFACTS, POLICY, REPO, Gateway, start_gateway, stop_gateway, wait_until
 
 EXPECTED_TOOLS = {"run_python", "list_files", "read_file", "write_file", "restart_kernel", "start_kernel"}
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -43,15 +45,16 @@ def gw(tmp_path_factory) -> Iterator[Gateway]:
             for name, t in (("alice", ALICE), ("bob", BOB))
         )
     )
-    policy = keys.parent / "policy.toml"
-    policy.write_text(POLICY)
     logs = ARTIFACTS / "test_mcp"
     shutil.rmtree(logs, ignore_errors=True)
     logs.mkdir(parents=True)
+    policy = logs / "policy.toml"
+    policy.write_text(POLICY)
     gateway = start_gateway(logs / "gateway.log", [
         "--pool-size", "2", "--keys", str(keys), "--policy", str(policy), "--audit-log", str(logs / "audit.log")])
     yield gateway
     stop_gateway(gateway)
+    shutil.rmtree(STDIO_BASE, ignore_errors=True)  # the emptied runtime dirs of `kernelgate mcp`
 
 
 def client(gw: Gateway, mode: str = "auto", token: str | None = None) -> Client:
@@ -63,13 +66,45 @@ def client(gw: Gateway, mode: str = "auto", token: str | None = None) -> Client:
     return c
 
 
+# `kernelgate mcp` processes keep their runtime directories under this one.
+STDIO_BASE = Path(f"/run/kg-mcp-{secrets.token_hex(3)}")
+
+
+def stdio_client(mode: str = "auto") -> Client:
+    """A client that launches `kernelgate mcp` on the local Docker engine."""
+    binary = Path(os.environ.get("KERNELGATE_BIN", REPO / "target" / "debug" / "kernelgate"))
+    params = StdioServerParameters(
+        command=str(binary),
+        args=["mcp", "--runtime-dir", str(STDIO_BASE), "--audit-log", str(ARTIFACTS / "test_mcp" / "stdio-audit.log"),
+              "--policy", str(ARTIFACTS / "test_mcp" / "policy.toml")],
+        env={
+            "KERNELGATE_IMAGE": os.environ.get("KERNELGATE_IMAGE", "kernelgate-kernel:latest"),
+            "KERNELGATE_RUNTIME": os.environ.get("KERNELGATE_RUNTIME", "runc"),
+            "KERNELGATE_LOG": "kernelgate=info,warn",
+            "NO_COLOR": "1",
+        },
+    )
+    return Client(params, mode=mode, read_timeout_seconds=120)
+
+
+def stdio_containers() -> set[str]:
+    """Kernel ids of the running containers of `kernelgate mcp` processes."""
+    out = subprocess.run(
+        ["docker", "ps", "--filter", "label=org.kernelgate.kernel_id",
+         "--format", '{{.Label "org.kernelgate.runtime_dir"}} {{.Label "org.kernelgate.kernel_id"}}'],
+        capture_output=True, text=True, check=True,
+    ).stdout
+    return {line.split()[1] for line in out.splitlines() if line.startswith(str(STDIO_BASE) + "/")}
+
+
 @asynccontextmanager
-async def connected(gw: Gateway, mode: str, token: str | None = None) -> AsyncIterator[tuple[Client, dict]]:
-    """A connected client and the arguments that pick its kernel: none in a session, the
-    kernel_id of start_kernel without one."""
-    async with client(gw, mode, token) as c:
+async def connected(gw: Gateway, mode: str, token: str | None = None, transport: str = "http") -> AsyncIterator[tuple[Client, dict]]:
+    """A connected client and the arguments that pick its kernel: none in a session (the
+    classic handshake over HTTP, always over stdio), the kernel_id of start_kernel without."""
+    c = stdio_client(mode) if transport == "stdio" else client(gw, mode, token)
+    async with c:
         target: dict = {}
-        if mode != "legacy":
+        if mode != "legacy" and transport == "http":
             started = await c.call_tool("start_kernel", {})
             assert not started.is_error, text(started)
             target = {"kernel_id": started.structured_content["kernel_id"]}
@@ -95,12 +130,15 @@ def containers(gw: Gateway) -> set[str]:
 
 
 MODES = ["auto", "legacy"]
+# (transport, mode): both protocol modes over HTTP and over stdio.
+WAYS = [("http", "auto"), ("http", "legacy"), ("stdio", "auto"), ("stdio", "legacy")]
+WAY_IDS = [f"{t}-{m}" for t, m in WAYS]
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_negotiated_protocol_and_tool_list(gw: Gateway, mode: str):
+@pytest.mark.parametrize(("transport", "mode"), WAYS, ids=WAY_IDS)
+def test_negotiated_protocol_and_tool_list(gw: Gateway, transport: str, mode: str):
     async def scenario():
-        async with client(gw, mode) as c:
+        async with (stdio_client(mode) if transport == "stdio" else client(gw, mode)) as c:
             tools = await c.list_tools()
             names = {t.name for t in tools.tools}
             assert names == EXPECTED_TOOLS
@@ -116,10 +154,10 @@ def test_negotiated_protocol_and_tool_list(gw: Gateway, mode: str):
         assert version < "2026-07-28"
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_variables_persist_between_calls(gw: Gateway, mode: str):
+@pytest.mark.parametrize(("transport", "mode"), WAYS, ids=WAY_IDS)
+def test_variables_persist_between_calls(gw: Gateway, transport: str, mode: str):
     async def scenario():
-        async with connected(gw, mode) as (c, target):
+        async with connected(gw, mode, transport=transport) as (c, target):
             first = await c.call_tool("run_python", {"code": "x = 41", **target})
             assert not first.is_error, text(first)
             second = await c.call_tool("run_python", {"code": "print('hi'); x + 1", **target})
@@ -129,8 +167,8 @@ def test_variables_persist_between_calls(gw: Gateway, mode: str):
     run(scenario())
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_matplotlib_chart_is_png_image_content(gw: Gateway, mode: str):
+@pytest.mark.parametrize(("transport", "mode"), WAYS, ids=WAY_IDS)
+def test_matplotlib_chart_is_png_image_content(gw: Gateway, transport: str, mode: str):
     code = (
         "import matplotlib.pyplot as plt\n"
         "plt.plot([1, 2, 3], [1, 4, 9])\n"
@@ -139,7 +177,7 @@ def test_matplotlib_chart_is_png_image_content(gw: Gateway, mode: str):
     )
 
     async def scenario():
-        async with connected(gw, mode) as (c, target):
+        async with connected(gw, mode, transport=transport) as (c, target):
             result = await c.call_tool("run_python", {"code": code, **target})
             assert not result.is_error, text(result)
             images = [b for b in result.content if b.type == "image"]
@@ -150,10 +188,10 @@ def test_matplotlib_chart_is_png_image_content(gw: Gateway, mode: str):
     run(scenario())
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_exception_is_a_tool_error_with_traceback(gw: Gateway, mode: str):
+@pytest.mark.parametrize(("transport", "mode"), WAYS, ids=WAY_IDS)
+def test_exception_is_a_tool_error_with_traceback(gw: Gateway, transport: str, mode: str):
     async def scenario():
-        async with connected(gw, mode) as (c, target):
+        async with connected(gw, mode, transport=transport) as (c, target):
             result = await c.call_tool("run_python", {"code": "y = 1\n1/0", **target})
             assert result.is_error
             message = text(result)
@@ -166,10 +204,10 @@ def test_exception_is_a_tool_error_with_traceback(gw: Gateway, mode: str):
     run(scenario())
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_cancelled_call_returns_promptly_and_state_survives(gw: Gateway, mode: str):
+@pytest.mark.parametrize(("transport", "mode"), WAYS, ids=WAY_IDS)
+def test_cancelled_call_returns_promptly_and_state_survives(gw: Gateway, transport: str, mode: str):
     async def scenario():
-        async with connected(gw, mode) as (c, target):
+        async with connected(gw, mode, transport=transport) as (c, target):
             await c.call_tool("run_python", {"code": "x = 'kept'", **target})
             started = time.monotonic()
             with anyio.move_on_after(3) as scope:
@@ -185,10 +223,10 @@ def test_cancelled_call_returns_promptly_and_state_survives(gw: Gateway, mode: s
     run(scenario())
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_files_written_by_code_and_by_the_tool(gw: Gateway, mode: str):
+@pytest.mark.parametrize(("transport", "mode"), WAYS, ids=WAY_IDS)
+def test_files_written_by_code_and_by_the_tool(gw: Gateway, transport: str, mode: str):
     async def scenario():
-        async with connected(gw, mode) as (c, target):
+        async with connected(gw, mode, transport=transport) as (c, target):
             made = await c.call_tool("run_python", {"code": "open('out.txt', 'w').write('from code\\n')", **target})
             assert not made.is_error, text(made)
             read = await c.call_tool("read_file", {"path": "out.txt", **target})
@@ -212,10 +250,10 @@ def test_files_written_by_code_and_by_the_tool(gw: Gateway, mode: str):
     run(scenario())
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_bad_arguments_are_tool_errors_that_say_what_to_fix(gw: Gateway, mode: str):
+@pytest.mark.parametrize(("transport", "mode"), WAYS, ids=WAY_IDS)
+def test_bad_arguments_are_tool_errors_that_say_what_to_fix(gw: Gateway, transport: str, mode: str):
     async def scenario():
-        async with connected(gw, mode) as (c, target):
+        async with connected(gw, mode, transport=transport) as (c, target):
             no_code = await c.call_tool("run_python", {**target})
             assert no_code.is_error and "missing field `code`" in text(no_code)
             wrong_type = await c.call_tool("run_python", {"code": 5, **target})
@@ -245,10 +283,10 @@ def test_without_a_session_there_is_no_default_kernel(gw: Gateway):
     run(scenario())
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_two_sessions_do_not_see_each_others_variables(gw: Gateway, mode: str):
+@pytest.mark.parametrize(("transport", "mode"), WAYS, ids=WAY_IDS)
+def test_two_sessions_do_not_see_each_others_variables(gw: Gateway, transport: str, mode: str):
     async def scenario():
-        async with connected(gw, mode) as (a, ta), connected(gw, mode) as (b, tb):
+        async with connected(gw, mode, transport=transport) as (a, ta), connected(gw, mode, transport=transport) as (b, tb):
             await a.call_tool("run_python", {"code": "secret = 'a'", **ta})
             seen = await b.call_tool("run_python", {"code": "secret", **tb})
             assert seen.is_error and "NameError" in text(seen)
@@ -268,6 +306,40 @@ def test_ending_the_session_removes_its_container(gw: Gateway):
     during = run(scenario())
     assert during, "the session's kernel ran in a container"
     wait_until("the session's container to go", lambda: not (containers(gw) & (during - before)), timeout=30)
+
+
+def test_stdio_eof_removes_the_process_kernel(gw: Gateway):
+    async def scenario():
+        async with stdio_client("legacy") as c:
+            result = await c.call_tool("run_python", {"code": "1 + 1"})
+            assert text(result) == "2"
+            return stdio_containers()
+
+    during = run(scenario())
+    assert during, "the stdio session's kernel ran in a container"
+    wait_until("the stdio process's containers to go", lambda: not (stdio_containers() & during), timeout=30)
+
+
+def test_stdio_processes_take_runtime_directories_of_their_own(gw: Gateway):
+    def listed() -> set[tuple[str, str]]:
+        out = subprocess.run(
+            ["docker", "ps", "--filter", "label=org.kernelgate.kernel_id",
+             "--format", '{{.Label "org.kernelgate.runtime_dir"}} {{.Label "org.kernelgate.kernel_id"}}'],
+            capture_output=True, text=True, check=True).stdout
+        return {tuple(line.split()) for line in out.splitlines() if line.startswith(str(STDIO_BASE) + "/")}
+
+    before = listed()
+
+    async def scenario():
+        async with stdio_client() as a, stdio_client() as b:
+            await a.call_tool("run_python", {"code": "1"})
+            await b.call_tool("run_python", {"code": "1"})
+            return {d for d, _ in listed() - before}
+
+    dirs = run(scenario())
+    assert len(dirs) == 2, dirs
+    # Each held a lock while it ran, given back at exit.
+    wait_until("the locks to be given back", lambda: not list(STDIO_BASE.glob("*/kernelgate.lock")), timeout=30)
 
 
 def test_restart_clears_state(gw: Gateway):
@@ -337,8 +409,8 @@ def test_another_key_gets_404_for_sessions_and_kernels(gw: Gateway):
                                                           "mcp-protocol-version": "2025-11-25"})
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_progress_notifications_carry_output_as_it_arrives(gw: Gateway, mode: str):
+@pytest.mark.parametrize(("transport", "mode"), WAYS, ids=WAY_IDS)
+def test_progress_notifications_carry_output_as_it_arrives(gw: Gateway, transport: str, mode: str):
     code = "import time\nprint('step 1', flush=True)\ntime.sleep(2)\nprint('step 2', flush=True)\n"
     arrivals: list[tuple[float, str]] = []
 
@@ -346,7 +418,7 @@ def test_progress_notifications_carry_output_as_it_arrives(gw: Gateway, mode: st
         arrivals.append((time.monotonic(), message or ""))
 
     async def scenario():
-        async with connected(gw, mode) as (c, target):
+        async with connected(gw, mode, transport=transport) as (c, target):
             result = await c.call_tool("run_python", {"code": code, **target}, progress_callback=on_progress)
             return time.monotonic(), result
 

@@ -1,10 +1,10 @@
 //! The MCP (Model Context Protocol) server: the tools of [`tools`] over the same kernel
 //! table as the REST API, served by the official SDK (`rmcp`) over Streamable HTTP
-//! ([`http`], mounted at `/mcp`).
+//! ([`http`], mounted at `/mcp`) and over stdio ([`stdio`], `kernelgate mcp`).
 //!
-//! State: a protocol session (the `initialize` handshake, one `Mcp-Session-Id` over HTTP)
-//! gets a kernel of its own, created on its first tool call and deleted
-//! when the session ends (HTTP DELETE or expiry). Without a session (protocol
+//! State: a protocol session (the `initialize` handshake, one `Mcp-Session-Id` over HTTP;
+//! a whole stdio process) gets a kernel of its own, created on its first tool call and
+//! deleted when the session ends (HTTP DELETE or expiry, stdio EOF). Without a session (protocol
 //! 2026-07-28 over HTTP) `start_kernel` hands out a kernel id that the other tools take as
 //! `kernel_id`; such a kernel is deleted after `--mcp-idle-timeout` without use. A key sees
 //! only its own sessions and kernels.
@@ -14,6 +14,7 @@
 //! the audit trail, with the MCP session id as the agent id.
 
 pub mod http;
+pub mod stdio;
 pub mod tools;
 
 use crate::kernels::files::{self, FileError, FileOp};
