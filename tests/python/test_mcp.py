@@ -481,3 +481,34 @@ def test_policy_and_audit_apply_with_the_session_as_agent_id(gw: Gateway):
     decisions = [r for r in mine if r["event"] == "policy_decision"]
     assert decisions and decisions[0]["decision"] == "deny", mine
     assert any(r["event"] == "execution_requested" and "audited = 1" in json.dumps(r) for r in mine), [r["event"] for r in mine]
+
+
+def test_idle_handles_and_sessions_end_with_their_kernels(tmp_path: Path):
+    """With --mcp-idle-timeout 4: a start_kernel kernel left unused is deleted, one in use
+    stays; an HTTP session left unused expires and its kernel goes."""
+    gw = start_gateway(ARTIFACTS / "test_mcp" / "idle-gateway.log", ["--mcp-idle-timeout", "4"])
+    try:
+        async def scenario():
+            async with client(gw, "auto") as c:
+                idle = (await c.call_tool("start_kernel", {})).structured_content["kernel_id"]
+                used = (await c.call_tool("start_kernel", {})).structured_content["kernel_id"]
+                for _ in range(8):
+                    r = await c.call_tool("run_python", {"code": "1", "kernel_id": used})
+                    assert not r.is_error, text(r)
+                    await anyio.sleep(1)
+                ids = {k["id"] for k in gw.kernels()}
+                assert idle not in ids and used in ids, (idle, used, ids)
+                gone = await c.call_tool("run_python", {"code": "1", "kernel_id": idle})
+                assert gone.is_error and "start_kernel" in text(gone)
+
+            # A session whose client goes quiet (no DELETE: the transport is kept open).
+            async with client(gw, "legacy") as c:
+                await c.call_tool("run_python", {"code": "1"})
+                session_kernels = {k["id"] for k in gw.kernels()} - {used}
+                await anyio.sleep(12)
+                return session_kernels, {k["id"] for k in gw.kernels()}
+
+        session_kernels, after = run(scenario())
+        assert session_kernels and not (session_kernels & after), (session_kernels, after)
+    finally:
+        stop_gateway(gw)
