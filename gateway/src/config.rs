@@ -27,24 +27,29 @@ pub enum Command {
     Audit(AuditArgs),
     /// Serve MCP (Model Context Protocol) over stdin/stdout, for hosts that launch a
     /// command: kernels run on the local Docker engine (every `serve` flag that applies
-    /// works here).
+    /// works here), or on a running gateway with `--url` and `--token`.
     Mcp(Box<McpArgs>),
 }
 
-/// `kernelgate mcp`: manages kernels itself, in a runtime directory of its own: the first
-/// free `<--runtime-dir>/<n>` (each locked by one process).
+/// `kernelgate mcp`. Without `--url` it manages kernels itself, in a runtime directory of
+/// its own: the first free `<--runtime-dir>/<n>` (each locked by one process).
 #[derive(Debug, Clone, Args)]
 #[command(mut_arg("runtime_dir", |a| a.default_value("/run/kernelgate-mcp")))]
 #[command(mut_arg("pool_size", |a| a.default_value("1")))]
 // HTTP-only flags: nothing listens here.
 #[command(mut_arg("listen", |a| a.hide(true)))]
-#[command(mut_arg("token", |a| a.hide(true)))]
+#[command(mut_arg("token", |a| a.help("Token of the gateway given with --url")))]
 #[command(mut_arg("keys", |a| a.hide(true)))]
 #[command(mut_arg("no_auth", |a| a.hide(true)))]
 #[command(mut_arg("allow_origin", |a| a.hide(true)))]
 #[command(mut_arg("metrics_public", |a| a.hide(true)))]
 #[command(mut_arg("metrics_token", |a| a.hide(true)))]
 pub struct McpArgs {
+    /// Base URL of a running gateway (`http://host:port`) whose kernels to use instead of
+    /// the local Docker engine, with its token in `--token`.
+    #[arg(long, env = "KERNELGATE_URL")]
+    pub url: Option<String>,
+
     #[command(flatten)]
     pub config: Config,
 }

@@ -235,6 +235,9 @@ async fn serve(config: Config) -> anyhow::Result<()> {
 /// engine, until EOF or a signal; then every kernel it started is removed.
 async fn mcp_stdio(args: McpArgs) -> anyhow::Result<()> {
     let mut config = args.config;
+    if let Some(url) = &args.url {
+        return mcp_stdio_remote(url, config.token.clone(), &config).await;
+    }
     if config.audit_log.as_deref() == Some(std::path::Path::new("-")) {
         bail!("--audit-log - would write into the MCP stream on stdout; give a file (or `off`)");
     }
@@ -275,6 +278,42 @@ async fn mcp_stdio(args: McpArgs) -> anyhow::Result<()> {
     };
     cancel.cancel();
     table.kernels.shutdown().await;
+    tracker.close();
+    if tokio::time::timeout(Duration::from_secs(10), tracker.wait())
+        .await
+        .is_err()
+    {
+        tracing::warn!("some tasks did not stop within 10 s");
+    }
+    Ok(served?)
+}
+
+/// `kernelgate mcp --url`: one MCP session over stdin/stdout whose kernels are a running
+/// gateway's, deleted when the session ends.
+async fn mcp_stdio_remote(url: &str, token: Option<String>, config: &Config) -> anyhow::Result<()> {
+    let gateway = kernelgate::mcp::remote::Remote::new(url, token);
+    gateway
+        .check()
+        .await
+        .with_context(|| format!("cannot use the gateway at {url} (check --url and --token)"))?;
+    let tracker = TaskTracker::new();
+    let cancel = CancellationToken::new();
+    let mcp = kernelgate::mcp::Mcp::remote(
+        gateway,
+        tracker.clone(),
+        cancel.clone(),
+        Duration::from_secs(config.mcp_idle_timeout),
+    );
+    tracing::info!(%url, "serving MCP on stdio with a remote gateway's kernels");
+    // The tenant is the gateway's business: it knows the token.
+    let served = tokio::select! {
+        served = kernelgate::mcp::stdio::serve(mcp.clone(), Tenant::admin(TOKEN_KEY)) => served,
+        _ = stop_signal() => Ok(()),
+    };
+    mcp.release_handles().await;
+    // Stops the idle reaper; the deletion of the session's kernel, started when the
+    // session ended, runs on and is waited for.
+    cancel.cancel();
     tracker.close();
     if tokio::time::timeout(Duration::from_secs(10), tracker.wait())
         .await

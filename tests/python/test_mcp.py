@@ -70,13 +70,18 @@ def client(gw: Gateway, mode: str = "auto", token: str | None = None) -> Client:
 STDIO_BASE = Path(f"/run/kg-mcp-{secrets.token_hex(3)}")
 
 
-def stdio_client(mode: str = "auto") -> Client:
-    """A client that launches `kernelgate mcp` on the local Docker engine."""
+def stdio_client(mode: str = "auto", gateway: Gateway | None = None, token: str | None = None) -> Client:
+    """A client that launches `kernelgate mcp`: on the local Docker engine, or with
+    `--url` on `gateway`'s kernels."""
     binary = Path(os.environ.get("KERNELGATE_BIN", REPO / "target" / "debug" / "kernelgate"))
+    if gateway is None:
+        args = ["mcp", "--runtime-dir", str(STDIO_BASE), "--audit-log", str(ARTIFACTS / "test_mcp" / "stdio-audit.log"),
+                "--policy", str(ARTIFACTS / "test_mcp" / "policy.toml")]
+    else:
+        args = ["mcp", "--url", gateway.url, "--token", token or gateway.token]
     params = StdioServerParameters(
         command=str(binary),
-        args=["mcp", "--runtime-dir", str(STDIO_BASE), "--audit-log", str(ARTIFACTS / "test_mcp" / "stdio-audit.log"),
-              "--policy", str(ARTIFACTS / "test_mcp" / "policy.toml")],
+        args=args,
         env={
             "KERNELGATE_IMAGE": os.environ.get("KERNELGATE_IMAGE", "kernelgate-kernel:latest"),
             "KERNELGATE_RUNTIME": os.environ.get("KERNELGATE_RUNTIME", "runc"),
@@ -101,7 +106,12 @@ def stdio_containers() -> set[str]:
 async def connected(gw: Gateway, mode: str, token: str | None = None, transport: str = "http") -> AsyncIterator[tuple[Client, dict]]:
     """A connected client and the arguments that pick its kernel: none in a session (the
     classic handshake over HTTP, always over stdio), the kernel_id of start_kernel without."""
-    c = stdio_client(mode) if transport == "stdio" else client(gw, mode, token)
+    if transport == "stdio":
+        c = stdio_client(mode)
+    elif transport == "stdio-url":
+        c = stdio_client(mode, gateway=gw, token=token)
+    else:
+        c = client(gw, mode, token)
     async with c:
         target: dict = {}
         if mode != "legacy" and transport == "http":
@@ -130,15 +140,18 @@ def containers(gw: Gateway) -> set[str]:
 
 
 MODES = ["auto", "legacy"]
-# (transport, mode): both protocol modes over HTTP and over stdio.
-WAYS = [("http", "auto"), ("http", "legacy"), ("stdio", "auto"), ("stdio", "legacy")]
+# (transport, mode): both protocol modes over HTTP, over stdio, and over stdio with --url.
+WAYS = [("http", "auto"), ("http", "legacy"), ("stdio", "auto"), ("stdio", "legacy"),
+        ("stdio-url", "auto"), ("stdio-url", "legacy")]
 WAY_IDS = [f"{t}-{m}" for t, m in WAYS]
 
 
 @pytest.mark.parametrize(("transport", "mode"), WAYS, ids=WAY_IDS)
 def test_negotiated_protocol_and_tool_list(gw: Gateway, transport: str, mode: str):
     async def scenario():
-        async with (stdio_client(mode) if transport == "stdio" else client(gw, mode)) as c:
+        c = {"stdio": lambda: stdio_client(mode), "stdio-url": lambda: stdio_client(mode, gateway=gw)}.get(
+            transport, lambda: client(gw, mode))()
+        async with c:
             tools = await c.list_tools()
             names = {t.name for t in tools.tools}
             assert names == EXPECTED_TOOLS
@@ -340,6 +353,35 @@ def test_stdio_processes_take_runtime_directories_of_their_own(gw: Gateway):
     assert len(dirs) == 2, dirs
     # Each held a lock while it ran, given back at exit.
     wait_until("the locks to be given back", lambda: not list(STDIO_BASE.glob("*/kernelgate.lock")), timeout=30)
+
+
+def test_stdio_with_url_deletes_its_kernels_on_the_gateway_at_eof(gw: Gateway):
+    async def scenario():
+        async with stdio_client("legacy", gateway=gw, token=ALICE) as c:
+            assert text(await c.call_tool("run_python", {"code": "1 + 1"})) == "2"
+            handle = (await c.call_tool("start_kernel", {})).structured_content["kernel_id"]
+            mine = {k["id"] for k in gw.kernels()}
+            assert handle in mine
+            return mine
+
+    import requests
+
+    def alices() -> set[str]:
+        r = requests.get(gw.url + "/api/kernels", headers={"Authorization": f"token {ALICE}"}, timeout=30)
+        return {k["id"] for k in r.json()}
+
+    before = alices()
+    run(scenario())
+    wait_until("the stdio process's kernels to be deleted on the gateway", lambda: alices() <= before, timeout=30)
+
+
+def test_stdio_with_a_wrong_token_fails_to_start(gw: Gateway):
+    async def scenario():
+        async with stdio_client("legacy", gateway=gw, token="wrong") as c:
+            await c.list_tools()
+
+    with pytest.raises(BaseException):
+        run(scenario())
 
 
 def test_restart_clears_state(gw: Gateway):

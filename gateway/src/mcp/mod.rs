@@ -14,6 +14,7 @@
 //! the audit trail, with the MCP session id as the agent id.
 
 pub mod http;
+pub mod remote;
 pub mod stdio;
 pub mod tools;
 
@@ -55,10 +56,35 @@ struct Handle {
     last_used: Instant,
 }
 
-/// What every MCP session shares: the kernel table and the kernels MCP handed out.
+/// Where the kernels are.
+#[derive(Debug)]
+enum Place {
+    /// This process's kernel table.
+    Local(Arc<Kernels>),
+    /// A running gateway (`kernelgate mcp --url`).
+    Remote(remote::Remote),
+}
+
+/// A kernel a call works on.
+#[derive(Debug, Clone)]
+enum KernelRef {
+    Local(Arc<LiveKernel>),
+    Remote(String),
+}
+
+impl KernelRef {
+    fn id(&self) -> &str {
+        match self {
+            KernelRef::Local(live) => live.id(),
+            KernelRef::Remote(id) => id,
+        }
+    }
+}
+
+/// What every MCP session shares: where kernels run and the kernels MCP handed out.
 #[derive(Debug)]
 pub struct Mcp {
-    kernels: Arc<Kernels>,
+    place: Place,
     tracker: TaskTracker,
     cancel: CancellationToken,
     idle_timeout: Duration,
@@ -67,15 +93,35 @@ pub struct Mcp {
 }
 
 impl Mcp {
-    /// Also starts the task that deletes `start_kernel` kernels left idle for `idle_timeout`.
+    /// MCP over this process's kernel table. Also starts the task that deletes
+    /// `start_kernel` kernels left idle for `idle_timeout`.
     pub fn new(
         kernels: Arc<Kernels>,
         tracker: TaskTracker,
         cancel: CancellationToken,
         idle_timeout: Duration,
     ) -> Arc<Self> {
+        Self::start(Place::Local(kernels), tracker, cancel, idle_timeout)
+    }
+
+    /// MCP over the kernels of a running gateway.
+    pub fn remote(
+        gateway: remote::Remote,
+        tracker: TaskTracker,
+        cancel: CancellationToken,
+        idle_timeout: Duration,
+    ) -> Arc<Self> {
+        Self::start(Place::Remote(gateway), tracker, cancel, idle_timeout)
+    }
+
+    fn start(
+        place: Place,
+        tracker: TaskTracker,
+        cancel: CancellationToken,
+        idle_timeout: Duration,
+    ) -> Arc<Self> {
         let mcp = Arc::new(Mcp {
-            kernels,
+            place,
             tracker: tracker.clone(),
             cancel,
             idle_timeout,
@@ -109,15 +155,16 @@ impl Mcp {
             }
             let due: Vec<String> = {
                 let mut handles = self.handles();
-                handles.retain(|id, _| self.kernels.get(id).is_some());
-                for (id, h) in handles.iter_mut() {
-                    // A kernel still running a call is in use.
-                    let busy = self
-                        .kernels
-                        .get(id)
-                        .is_some_and(|l| l.kernel.execution_state() == ExecutionState::Busy);
-                    if busy {
-                        h.last_used = Instant::now();
+                if let Place::Local(kernels) = &self.place {
+                    handles.retain(|id, _| kernels.get(id).is_some());
+                    for (id, h) in handles.iter_mut() {
+                        // A kernel still running a call is in use.
+                        let busy = kernels
+                            .get(id)
+                            .is_some_and(|l| l.kernel.execution_state() == ExecutionState::Busy);
+                        if busy {
+                            h.last_used = Instant::now();
+                        }
                     }
                 }
                 handles
@@ -134,38 +181,150 @@ impl Mcp {
         }
     }
 
+    /// Deletes every `start_kernel` kernel still handed out (a `kernelgate mcp --url`
+    /// process that ends; a local table is shut down whole instead).
+    pub async fn release_handles(&self) {
+        let ids: Vec<(String, String)> = self
+            .handles()
+            .drain()
+            .map(|(id, h)| (id, h.owner))
+            .collect();
+        for (id, owner) in ids {
+            self.delete_kernel(&id, &owner, "MCP process ended").await;
+        }
+    }
+
     async fn delete_kernel(&self, id: &str, owner: &str, reason: &str) {
-        self.kernels.audit().record(
-            "kernel_deleted",
-            json!({"kernel": id, "owner": owner, "reason": reason}),
-        );
-        if let Some(Err(e)) = self.kernels.delete(id).await {
-            tracing::warn!(kernel = %id, error = %e, "cannot remove an MCP kernel");
+        match &self.place {
+            Place::Local(kernels) => {
+                kernels.audit().record(
+                    "kernel_deleted",
+                    json!({"kernel": id, "owner": owner, "reason": reason}),
+                );
+                if let Some(Err(e)) = kernels.delete(id).await {
+                    tracing::warn!(kernel = %id, error = %e, "cannot remove an MCP kernel");
+                }
+            }
+            Place::Remote(gateway) => {
+                if let Err(e) = gateway.delete(id).await {
+                    tracing::warn!(kernel = %id, error = %e, "cannot delete an MCP kernel");
+                }
+            }
         }
     }
 
     /// A new kernel for `tenant`; `start_kernel`'s ones are remembered as handles.
-    async fn create_kernel(
-        &self,
-        tenant: &Tenant,
-        handle: bool,
-    ) -> Result<Arc<LiveKernel>, ToolError> {
-        let live = self
-            .kernels
-            .create(None, &BTreeMap::new(), tenant)
-            .await
-            .map_err(|e| tools::error(format!("cannot start a kernel: {e}")))?;
+    async fn create_kernel(&self, tenant: &Tenant, handle: bool) -> Result<KernelRef, ToolError> {
+        let failed =
+            |e: &dyn std::fmt::Display| tools::error(format!("cannot start a kernel: {e}"));
+        let kernel = match &self.place {
+            Place::Local(kernels) => KernelRef::Local(
+                kernels
+                    .create(None, &BTreeMap::new(), tenant)
+                    .await
+                    .map_err(|e| failed(&e))?,
+            ),
+            Place::Remote(gateway) => {
+                KernelRef::Remote(gateway.create().await.map_err(|e| failed(&e))?)
+            }
+        };
         if handle {
             self.handles().insert(
-                live.id().to_owned(),
+                kernel.id().to_owned(),
                 Handle {
                     owner: tenant.name.clone(),
                     last_used: Instant::now(),
                 },
             );
         }
-        Ok(live)
+        Ok(kernel)
     }
+
+    /// The kernel `id`, if `tenant` may use it.
+    async fn find(&self, tenant: &Tenant, id: &str) -> Result<Option<KernelRef>, ToolError> {
+        match &self.place {
+            Place::Local(kernels) => Ok(kernels
+                .get(id)
+                .filter(|l| tenant.may_use(l.owner()))
+                .map(KernelRef::Local)),
+            Place::Remote(gateway) => match gateway.exists(id).await {
+                Ok(true) => Ok(Some(KernelRef::Remote(id.to_owned()))),
+                Ok(false) => Ok(None),
+                Err(e) => Err(tools::error(e.to_string())),
+            },
+        }
+    }
+
+    fn run(&self, kernel: &KernelRef, run: Run) -> tokio::sync::mpsc::Receiver<Progress> {
+        match (&self.place, kernel) {
+            (Place::Local(kernels), KernelRef::Local(live)) => {
+                run::start(&self.tracker, kernels.clone(), live.clone(), run)
+            }
+            (Place::Remote(gateway), _) => gateway.run(
+                &self.tracker,
+                kernel.id(),
+                run.code,
+                run.timeout,
+                run.agent_id.unwrap_or_default(),
+            ),
+            (Place::Local(_), KernelRef::Remote(_)) => {
+                gateway_mismatch();
+                tokio::sync::mpsc::channel(1).1
+            }
+        }
+    }
+
+    async fn file(
+        &self,
+        kernel: &KernelRef,
+        key: &str,
+        op: FileOp,
+        path: &str,
+        body: Vec<u8>,
+    ) -> Result<Vec<u8>, FileError> {
+        let limit = tools::MAX_FILE_BYTES;
+        match (&self.place, kernel) {
+            (Place::Local(kernels), KernelRef::Local(live)) => {
+                files::run(kernels, live, key, op, path, body.into(), limit).await
+            }
+            (Place::Remote(gateway), _) => gateway.file(kernel.id(), op, path, body, limit).await,
+            (Place::Local(_), KernelRef::Remote(_)) => Err(FileError::Failed {
+                path: path.to_owned(),
+                reason: gateway_mismatch(),
+            }),
+        }
+    }
+
+    async fn restart(&self, kernel: &KernelRef, tenant: &Tenant) -> Result<(), ToolError> {
+        let failed = |e: &dyn std::fmt::Display| tools::error(format!("the restart failed: {e}"));
+        match (&self.place, kernel) {
+            (Place::Local(kernels), KernelRef::Local(live)) => {
+                kernels.audit().record(
+                    "kernel_restarted",
+                    json!({"kernel": live.id(), "key": tenant.name, "owner": live.owner()}),
+                );
+                kernels.restart(live).await.map_err(|e| failed(&e))
+            }
+            (Place::Remote(gateway), _) => {
+                gateway.restart(kernel.id()).await.map_err(|e| failed(&e))
+            }
+            (Place::Local(_), KernelRef::Remote(_)) => Err(tools::error(gateway_mismatch())),
+        }
+    }
+
+    /// Whether the kernel is still there (it may have been culled or deleted).
+    async fn alive(&self, kernel: &KernelRef) -> bool {
+        match &self.place {
+            Place::Local(kernels) => kernels.get(kernel.id()).is_some(),
+            Place::Remote(gateway) => gateway.exists(kernel.id()).await.unwrap_or(true),
+        }
+    }
+}
+
+/// A kernel reference from one place used with another: a bug, never a client's doing.
+fn gateway_mismatch() -> String {
+    tracing::error!("an MCP kernel reference does not match where kernels run");
+    "internal error: the kernel reference does not match this server".to_owned()
 }
 
 /// Who is calling, and in which session.
@@ -189,23 +348,27 @@ struct SessionState {
     /// Over stdio: the process's tenant and session id. Over HTTP both come with requests.
     fixed: Option<(Arc<Tenant>, String)>,
     /// The session's own kernel, created on first use.
-    kernel: tokio::sync::Mutex<Option<Arc<LiveKernel>>>,
+    kernel: tokio::sync::Mutex<Option<KernelRef>>,
 }
 
 impl Drop for SessionState {
     /// The session ended: its kernel goes (in a task of the gateway's, as this may run
     /// anywhere).
     fn drop(&mut self) {
-        let Some(live) = self.kernel.get_mut().take() else {
+        let Some(kernel) = self.kernel.get_mut().take() else {
             return;
         };
         if self.mcp.cancel.is_cancelled() {
             return; // shutdown removes every kernel
         }
         let mcp = self.mcp.clone();
-        tracing::info!(kernel = %live.id(), "MCP session ended; deleting its kernel");
+        tracing::info!(kernel = %kernel.id(), "MCP session ended; deleting its kernel");
         self.mcp.tracker.spawn(async move {
-            mcp.delete_kernel(live.id(), live.owner(), "MCP session ended")
+            let owner = match &kernel {
+                KernelRef::Local(live) => live.owner().to_owned(),
+                KernelRef::Remote(_) => String::new(),
+            };
+            mcp.delete_kernel(kernel.id(), &owner, "MCP session ended")
                 .await;
         });
     }
@@ -256,21 +419,17 @@ impl Session {
         &self,
         caller: &Caller,
         kernel_id: Option<&str>,
-    ) -> Result<(Arc<LiveKernel>, Option<&'static str>), ToolError> {
+    ) -> Result<(KernelRef, Option<&'static str>), ToolError> {
         let mcp = &self.state.mcp;
         if let Some(id) = kernel_id {
-            let live = mcp
-                .kernels
-                .get(id)
-                .filter(|l| caller.tenant.may_use(l.owner()))
-                .ok_or_else(|| {
-                    tools::error(format!(
-                        "there is no kernel {id:?} (it was shut down after being idle, or the id \
-                         is wrong): call start_kernel for a new one"
-                    ))
-                })?;
+            let kernel = mcp.find(&caller.tenant, id).await?.ok_or_else(|| {
+                tools::error(format!(
+                    "there is no kernel {id:?} (it was shut down after being idle, or the id \
+                     is wrong): call start_kernel for a new one"
+                ))
+            })?;
             mcp.touch(id);
-            return Ok((live, None));
+            return Ok((kernel, None));
         }
         if caller.session.is_none() {
             return Err(tools::error(
@@ -280,18 +439,18 @@ impl Session {
         }
         let mut mine = self.state.kernel.lock().await;
         let mut note = None;
-        if let Some(live) = mine.as_ref() {
-            if mcp.kernels.get(live.id()).is_some() {
-                return Ok((live.clone(), None));
+        if let Some(kernel) = mine.as_ref() {
+            if mcp.alive(kernel).await {
+                return Ok((kernel.clone(), None));
             }
             note = Some(
                 "[this session's kernel had been shut down (idle or deleted); this ran on a new \
                  kernel: earlier variables are gone]",
             );
         }
-        let live = mcp.create_kernel(&caller.tenant, false).await?;
-        *mine = Some(live.clone());
-        Ok((live, note))
+        let kernel = mcp.create_kernel(&caller.tenant, false).await?;
+        *mine = Some(kernel.clone());
+        Ok((kernel, note))
     }
 
     async fn run_python(
@@ -301,12 +460,10 @@ impl Session {
         context: &RequestContext<RoleServer>,
     ) -> Result<CallToolResult, ToolError> {
         let timeout = args.timeout()?;
-        let (live, note) = self.kernel(caller, args.kernel_id.as_deref()).await?;
+        let (kernel, note) = self.kernel(caller, args.kernel_id.as_deref()).await?;
         let mcp = &self.state.mcp;
-        let mut rx = run::start(
-            &mcp.tracker,
-            mcp.kernels.clone(),
-            live.clone(),
+        let mut rx = mcp.run(
+            &kernel,
             Run {
                 code: args.code,
                 timeout,
@@ -315,7 +472,7 @@ impl Session {
                     caller
                         .session
                         .clone()
-                        .unwrap_or_else(|| format!("mcp-kernel-{}", live.id())),
+                        .unwrap_or_else(|| format!("mcp-kernel-{}", kernel.id())),
                 ),
             },
         );
@@ -330,7 +487,7 @@ impl Session {
                     // Dropping the receiver abandons the run: out of the queue, or the
                     // kernel interrupted (its state kept).
                     drop(rx);
-                    mcp.touch(live.id());
+                    mcp.touch(kernel.id());
                     return Err(tools::error("cancelled by the client; the kernel was interrupted if the code had started, and keeps its variables"));
                 }
             };
@@ -350,7 +507,7 @@ impl Session {
                 Progress::End(end) => ending = Some(end),
             }
         }
-        mcp.touch(live.id());
+        mcp.touch(kernel.id());
         let Some(end) = ending else {
             return Err(tools::error(
                 "the run ended without a result (the gateway is shutting down?)",
@@ -378,20 +535,10 @@ impl Session {
         path: &str,
         body: Vec<u8>,
     ) -> Result<Vec<u8>, ToolError> {
-        let (live, _) = self.kernel(caller, kernel_id).await?;
+        let (kernel, _) = self.kernel(caller, kernel_id).await?;
         let mcp = &self.state.mcp;
-        let limit = tools::MAX_FILE_BYTES;
-        let result = files::run(
-            &mcp.kernels,
-            &live,
-            &caller.tenant.name,
-            op,
-            path,
-            body.into(),
-            limit,
-        )
-        .await;
-        mcp.touch(live.id());
+        let result = mcp.file(&kernel, &caller.tenant.name, op, path, body).await;
+        mcp.touch(kernel.id());
         result.map_err(|e| {
             tools::error(match e {
                 FileError::TooLarge { path, limit_mib } => format!(
@@ -467,30 +614,23 @@ impl Session {
             }
             "restart_kernel" => {
                 let a: tools::Target = tools::parse("restart_kernel", "{}", args)?;
-                let (live, _) = self.kernel(&caller, a.kernel_id.as_deref()).await?;
+                let (kernel, _) = self.kernel(&caller, a.kernel_id.as_deref()).await?;
                 let mcp = &self.state.mcp;
-                mcp.kernels.audit().record(
-                    "kernel_restarted",
-                    json!({"kernel": live.id(), "key": caller.tenant.name, "owner": live.owner()}),
-                );
-                mcp.kernels
-                    .restart(&live)
-                    .await
-                    .map_err(|e| tools::error(format!("the restart failed: {e}")))?;
-                mcp.touch(live.id());
+                mcp.restart(&kernel, &caller.tenant).await?;
+                mcp.touch(kernel.id());
                 Ok(CallToolResult::success(vec![ContentBlock::text(
                     "The kernel restarted: all variables and imports are gone; files stay.",
                 )]))
             }
             "start_kernel" => {
-                let live = self.state.mcp.create_kernel(&caller.tenant, true).await?;
+                let kernel = self.state.mcp.create_kernel(&caller.tenant, true).await?;
                 let mut result = CallToolResult::success(vec![ContentBlock::text(format!(
                     "kernel_id: {}\nPass this kernel_id to run_python and the file tools. The \
                      kernel is shut down after {} s without use.",
-                    live.id(),
+                    kernel.id(),
                     self.state.mcp.idle_timeout.as_secs()
                 ))]);
-                result.structured_content = Some(json!({"kernel_id": live.id()}));
+                result.structured_content = Some(json!({"kernel_id": kernel.id()}));
                 Ok(result)
             }
             other => Err(tools::error(format!(
