@@ -554,3 +554,34 @@ def test_idle_handles_and_sessions_end_with_their_kernels(tmp_path: Path):
         assert session_kernels and not (session_kernels & after), (session_kernels, after)
     finally:
         stop_gateway(gw)
+
+
+def test_load_eight_sessions_fifty_stateful_steps_each(gw: Gateway):
+    """Two agents' worth of load: 8 MCP sessions at once, each running 50 steps that build
+    on the previous one; every step answers right and nothing errs."""
+    sessions, steps = 8, 50
+
+    async def agent(n: int, times: list[float]):
+        async with client(gw, "legacy") as c:
+            first = await c.call_tool("run_python", {"code": f"total = 0; me = {n}"})
+            assert not first.is_error, text(first)
+            for i in range(1, steps + 1):
+                t0 = time.monotonic()
+                r = await c.call_tool("run_python", {"code": f"total += {i}; (me, total)"})
+                times.append(time.monotonic() - t0)
+                assert not r.is_error, text(r)
+                assert text(r) == f"({n}, {i * (i + 1) // 2})", text(r)
+
+    async def scenario():
+        times: list[float] = []
+        started = time.monotonic()
+        async with anyio.create_task_group() as tg:
+            for n in range(sessions):
+                tg.start_soon(agent, n, times)
+        return times, time.monotonic() - started
+
+    times, wall = run(scenario())
+    assert len(times) == sessions * steps
+    times.sort()
+    print(f"\n{sessions} sessions x {steps} steps in {wall:.1f} s; step p50 {times[len(times) // 2] * 1000:.0f} ms, "
+          f"p99 {times[int(len(times) * 0.99)] * 1000:.0f} ms")
