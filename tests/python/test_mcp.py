@@ -585,3 +585,20 @@ def test_load_eight_sessions_fifty_stateful_steps_each(gw: Gateway):
     times.sort()
     print(f"\n{sessions} sessions x {steps} steps in {wall:.1f} s; step p50 {times[len(times) // 2] * 1000:.0f} ms, "
           f"p99 {times[int(len(times) * 0.99)] * 1000:.0f} ms")
+
+
+def test_host_and_origin_checks_are_the_gateways(gw: Gateway):
+    """rmcp's own Host check (loopback names only) is off: a gateway serving a real name with a
+    token answers it, and a foreign web page's Origin is refused as on every other route."""
+    import requests
+
+    init = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}}}
+    base = {"Accept": "application/json, text/event-stream", "Authorization": f"token {gw.token}"}
+    named = requests.post(gw.url + "/mcp", json=init, timeout=30, headers={**base, "Host": "kernels.example.org"})
+    assert named.status_code == 200, named.text
+    sid = named.headers["mcp-session-id"]
+    requests.delete(gw.url + "/mcp", timeout=30, headers={**base, "mcp-session-id": sid, "mcp-protocol-version": "2025-11-25"})
+    foreign = requests.post(gw.url + "/mcp", json=init, timeout=30, headers={**base, "Origin": "https://evil.example"})
+    assert foreign.status_code == 403
+    assert "evil.example" in foreign.json()["message"]
