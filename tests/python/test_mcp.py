@@ -37,7 +37,7 @@ ALICE, BOB = secrets.token_hex(16), secrets.token_hex(16)
 @pytest.fixture(scope="module")
 def gw(tmp_path_factory) -> Iterator[Gateway]:
     """One gateway for the module: a warm pool of 2, two keys (alice, bob) besides the admin
-    token, conftest's execution policy, and an audit log of its own."""
+    token, conftest's execution policy, an audit log of its own, and a 1 MiB output cap."""
     keys = tmp_path_factory.mktemp("keys") / "keys.toml"
     keys.write_text(
         "".join(
@@ -51,7 +51,8 @@ def gw(tmp_path_factory) -> Iterator[Gateway]:
     policy = logs / "policy.toml"
     policy.write_text(POLICY)
     gateway = start_gateway(logs / "gateway.log", [
-        "--pool-size", "2", "--keys", str(keys), "--policy", str(policy), "--audit-log", str(logs / "audit.log")])
+        "--pool-size", "2", "--keys", str(keys), "--policy", str(policy), "--audit-log", str(logs / "audit.log"),
+        "--max-output-mb", "1"])
     yield gateway
     stop_gateway(gateway)
     shutil.rmtree(STDIO_BASE, ignore_errors=True)  # the emptied runtime dirs of `kernelgate mcp`
@@ -602,3 +603,23 @@ def test_host_and_origin_checks_are_the_gateways(gw: Gateway):
     foreign = requests.post(gw.url + "/mcp", json=init, timeout=30, headers={**base, "Origin": "https://evil.example"})
     assert foreign.status_code == 403
     assert "evil.example" in foreign.json()["message"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_timeout_and_output_cap_apply_as_in_the_agent_api(gw: Gateway, mode: str):
+    async def scenario():
+        async with connected(gw, mode) as (c, target):
+            await c.call_tool("run_python", {"code": "kept = 'yes'", **target})
+            t0 = time.monotonic()
+            slow = await c.call_tool("run_python", {"code": "import time; time.sleep(30)", "timeout": 1, **target})
+            assert time.monotonic() - t0 < 15
+            assert slow.is_error and "Timed out after 1 s" in text(slow), text(slow)
+            assert "KeyboardInterrupt" in text(slow)
+            assert text(await c.call_tool("run_python", {"code": "kept", **target})) == "'yes'"
+
+            flood = await c.call_tool("run_python", {"code": "for i in range(30000): print('x' * 99)", **target})
+            assert len(text(flood)) < 1_200_000
+            assert "output limit" in text(flood), text(flood)[-300:]
+            assert text(await c.call_tool("run_python", {"code": "kept", **target})) == "'yes'"
+
+    run(scenario())
