@@ -623,3 +623,26 @@ def test_timeout_and_output_cap_apply_as_in_the_agent_api(gw: Gateway, mode: str
             assert text(await c.call_tool("run_python", {"code": "kept", **target})) == "'yes'"
 
     run(scenario())
+
+
+def test_a_hostile_session_does_not_affect_another(gw: Gateway):
+    import requests
+
+    async def scenario():
+        async with connected(gw, "legacy") as (good, _), connected(gw, "legacy") as (bad, _):
+            await good.call_tool("run_python", {"code": "mine = 7"})
+            # Garbage on the wire, a huge argument, a kernel killed from inside.
+            junk = requests.post(gw.url + "/mcp", data=b"{not json", timeout=30, headers={
+                "Authorization": f"token {gw.token}", "Content-Type": "application/json",
+                "Accept": "application/json, text/event-stream"})
+            assert junk.status_code >= 400
+            huge = await bad.call_tool("run_python", {"code": "#" + "x" * (3 * 1024 * 1024)})
+            assert huge.is_error and "too large" in text(huge), text(huge)  # this gateway's policy
+            died = await bad.call_tool("run_python", {"code": "import os; os._exit(1)"})
+            assert died.is_error and "KernelDied" in text(died), text(died)
+            assert text(await good.call_tool("run_python", {"code": "mine"})) == "7"
+            # The bad session goes on on its restarted kernel.
+            again = await bad.call_tool("run_python", {"code": "1 + 1"})
+            assert text(again).endswith("2"), text(again)
+
+    run(scenario())
