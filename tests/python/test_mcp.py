@@ -251,6 +251,8 @@ def test_files_written_by_code_and_by_the_tool(gw: Gateway, transport: str, mode
             assert not wrote.is_error, text(wrote)
             seen = await c.call_tool("run_python", {"code": "import pandas as pd; int(pd.read_csv('data/in.csv').b.sum())", **target})
             assert text(seen) == "2"
+            frame = await c.call_tool("run_python", {"code": "pd.read_csv('data/in.csv')", **target})
+            assert "<table" in text(frame), text(frame)  # HTML results come as text
 
             binary = base64.b64encode(bytes(range(256))).decode()
             await c.call_tool("write_file", {"path": "blob.bin", "content": binary, "encoding": "base64", **target})
