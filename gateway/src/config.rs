@@ -25,6 +25,33 @@ pub enum Command {
     Keys(KeysArgs),
     /// Read the audit log back as a table (or JSON lines).
     Audit(AuditArgs),
+    /// Serve MCP (Model Context Protocol) over stdin/stdout, for hosts that launch a
+    /// command: kernels run on the local Docker engine (every `serve` flag that applies
+    /// works here), or on a running gateway with `--url` and `--token`.
+    Mcp(Box<McpArgs>),
+}
+
+/// `kernelgate mcp`. Without `--url` it manages kernels itself, in a runtime directory of
+/// its own: the first free `<--runtime-dir>/<n>` (each locked by one process).
+#[derive(Debug, Clone, Args)]
+#[command(mut_arg("runtime_dir", |a| a.default_value("/run/kernelgate-mcp")))]
+#[command(mut_arg("pool_size", |a| a.default_value("1")))]
+// HTTP-only flags: nothing listens here.
+#[command(mut_arg("listen", |a| a.hide(true)))]
+#[command(mut_arg("token", |a| a.help("Token of the gateway given with --url")))]
+#[command(mut_arg("keys", |a| a.hide(true)))]
+#[command(mut_arg("no_auth", |a| a.hide(true)))]
+#[command(mut_arg("allow_origin", |a| a.hide(true)))]
+#[command(mut_arg("metrics_public", |a| a.hide(true)))]
+#[command(mut_arg("metrics_token", |a| a.hide(true)))]
+pub struct McpArgs {
+    /// Base URL of a running gateway (`http://host:port`) whose kernels to use instead of
+    /// the local Docker engine, with its token in `--token`.
+    #[arg(long, env = "KERNELGATE_URL")]
+    pub url: Option<String>,
+
+    #[command(flatten)]
+    pub config: Config,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -314,4 +341,9 @@ pub struct Config {
     /// Largest WebSocket message or HTTP body accepted from a client, in MiB.
     #[arg(long, env = "KERNELGATE_MAX_MESSAGE_MB", default_value_t = 64, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     pub max_message_mb: usize,
+
+    /// Seconds an MCP session, or a kernel MCP's start_kernel handed out, may stay unused
+    /// before it ends and its kernel is deleted.
+    #[arg(long, env = "KERNELGATE_MCP_IDLE_TIMEOUT", default_value_t = 1800, value_parser = clap::value_parser!(u64).range(1..))]
+    pub mcp_idle_timeout: u64,
 }

@@ -14,6 +14,7 @@ pub mod config;
 pub mod kernel;
 pub mod kernels;
 pub mod kernelspecs;
+pub mod mcp;
 pub mod metrics;
 pub mod notebook;
 pub mod policy;

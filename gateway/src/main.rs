@@ -8,13 +8,16 @@ use kernelgate::api::ops::{MetricsAccess, Readiness};
 use kernelgate::api::origin::OriginPolicy;
 use kernelgate::api::{self, auth::Auth, AppState};
 use kernelgate::audit::Audit;
+use kernelgate::backend::docker::lock::{LockError, RuntimeDirLock};
 use kernelgate::backend::docker::{DockerBackend, DockerSettings};
 use kernelgate::backend::KernelBackend;
-use kernelgate::config::{Cli, Command, Config, KeysAction, KeysArgs, LogFormat};
+use kernelgate::config::{Cli, Command, Config, KeysAction, KeysArgs, LogFormat, McpArgs};
 use kernelgate::kernel::clients::ClientLimits;
 use kernelgate::kernels::{HeartbeatCheck, Kernels, Settings};
 use kernelgate::kernelspecs::KernelSpecs;
-use kernelgate::tenants::{generate_token, token_digest, KeyEntry, Keys, KeysFile};
+use kernelgate::tenants::{
+    generate_token, token_digest, KeyEntry, Keys, KeysFile, Tenant, TOKEN_KEY,
+};
 use std::io::IsTerminal;
 use std::sync::Arc;
 use std::time::Duration;
@@ -26,11 +29,13 @@ async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let format = match &cli.command {
         Command::Serve(config) => config.log_format,
+        Command::Mcp(args) => args.config.log_format,
         Command::Run(_) | Command::Keys(_) | Command::Audit(_) => LogFormat::Text,
     };
     init_logging(format);
     match cli.command {
         Command::Serve(config) => serve(*config).await,
+        Command::Mcp(args) => mcp_stdio(*args).await,
         Command::Run(args) => Ok(kernelgate::notebook::run(*args).await?),
         Command::Keys(args) => keys_command(args),
         Command::Audit(args) => kernelgate::audit::read_back(&args),
@@ -58,15 +63,25 @@ fn init_logging(format: LogFormat) {
     }
 }
 
-async fn serve(config: Config) -> anyhow::Result<()> {
-    let (keys, generated) = auth_from(&config)?;
-    let keys = Arc::new(keys);
+/// The kernel table a configuration asks for, on the local Docker engine.
+struct Table {
+    kernels: Arc<Kernels>,
+    runtime: &'static str,
+    guard: Option<Arc<kernelgate::policy::Guard>>,
+    audit_path: std::path::PathBuf,
+}
+
+async fn kernel_table(
+    config: &Config,
+    tracker: &TaskTracker,
+    cancel: &CancellationToken,
+) -> anyhow::Result<Table> {
     if !(config.kernel_cpus.is_finite() && config.kernel_cpus > 0.0) {
         bail!("--kernel-cpus must be a number above 0 (e.g. 0.5 or 2)");
     }
     let mut specs = KernelSpecs::parse(&config.image, &config.kernelspecs, &config.pool_size)
         .map_err(anyhow::Error::msg)?;
-    let backend = DockerBackend::connect(DockerSettings::from(&config))
+    let backend = DockerBackend::connect(DockerSettings::from(config))
         .await
         .context("cannot start kernels")?;
     backend.check().await.context("cannot start kernels")?;
@@ -89,8 +104,6 @@ async fn serve(config: Config) -> anyhow::Result<()> {
             )
         })?
     };
-    let tracker = TaskTracker::new();
-    let cancel = CancellationToken::new();
     let guard = match &config.policy {
         None => None,
         Some(path) => {
@@ -127,7 +140,32 @@ async fn serve(config: Config) -> anyhow::Result<()> {
     };
     let kernels = Kernels::new(backend, settings, tracker.clone(), cancel.clone());
     kernels.start().await;
+    Ok(Table {
+        kernels,
+        runtime,
+        guard,
+        audit_path,
+    })
+}
 
+async fn serve(config: Config) -> anyhow::Result<()> {
+    let (keys, generated) = auth_from(&config)?;
+    let keys = Arc::new(keys);
+    let _lock = RuntimeDirLock::acquire(&config.runtime_dir)?;
+    let tracker = TaskTracker::new();
+    let cancel = CancellationToken::new();
+    let Table {
+        kernels,
+        runtime,
+        guard,
+        audit_path,
+    } = kernel_table(&config, &tracker, &cancel).await?;
+    let mcp = kernelgate::mcp::Mcp::new(
+        kernels.clone(),
+        tracker.clone(),
+        cancel.clone(),
+        Duration::from_secs(config.mcp_idle_timeout),
+    );
     let state = AppState {
         kernels: kernels.clone(),
         keys: keys.clone(),
@@ -143,6 +181,10 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         }),
         runtime,
         guard,
+        mcp: Arc::new(kernelgate::mcp::http::Endpoint::new(
+            mcp,
+            config.max_message_mb * 1024 * 1024,
+        )),
     };
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
@@ -187,6 +229,99 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         tracing::warn!("some tasks did not stop within 10 s");
     }
     Ok(())
+}
+
+/// `kernelgate mcp`: one MCP session over stdin/stdout, its kernels on the local Docker
+/// engine, until EOF or a signal; then every kernel it started is removed.
+async fn mcp_stdio(args: McpArgs) -> anyhow::Result<()> {
+    let mut config = args.config;
+    if let Some(url) = &args.url {
+        return mcp_stdio_remote(url, config.token.clone(), &config).await;
+    }
+    if config.audit_log.as_deref() == Some(std::path::Path::new("-")) {
+        bail!("--audit-log - would write into the MCP stream on stdout; give a file (or `off`)");
+    }
+    let base = config.runtime_dir.clone();
+    // The first runtime directory no other process holds: several hosts may each launch one.
+    let mut lock = None;
+    for n in 0..64 {
+        let dir = base.join(n.to_string());
+        match RuntimeDirLock::acquire(&dir) {
+            Ok(l) => {
+                config.runtime_dir = dir;
+                lock = Some(l);
+                break;
+            }
+            Err(LockError::InUse(_)) => continue,
+            Err(e) => return Err(e.into()),
+        }
+    }
+    let Some(_lock) = lock else {
+        bail!(
+            "64 kernelgate mcp processes hold the runtime directories under {}; stop one or pass another --runtime-dir",
+            base.display()
+        );
+    };
+    let tracker = TaskTracker::new();
+    let cancel = CancellationToken::new();
+    let table = kernel_table(&config, &tracker, &cancel).await?;
+    tracing::info!(runtime_dir = %config.runtime_dir.display(), runtime = table.runtime, audit_log = %table.audit_path.display(), "serving MCP on stdio");
+    let mcp = kernelgate::mcp::Mcp::new(
+        table.kernels.clone(),
+        tracker.clone(),
+        cancel.clone(),
+        Duration::from_secs(config.mcp_idle_timeout),
+    );
+    let served = tokio::select! {
+        served = kernelgate::mcp::stdio::serve(mcp, Tenant::admin(TOKEN_KEY)) => served,
+        _ = stop_signal() => Ok(()),
+    };
+    cancel.cancel();
+    table.kernels.shutdown().await;
+    tracker.close();
+    if tokio::time::timeout(Duration::from_secs(10), tracker.wait())
+        .await
+        .is_err()
+    {
+        tracing::warn!("some tasks did not stop within 10 s");
+    }
+    Ok(served?)
+}
+
+/// `kernelgate mcp --url`: one MCP session over stdin/stdout whose kernels are a running
+/// gateway's, deleted when the session ends.
+async fn mcp_stdio_remote(url: &str, token: Option<String>, config: &Config) -> anyhow::Result<()> {
+    let gateway = kernelgate::mcp::remote::Remote::new(url, token);
+    gateway
+        .check()
+        .await
+        .with_context(|| format!("cannot use the gateway at {url} (check --url and --token)"))?;
+    let tracker = TaskTracker::new();
+    let cancel = CancellationToken::new();
+    let mcp = kernelgate::mcp::Mcp::remote(
+        gateway,
+        tracker.clone(),
+        cancel.clone(),
+        Duration::from_secs(config.mcp_idle_timeout),
+    );
+    tracing::info!(%url, "serving MCP on stdio with a remote gateway's kernels");
+    // The tenant is the gateway's business: it knows the token.
+    let served = tokio::select! {
+        served = kernelgate::mcp::stdio::serve(mcp.clone(), Tenant::admin(TOKEN_KEY)) => served,
+        _ = stop_signal() => Ok(()),
+    };
+    mcp.release_handles().await;
+    // Stops the idle reaper; the deletion of the session's kernel, started when the
+    // session ended, runs on and is waited for.
+    cancel.cancel();
+    tracker.close();
+    if tokio::time::timeout(Duration::from_secs(10), tracker.wait())
+        .await
+        .is_err()
+    {
+        tracing::warn!("some tasks did not stop within 10 s");
+    }
+    Ok(served?)
 }
 
 /// `/metrics` takes the gateway's token (or a metrics-only one) unless made public.

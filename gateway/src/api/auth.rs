@@ -186,6 +186,8 @@ pub async fn require_token(
     next: Next,
 ) -> Result<Response, Response> {
     if let Some(tenant) = state.keys.authenticate(presented_token(&req).as_deref()) {
+        // The bare tenant too, for handlers outside this module (MCP's).
+        req.extensions_mut().insert(tenant.clone());
         req.extensions_mut().insert(Caller(tenant));
         return Ok(next.run(req).await);
     }

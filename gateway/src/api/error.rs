@@ -3,6 +3,7 @@
 
 use crate::backend::BackendError;
 use crate::kernel::KernelError;
+use crate::kernels::files::FileError;
 use crate::kernels::CreateError;
 use axum::extract::rejection::BytesRejection;
 use axum::http::StatusCode;
@@ -109,5 +110,21 @@ impl From<CreateError> for ApiError {
             CreateError::Backend(b) => b.into(),
             CreateError::Kernel(k) => k.into(),
         }
+    }
+}
+
+impl From<FileError> for ApiError {
+    fn from(e: FileError) -> Self {
+        let status = match e {
+            FileError::NotFound { .. } => StatusCode::NOT_FOUND,
+            FileError::BadPath { .. } => StatusCode::BAD_REQUEST,
+            FileError::WrongKind { .. } => StatusCode::CONFLICT,
+            FileError::Forbidden { .. } => StatusCode::FORBIDDEN,
+            FileError::NoSpace { .. } => StatusCode::INSUFFICIENT_STORAGE,
+            FileError::TooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            FileError::Failed { .. } => StatusCode::INTERNAL_SERVER_ERROR,
+            FileError::Backend(b) => return b.into(),
+        };
+        ApiError::new(status, e.to_string())
     }
 }

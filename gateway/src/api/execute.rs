@@ -10,33 +10,24 @@ use super::error::{body_refused, ApiError, ErrorBody};
 use super::extract::Path;
 use super::kernels::{find, KernelPath};
 use super::AppState;
-use crate::kernel::executions::TRUNCATED_METADATA;
-use crate::kernels::{Kernels, LiveKernel};
+use crate::kernels::run::{self, End, Progress, Run};
 use axum::body::{Body, Bytes};
 use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
 use axum::http::{header, HeaderMap};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use kernelgate_protocol::content::{ErrorContent, ExecuteRequest};
-use kernelgate_protocol::execution::{Display, Event, Interruption, Phase, Status};
-use kernelgate_protocol::{Channel, Execution, Outcome, RawJson};
+use kernelgate_protocol::content::ErrorContent;
+use kernelgate_protocol::execution::{Display, Event, Status};
+use kernelgate_protocol::Outcome;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use tokio::sync::mpsc;
-use tracing::Instrument;
 use utoipa::ToSchema;
 
 /// Used when a call gives no timeout.
 const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
-/// How long an interrupted run may take to report back before the call gives up on it.
-const INTERRUPT_GRACE: Duration = Duration::from_secs(10);
-/// After the reply, how long the run's final IOPub `idle` may lag. A kernel's IOPub drops
-/// messages when its send queue is full (a flood of output), so `idle` can be lost: the run
-/// then ends with what arrived instead of waiting for its timeout.
-const IOPUB_GRACE: Duration = Duration::from_secs(10);
 
 /// The body of `POST /api/kernels/{id}/execute`.
 #[derive(Debug, Deserialize, ToSchema)]
@@ -130,7 +121,7 @@ pub enum Line {
     Stderr { text: String },
     Result(ResultOutput),
     Error(ErrorOutput),
-    End(End),
+    End(EndLine),
 }
 
 /// One NDJSON line of a streamed run: an output, or the `end` line with the status.
@@ -144,22 +135,26 @@ fn event_line(event: Event) -> Option<Line> {
     })
 }
 
-/// What [`run`] sends: each event as it happens, then how the run ended.
-#[derive(Debug)]
-enum Progress {
-    Event(Event),
-    End(End),
-}
-
 /// How a run ended: the last line of a streamed run.
 #[derive(Debug, Serialize, ToSchema)]
-pub struct End {
+pub struct EndLine {
     #[schema(schema_with = status_schema)]
     status: &'static str,
     execution_count: Option<i64>,
     duration_ms: u64,
     /// Output past `--max-output-mb` was dropped.
     truncated: bool,
+}
+
+impl From<End> for EndLine {
+    fn from(end: End) -> Self {
+        EndLine {
+            status: end.status.as_str(),
+            execution_count: end.execution_count,
+            duration_ms: end.duration_ms,
+            truncated: end.truncated,
+        }
+    }
 }
 
 /// Runs code and answers with everything it produced.
@@ -207,16 +202,17 @@ pub async fn execute(
         }
     };
     let live = find(&state, &caller, &id)?;
-    let (tx, rx) = mpsc::channel::<Progress>(256);
-    let kernels = state.kernels.clone();
-    let code = body.code;
-    let runner = Runner {
-        key: caller.0.name.clone(),
-        agent_id: body.agent_id,
-    };
-    state
-        .tracker
-        .spawn(run(kernels, live, code, timeout, runner, tx).in_current_span());
+    let rx = run::start(
+        &state.tracker,
+        state.kernels.clone(),
+        live,
+        Run {
+            code: body.code,
+            timeout,
+            key: caller.0.name.clone(),
+            agent_id: body.agent_id,
+        },
+    );
 
     let streaming = headers
         .get(header::ACCEPT)
@@ -227,7 +223,7 @@ pub async fn execute(
             loop {
                 let line = match rx.recv().await? {
                     Progress::Event(e) => event_line(e),
-                    Progress::End(end) => Some(Line::End(end)),
+                    Progress::End(end) => Some(Line::End(end.into())),
                 };
                 // Serializing plain strings and maps cannot fail; a line that did is skipped.
                 if let Some(Ok(mut line)) = line.map(|l| serde_json::to_string(&l)) {
@@ -248,7 +244,7 @@ pub async fn execute(
 /// Folds a run's events into the single JSON answer.
 async fn collect(mut rx: mpsc::Receiver<Progress>) -> ExecuteResult {
     let mut outcome = Outcome::default();
-    let mut end = End {
+    let mut end = EndLine {
         status: Status::Error.as_str(),
         execution_count: None,
         duration_ms: 0,
@@ -257,7 +253,7 @@ async fn collect(mut rx: mpsc::Receiver<Progress>) -> ExecuteResult {
     while let Some(progress) = rx.recv().await {
         match progress {
             Progress::Event(e) => outcome.apply(&e),
-            Progress::End(e) => end = e,
+            Progress::End(e) => end = e.into(),
         }
     }
     ExecuteResult {
@@ -269,126 +265,5 @@ async fn collect(mut rx: mpsc::Receiver<Progress>) -> ExecuteResult {
         error: outcome.error.map(Into::into),
         duration_ms: end.duration_ms,
         truncated: end.truncated,
-    }
-}
-
-/// Runs one execution to its end, sending events as they come. Stops the kernel's work
-/// (interrupt) when the timeout passes or the caller stops listening.
-/// Who runs the code: the key, and the agent it said it was.
-#[derive(Debug)]
-struct Runner {
-    key: String,
-    agent_id: Option<String>,
-}
-
-async fn run(
-    kernels: Arc<Kernels>,
-    live: Arc<LiveKernel>,
-    code: String,
-    timeout: Duration,
-    runner: Runner,
-    tx: mpsc::Sender<Progress>,
-) {
-    let _turn = live.runs.lock().await;
-    let started = Instant::now();
-    let me = live.kernel.attach(
-        &format!("kernelgate-execute-{}", uuid::Uuid::new_v4()),
-        true,
-        &runner.key,
-    );
-    let mut request = ExecuteRequest::new(&code);
-    // Nobody could answer input(): make it fail fast instead of hanging the run.
-    request.allow_stdin = false;
-    let mut message = live
-        .kernel
-        .request("execute_request", RawJson::from_value(&request));
-    if let Some(agent) = runner.agent_id {
-        message.header.extra.insert("agent_id".into(), agent.into());
-    }
-    let mut execution = Execution::new(message.msg_id());
-    let mut truncated = false;
-    let end = |execution: &Execution, truncated: bool| {
-        Progress::End(End {
-            status: execution.status().as_str(),
-            execution_count: execution.reply().and_then(|r| r.execution_count),
-            duration_ms: started.elapsed().as_millis() as u64,
-            truncated,
-        })
-    };
-    if let Err(e) = me.send(Channel::Shell, message).await {
-        let unavailable = ErrorContent {
-            ename: "KernelUnavailable".into(),
-            evalue: e.to_string(),
-            traceback: Vec::new(),
-            extra: Map::new(),
-        };
-        let _ = tx.send(Progress::Event(Event::Error(unavailable))).await;
-        let _ = tx.send(end(&execution, false)).await;
-        return;
-    }
-
-    let mut deadline = tokio::time::Instant::now() + timeout;
-    let mut idle_due: Option<tokio::time::Instant> = None;
-    while !execution.is_done() {
-        if idle_due.is_none() && execution.phase() == Phase::AwaitingIdle {
-            idle_due = Some(tokio::time::Instant::now() + IOPUB_GRACE);
-        }
-        let batch = tokio::select! {
-            b = me.recv() => b,
-            _ = tokio::time::sleep_until(idle_due.unwrap_or(deadline).min(deadline)) => {
-                if execution.phase() == Phase::AwaitingIdle {
-                    tracing::warn!(kernel = %live.id(), "the kernel replied but its idle status never came (IOPub dropped it?); ending the run with what arrived");
-                    break;
-                }
-                if execution.interruption().is_some() {
-                    break; // the interrupt did not end it either: give up waiting
-                }
-                execution.interrupted(Interruption::Timeout);
-                interrupt(&kernels, &live).await;
-                deadline = tokio::time::Instant::now() + INTERRUPT_GRACE;
-                continue;
-            }
-            _ = tx.closed(), if execution.interruption().is_none() => {
-                tracing::info!(kernel = %live.id(), "execute caller went away; interrupting its run");
-                execution.interrupted(Interruption::Abandoned);
-                interrupt(&kernels, &live).await;
-                deadline = tokio::time::Instant::now() + INTERRUPT_GRACE;
-                continue;
-            }
-        };
-        let Some(batch) = batch else { break };
-        for out in batch {
-            let Some(event) = execution.feed(out.channel, &out.message) else {
-                continue;
-            };
-            truncated |= is_truncation_notice(&out.message);
-            if let Event::KernelLost(state) = event {
-                let died = ErrorContent {
-                    ename: "KernelDied".into(),
-                    evalue: format!(
-                        "the kernel died while running this code (now {}); its variables are lost",
-                        state.as_str()
-                    ),
-                    traceback: Vec::new(),
-                    extra: Map::new(),
-                };
-                let _ = tx.send(Progress::Event(Event::Error(died))).await;
-                break;
-            }
-            // A closed receiver is handled by the select above.
-            let _ = tx.send(Progress::Event(event)).await;
-        }
-    }
-    let _ = tx.send(end(&execution, truncated)).await;
-}
-
-/// The gateway's own notice that an execution's output was cut.
-fn is_truncation_notice(message: &kernelgate_protocol::Message) -> bool {
-    message.msg_type() == "stream" && message.metadata.get().contains(TRUNCATED_METADATA)
-}
-
-async fn interrupt(kernels: &Kernels, live: &LiveKernel) {
-    if let Err(e) = kernels.interrupt(live).await {
-        tracing::warn!(kernel = %live.id(), error = %e, "cannot interrupt kernel");
     }
 }

@@ -1,17 +1,14 @@
 //! Files in a kernel's working directory: `GET/PUT/DELETE /api/kernels/{id}/files/{path}`
 //! and `GET /api/kernels/{id}/files` (a listing).
 //!
-//! Every operation runs inside the kernel's own container as the kernel's user (a small
-//! script through the backend's `exec`), never on host paths: the container is the
-//! boundary, and a symlink the kernel made can only point into its own sandbox. The script
-//! still refuses absolute paths, `..` and symlinks leading out of the working directory,
-//! so callers get a clear error rather than a surprise.
+//! The work (inside the kernel's container, traversal-proof) is [`crate::kernels::files`].
 
 use super::auth::Caller;
 use super::error::{body_refused, ApiError, ErrorBody};
 use super::extract::Path;
 use super::kernels::{find, KernelPath};
 use super::AppState;
+use crate::kernels::files::{self, FileOp};
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
@@ -19,17 +16,6 @@ use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, ToSchema};
-
-const SCRIPT: &str = include_str!("../../assets/files.py");
-
-// Exit codes of the script (see its header).
-const NOT_FOUND: i64 = 10;
-const BAD_PATH: i64 = 11;
-const IS_DIR: i64 = 12;
-const NOT_DIR: i64 = 13;
-const EXISTS_DIR: i64 = 14;
-const FORBIDDEN: i64 = 15;
-const NO_SPACE: i64 = 16;
 
 /// A file or directory, as the script writes it (listings are arrays of these).
 #[allow(dead_code)] // built by files.py inside the container; this type is its schema
@@ -71,64 +57,21 @@ async fn run(
     state: &AppState,
     caller: &Caller,
     id: &str,
-    op: &str,
+    op: FileOp,
     path: &str,
     body: Bytes,
 ) -> Result<Vec<u8>, ApiError> {
     let live = find(state, caller, id)?;
-    let event = match op {
-        "get" => "file_read",
-        "put" => "file_written",
-        "delete" => "file_deleted",
-        _ => "file_listed",
-    };
-    state.kernels.audit().record(
-        event,
-        serde_json::json!({"key": caller.0.name, "kernel": id, "path": path, "bytes": body.len()}),
-    );
-    if path.chars().any(char::is_control) {
-        return Err(ApiError::bad_request(
-            "file paths may not contain NUL or other control characters",
-        ));
-    }
-    let argv = ["python3", "-c", SCRIPT, op, path]
-        .map(str::to_owned)
-        .to_vec();
-    let out = state
-        .kernels
-        .backend()
-        .exec(live.handle(), argv, body, state.max_message_bytes)
-        .await?;
-    let message = out.stderr.trim().to_owned();
-    let status = match out.exit_code {
-        0 if out.truncated => {
-            return Err(ApiError::new(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                format!(
-                    "{path} is larger than the {} MiB download limit",
-                    state.max_message_bytes >> 20
-                ),
-            ))
-        }
-        0 => return Ok(out.stdout),
-        NOT_FOUND => StatusCode::NOT_FOUND,
-        BAD_PATH => StatusCode::BAD_REQUEST,
-        IS_DIR | NOT_DIR | EXISTS_DIR => StatusCode::CONFLICT,
-        FORBIDDEN => StatusCode::FORBIDDEN,
-        NO_SPACE => StatusCode::INSUFFICIENT_STORAGE,
-        _ => StatusCode::INTERNAL_SERVER_ERROR,
-    };
-    Err(ApiError::new(
-        status,
-        format!(
-            "{path}: {}",
-            if message.is_empty() {
-                "file operation failed"
-            } else {
-                &message
-            }
-        ),
-    ))
+    Ok(files::run(
+        &state.kernels,
+        &live,
+        &caller.0.name,
+        op,
+        path,
+        body,
+        state.max_message_bytes,
+    )
+    .await?)
 }
 
 fn json(bytes: Vec<u8>) -> Response {
@@ -153,7 +96,7 @@ pub async fn list_root(
     Path(KernelPath { id }): Path<KernelPath>,
 ) -> Result<Response, ApiError> {
     Ok(json(
-        run(&state, &caller, &id, "list", "", Bytes::new()).await?,
+        run(&state, &caller, &id, FileOp::List, "", Bytes::new()).await?,
     ))
 }
 
@@ -178,12 +121,12 @@ pub async fn get(
     caller: Caller,
     Path(FilePath { id, path }): Path<FilePath>,
 ) -> Result<Response, ApiError> {
-    match run(&state, &caller, &id, "get", &path, Bytes::new()).await {
+    match run(&state, &caller, &id, FileOp::Get, &path, Bytes::new()).await {
         Ok(bytes) => {
             Ok(([(header::CONTENT_TYPE, "application/octet-stream")], bytes).into_response())
         }
         Err(e) if e.status == StatusCode::CONFLICT => Ok(json(
-            run(&state, &caller, &id, "list", &path, Bytes::new()).await?,
+            run(&state, &caller, &id, FileOp::List, &path, Bytes::new()).await?,
         )),
         Err(e) => Err(e),
     }
@@ -215,7 +158,7 @@ pub async fn put(
         Ok(body) => body,
         Err(e) => return Ok(body_refused(e, state.max_message_bytes)),
     };
-    let entry = run(&state, &caller, &id, "put", &path, body).await?;
+    let entry = run(&state, &caller, &id, FileOp::Put, &path, body).await?;
     Ok((StatusCode::CREATED, json(entry)).into_response())
 }
 
@@ -238,6 +181,6 @@ pub async fn delete(
     caller: Caller,
     Path(FilePath { id, path }): Path<FilePath>,
 ) -> Result<StatusCode, ApiError> {
-    run(&state, &caller, &id, "delete", &path, Bytes::new()).await?;
+    run(&state, &caller, &id, FileOp::Delete, &path, Bytes::new()).await?;
     Ok(StatusCode::NO_CONTENT)
 }

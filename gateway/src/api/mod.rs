@@ -11,6 +11,7 @@ pub mod extract;
 pub mod files;
 pub mod kernels;
 pub mod kernelspecs;
+pub mod mcp;
 pub mod openapi;
 pub mod ops;
 pub mod origin;
@@ -23,7 +24,7 @@ use axum::extract::{Request, State};
 use axum::http::HeaderValue;
 use axum::middleware::Next;
 use axum::response::Response;
-use axum::routing::get;
+use axum::routing::{any, get};
 use axum::{middleware, Json, Router};
 use openapi::Routes;
 use serde::Serialize;
@@ -53,6 +54,8 @@ pub struct AppState {
     pub runtime: &'static str,
     /// The execution policy, when `--policy` set one.
     pub guard: Option<Arc<crate::policy::Guard>>,
+    /// The MCP server at `/mcp`.
+    pub mcp: Arc<crate::mcp::http::Endpoint>,
 }
 
 /// Every route, public or behind a token. The router and the OpenAPI document
@@ -71,6 +74,14 @@ text frame per message (`header`, `parent_header`, `metadata`, `content`, `buffe
 frames. Clients send unsigned messages: the gateway signs them and fills missing header \
 fields. A new socket with the same `session_id` takes over and first receives what was \
 produced while none was connected. 404 for an unknown kernel.";
+
+const MCP: &str = "The Model Context Protocol server (Streamable HTTP transport: `POST` \
+JSON-RPC, `GET` for the server's stream, `DELETE` to end a session; token as for the other \
+routes). Tools: `run_python`, `list_files`, `read_file`, `write_file`, `restart_kernel`, \
+`start_kernel`. With the classic `initialize` handshake (protocol 2025-11-25 and earlier) \
+each `Mcp-Session-Id` gets its own kernel, deleted with the session; with 2026-07-28 (no \
+sessions) `start_kernel` returns a `kernel_id` handle that the other tools take. Sessions and \
+handles belong to the key that made them: 404 for any other key.";
 
 /// Every route of the gateway. A new one goes here: as an operation (`routes!` of handlers
 /// annotated with `#[utoipa::path]`), or as prose when OpenAPI cannot describe it.
@@ -101,7 +112,8 @@ pub fn surface() -> Surface {
         .operations(routes!(files::list_root))
         .operations(routes!(files::get, files::put, files::delete))
         .operations(routes!(approvals::list))
-        .operations(routes!(approvals::answer));
+        .operations(routes!(approvals::answer))
+        .prose("/mcp", any(mcp::serve), MCP);
     Surface { public, protected }
 }
 

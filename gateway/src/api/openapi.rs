@@ -354,13 +354,21 @@ mod tests {
             },
         };
         let (tracker, cancel) = (TaskTracker::new(), CancellationToken::new());
+        let kernels = Kernels::new(
+            FakeBackend::new(),
+            settings,
+            tracker.clone(),
+            cancel.clone(),
+        );
+        let mcp = crate::mcp::Mcp::new(
+            kernels.clone(),
+            tracker.clone(),
+            cancel.clone(),
+            Duration::from_secs(60),
+        );
         AppState {
-            kernels: Kernels::new(
-                FakeBackend::new(),
-                settings,
-                tracker.clone(),
-                cancel.clone(),
-            ),
+            kernels,
+            mcp: Arc::new(crate::mcp::http::Endpoint::new(mcp, 1 << 20)),
             keys: Arc::new(Keys::new(Some(TOKEN), None).expect("keys")),
             failures: Arc::default(),
             max_message_bytes: 1 << 20,

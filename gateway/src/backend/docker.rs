@@ -3,6 +3,7 @@
 //! sockets live in a host directory bind-mounted at `/run/kernel` ([`socket_dir`]); the
 //! container's isolation is built in [`spec`].
 
+pub mod lock;
 mod socket_dir;
 mod spec;
 

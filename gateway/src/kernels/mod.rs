@@ -8,7 +8,9 @@ use crate::kernel::clients::ClientLimits;
 use crate::kernelspecs::{KernelSpecs, DEFAULT_SPEC};
 use crate::metrics::{self, Source, TableSnapshot};
 
+pub mod files;
 mod pool;
+pub mod run;
 mod supervise;
 use crate::audit::Audit;
 use crate::kernel::{Kernel, KernelError};

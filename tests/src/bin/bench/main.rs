@@ -3,7 +3,7 @@
 //! markdown table and writes it, with every sample, to JSON and markdown files.
 //!
 //! Usage: bench [--out FILE.json] [--md FILE.md] [--venv DIR] [--rounds N] [--pool-size N]
-//!              [--idle-kernels N] [--quick]
+//!              [--idle-kernels N] [--quick] [--mcp-only]
 //!
 //! Kernelgate runs each kernel in a Docker container under runc (ipc sockets
 //! bind-mounted), then, in a table of its own, under runc and gVisor side by side; JKG and
@@ -12,6 +12,7 @@
 
 mod audit;
 mod conn;
+mod mcp;
 mod procs;
 mod report;
 mod runtimes;
@@ -45,6 +46,8 @@ struct Opts {
     parallel_for: Duration,
     /// Profiling aid: only stream through Kernelgate for this long, then stop.
     soak: Option<Duration>,
+    /// Only the agent API vs MCP round trips.
+    mcp_only: bool,
 }
 
 impl Opts {
@@ -63,6 +66,7 @@ impl Opts {
             parallel_kernels: 10,
             parallel_for: Duration::from_secs(10),
             soak: None,
+            mcp_only: false,
         };
         let mut args = std::env::args().skip(1);
         while let Some(a) = args.next() {
@@ -75,6 +79,7 @@ impl Opts {
                 "--pool-size" => o.pool_size = val()?.parse()?,
                 "--idle-kernels" => o.idle_kernels = val()?.parse()?,
                 "--soak" => o.soak = Some(Duration::from_secs(val()?.parse()?)),
+                "--mcp-only" => o.mcp_only = true,
                 "--quick" => {
                     // For trying the bench out, not for numbers.
                     o.rounds = 1;
@@ -101,7 +106,7 @@ impl Opts {
 }
 
 const USAGE: &str = "usage: bench [--out FILE.json] [--md FILE.md] [--venv DIR] [--rounds N] \
-                     [--pool-size N] [--idle-kernels N] [--quick]";
+                     [--pool-size N] [--idle-kernels N] [--quick] [--mcp-only]";
 
 /// One target's kernels and client connections during the run.
 #[derive(Debug)]
@@ -153,7 +158,7 @@ async fn main() -> Result<()> {
     } else {
         std::env::current_dir()?.join(&opts.venv)
     };
-    if !venv.join("bin/jupyter-kernelgateway").exists() {
+    if !opts.mcp_only && !venv.join("bin/jupyter-kernelgateway").exists() {
         bail!(
             "{} has no jupyter-kernelgateway: `make bench` creates it",
             venv.display()
@@ -187,6 +192,7 @@ async fn main() -> Result<()> {
             "parallel_kernels": opts.parallel_kernels,
             "parallel_seconds": opts.parallel_for.as_secs_f64(),
             "idle_kernels": opts.idle_kernels,
+            "mcp_only": opts.mcp_only,
         },
         "metrics": results.metrics,
     });
@@ -204,6 +210,9 @@ async fn main() -> Result<()> {
 }
 
 async fn run(opts: &Opts, paths: &Paths, results: &mut Results) -> Result<()> {
+    if opts.mcp_only {
+        return mcp::compare(opts, paths, results).await;
+    }
     log(format!(
         "starting Kernelgate (warm pool {}) and JKG",
         opts.pool_size
@@ -250,6 +259,7 @@ async fn run(opts: &Opts, paths: &Paths, results: &mut Results) -> Result<()> {
     measured?;
     memory(opts, paths, results).await?;
     audit::compare(opts, paths, results).await?;
+    mcp::compare(opts, paths, results).await?;
     runtimes::compare(opts, paths, results).await
 }
 

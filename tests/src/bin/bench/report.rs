@@ -185,6 +185,9 @@ const ROWS: &[Row] = &[
 /// The results table plus the run's settings and machine, as markdown.
 pub fn markdown(doc: &Value) -> String {
     let m = &doc["metrics"];
+    if doc["settings"]["mcp_only"] == Value::Bool(true) {
+        return tool_call_table(m);
+    }
     let mut out = String::new();
     out.push_str("| metric | Kernelgate | JKG | direct ZMQ | ratio vs direct | target | met? |\n");
     out.push_str("|---|---:|---:|---:|---:|---|---|\n");
@@ -254,7 +257,44 @@ pub fn markdown(doc: &Value) -> String {
         doc["duration_s"].as_f64().unwrap_or_default(),
     ));
     out.push_str(&audit_table(m));
+    out.push_str(&tool_call_table(m));
     out.push_str(&runtimes_table(m));
+    out
+}
+
+/// `1+1` through the agent API and through MCP's `run_python`, from the same run.
+fn tool_call_table(m: &Value) -> String {
+    let get = |way: &str, field: &str| num(&m["tool_call_rt_ms"][way][field]);
+    let mut out = String::from(
+        "\n| `1+1` round trip (ms) | p50 | p90 | p99 | vs agent API (p50) | target | met? |\n\
+         |---|---:|---:|---:|---:|---|---|\n",
+    );
+    let agent = get("agent_api", "p50");
+    for (way, label) in [
+        ("agent_api", "agent API: `POST /api/kernels/{id}/execute`"),
+        ("mcp", "MCP: `tools/call` run_python, session at `/mcp`"),
+    ] {
+        let p50 = get(way, "p50");
+        let (ratio, target, met) = match (way, agent, p50) {
+            ("mcp", Some(a), Some(b)) if a > 0.0 => (
+                format!("{:.2}x", b / a),
+                "≤ 1.2x",
+                if b / a <= 1.2 { "yes" } else { "**no**" },
+            ),
+            _ => ("—".to_owned(), "", ""),
+        };
+        out.push_str(&format!(
+            "| {label} | {} | {} | {} | {ratio} | {target} | {met} |\n",
+            fmt(p50, 2),
+            fmt(get(way, "p90"), 2),
+            fmt(get(way, "p99"), 2),
+        ));
+    }
+    out.push_str(
+        "\nOne gateway (release build, runc, audit off), one kernel for each way, measured \
+         round by round side by side; the MCP client is a bare Streamable HTTP one (POST, read \
+         the SSE answer), so both columns are the server's cost.\n",
+    );
     out
 }
 

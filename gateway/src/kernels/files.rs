@@ -1,0 +1,127 @@
+//! Files in a kernel's working directory, for the files API and MCP's file tools.
+//!
+//! Every operation runs inside the kernel's own container as the kernel's user (a small
+//! script through the backend's `exec`), never on host paths: the container is the
+//! boundary, and a symlink the kernel made can only point into its own sandbox. The script
+//! still refuses absolute paths, `..` and symlinks leading out of the working directory,
+//! so callers get a clear error rather than a surprise.
+
+use super::{Kernels, LiveKernel};
+use crate::backend::BackendError;
+use bytes::Bytes;
+
+const SCRIPT: &str = include_str!("../../assets/files.py");
+
+// Exit codes of the script (see its header).
+const NOT_FOUND: i64 = 10;
+const BAD_PATH: i64 = 11;
+const IS_DIR: i64 = 12;
+const NOT_DIR: i64 = 13;
+const EXISTS_DIR: i64 = 14;
+const FORBIDDEN: i64 = 15;
+const NO_SPACE: i64 = 16;
+
+/// What to do with a path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FileOp {
+    /// A directory's entries as JSON (`[{name, path, type, size, modified}]`).
+    List,
+    /// A file's bytes.
+    Get,
+    /// Writes the body, creating parent directories; answers the new entry as JSON.
+    Put,
+    /// Removes a file or an empty directory.
+    Delete,
+}
+
+impl FileOp {
+    fn arg(self) -> &'static str {
+        match self {
+            FileOp::List => "list",
+            FileOp::Get => "get",
+            FileOp::Put => "put",
+            FileOp::Delete => "delete",
+        }
+    }
+
+    fn audit_event(self) -> &'static str {
+        match self {
+            FileOp::List => "file_listed",
+            FileOp::Get => "file_read",
+            FileOp::Put => "file_written",
+            FileOp::Delete => "file_deleted",
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum FileError {
+    #[error("{path}: {reason}")]
+    NotFound { path: String, reason: String },
+    /// Absolute, `..`, control characters, or out of the working directory.
+    #[error("{path}: {reason}")]
+    BadPath { path: String, reason: String },
+    /// A directory where a file was wanted, or the other way round.
+    #[error("{path}: {reason}")]
+    WrongKind { path: String, reason: String },
+    /// The kernel's filesystem refused it (permissions, a read-only place).
+    #[error("{path}: {reason}")]
+    Forbidden { path: String, reason: String },
+    /// The kernel's working directory is full.
+    #[error("{path}: {reason}")]
+    NoSpace { path: String, reason: String },
+    #[error("{path} is larger than the {limit_mib} MiB limit")]
+    TooLarge { path: String, limit_mib: usize },
+    #[error("{path}: {reason}")]
+    Failed { path: String, reason: String },
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+}
+
+/// Runs `op` on `path` in `live`'s working directory for the key `key` (audited).
+/// Output larger than `max_bytes` is refused with [`FileError::TooLarge`].
+pub async fn run(
+    kernels: &Kernels,
+    live: &LiveKernel,
+    key: &str,
+    op: FileOp,
+    path: &str,
+    body: Bytes,
+    max_bytes: usize,
+) -> Result<Vec<u8>, FileError> {
+    kernels.audit().record(
+        op.audit_event(),
+        serde_json::json!({"key": key, "kernel": live.id(), "path": path, "bytes": body.len()}),
+    );
+    if path.chars().any(char::is_control) {
+        return Err(FileError::BadPath {
+            path: path.escape_default().to_string(),
+            reason: "file paths may not contain NUL or other control characters".into(),
+        });
+    }
+    let argv = ["python3", "-c", SCRIPT, op.arg(), path]
+        .map(str::to_owned)
+        .to_vec();
+    let out = kernels
+        .backend()
+        .exec(live.handle(), argv, body, max_bytes)
+        .await?;
+    let reason = match out.stderr.trim() {
+        "" => "file operation failed".to_owned(),
+        message => message.to_owned(),
+    };
+    let path = path.to_owned();
+    Err(match out.exit_code {
+        0 if out.truncated => FileError::TooLarge {
+            path,
+            limit_mib: max_bytes >> 20,
+        },
+        0 => return Ok(out.stdout),
+        NOT_FOUND => FileError::NotFound { path, reason },
+        BAD_PATH => FileError::BadPath { path, reason },
+        IS_DIR | NOT_DIR | EXISTS_DIR => FileError::WrongKind { path, reason },
+        FORBIDDEN => FileError::Forbidden { path, reason },
+        NO_SPACE => FileError::NoSpace { path, reason },
+        _ => FileError::Failed { path, reason },
+    })
+}

@@ -1,0 +1,690 @@
+//! The MCP (Model Context Protocol) server: the tools of [`tools`] over the same kernel
+//! table as the REST API, served by the official SDK (`rmcp`) over Streamable HTTP
+//! ([`http`], mounted at `/mcp`) and over stdio ([`stdio`], `kernelgate mcp`).
+//!
+//! State: a protocol session (the `initialize` handshake, one `Mcp-Session-Id` over HTTP;
+//! a whole stdio process) gets a kernel of its own, created on its first tool call and
+//! deleted when the session ends (HTTP DELETE or expiry, stdio EOF). Without a session (protocol
+//! 2026-07-28 over HTTP) `start_kernel` hands out a kernel id that the other tools take as
+//! `kernel_id`; such a kernel is deleted after `--mcp-idle-timeout` without use. A key sees
+//! only its own sessions and kernels.
+//!
+//! Executions go through [`crate::kernels::run`], like the agent API's: one at a time per
+//! kernel, the timeout interrupts, the kernel relay applies the policy, the output cap and
+//! the audit trail, with the MCP session id as the agent id.
+
+pub mod http;
+pub mod remote;
+pub mod stdio;
+pub mod tools;
+
+use crate::kernels::files::{self, FileError, FileOp};
+use crate::kernels::run::{self, Progress, Run};
+use crate::kernels::{Kernels, LiveKernel};
+use crate::tenants::Tenant;
+use kernelgate_protocol::content::ExecutionState;
+use kernelgate_protocol::execution::Event;
+use kernelgate_protocol::Outcome;
+use rmcp::model::{
+    CallToolRequestParams, CallToolResponse, CallToolResult, ContentBlock, Implementation,
+    ListToolsResult, PaginatedRequestParams, ProgressNotificationParam, ServerCapabilities,
+    ServerConfig, Tool,
+};
+use rmcp::service::RequestContext;
+use rmcp::{ErrorData, RoleServer, ServerHandler};
+use serde_json::json;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tools::ToolError;
+
+/// The header that names an HTTP session.
+const SESSION_HEADER: &str = "mcp-session-id";
+
+const INSTRUCTIONS: &str = "Kernelgate runs Python for you in a persistent, sandboxed IPython \
+    kernel (no network). Use run_python for code; variables persist between calls. Use \
+    write_file/read_file/list_files to move data in and out of the kernel's working \
+    directory, restart_kernel to start over. Without a session, call start_kernel first and \
+    pass its kernel_id to every other tool.";
+
+/// A kernel handed out by `start_kernel`.
+#[derive(Debug)]
+struct Handle {
+    owner: String,
+    last_used: Instant,
+}
+
+/// Where the kernels are.
+#[derive(Debug)]
+enum Place {
+    /// This process's kernel table.
+    Local(Arc<Kernels>),
+    /// A running gateway (`kernelgate mcp --url`).
+    Remote(remote::Remote),
+}
+
+/// A kernel a call works on.
+#[derive(Debug, Clone)]
+enum KernelRef {
+    Local(Arc<LiveKernel>),
+    Remote(String),
+}
+
+impl KernelRef {
+    fn id(&self) -> &str {
+        match self {
+            KernelRef::Local(live) => live.id(),
+            KernelRef::Remote(id) => id,
+        }
+    }
+}
+
+/// What every MCP session shares: where kernels run and the kernels MCP handed out.
+#[derive(Debug)]
+pub struct Mcp {
+    place: Place,
+    tracker: TaskTracker,
+    cancel: CancellationToken,
+    idle_timeout: Duration,
+    /// `start_kernel` kernels by id.
+    handles: Mutex<HashMap<String, Handle>>,
+}
+
+impl Mcp {
+    /// MCP over this process's kernel table. Also starts the task that deletes
+    /// `start_kernel` kernels left idle for `idle_timeout`.
+    pub fn new(
+        kernels: Arc<Kernels>,
+        tracker: TaskTracker,
+        cancel: CancellationToken,
+        idle_timeout: Duration,
+    ) -> Arc<Self> {
+        Self::start(Place::Local(kernels), tracker, cancel, idle_timeout)
+    }
+
+    /// MCP over the kernels of a running gateway.
+    pub fn remote(
+        gateway: remote::Remote,
+        tracker: TaskTracker,
+        cancel: CancellationToken,
+        idle_timeout: Duration,
+    ) -> Arc<Self> {
+        Self::start(Place::Remote(gateway), tracker, cancel, idle_timeout)
+    }
+
+    fn start(
+        place: Place,
+        tracker: TaskTracker,
+        cancel: CancellationToken,
+        idle_timeout: Duration,
+    ) -> Arc<Self> {
+        let mcp = Arc::new(Mcp {
+            place,
+            tracker: tracker.clone(),
+            cancel,
+            idle_timeout,
+            handles: Mutex::default(),
+        });
+        tracker.spawn(mcp.clone().reap_idle_handles());
+        mcp
+    }
+
+    /// How long an unused session or `start_kernel` kernel lives.
+    pub fn idle_timeout(&self) -> Duration {
+        self.idle_timeout
+    }
+
+    fn handles(&self) -> MutexGuard<'_, HashMap<String, Handle>> {
+        self.handles.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn touch(&self, id: &str) {
+        if let Some(h) = self.handles().get_mut(id) {
+            h.last_used = Instant::now();
+        }
+    }
+
+    async fn reap_idle_handles(self: Arc<Self>) {
+        let every = (self.idle_timeout / 4).clamp(Duration::from_secs(1), Duration::from_secs(30));
+        loop {
+            tokio::select! {
+                _ = self.cancel.cancelled() => return,
+                _ = tokio::time::sleep(every) => {}
+            }
+            let due: Vec<String> = {
+                let mut handles = self.handles();
+                if let Place::Local(kernels) = &self.place {
+                    handles.retain(|id, _| kernels.get(id).is_some());
+                    for (id, h) in handles.iter_mut() {
+                        // A kernel still running a call is in use.
+                        let busy = kernels
+                            .get(id)
+                            .is_some_and(|l| l.kernel.execution_state() == ExecutionState::Busy);
+                        if busy {
+                            h.last_used = Instant::now();
+                        }
+                    }
+                }
+                handles
+                    .iter()
+                    .filter(|(_, h)| h.last_used.elapsed() >= self.idle_timeout)
+                    .map(|(id, _)| id.clone())
+                    .collect()
+            };
+            for id in due {
+                let owner = self.handles().remove(&id).map(|h| h.owner);
+                self.delete_kernel(&id, owner.as_deref().unwrap_or(""), "idle MCP kernel")
+                    .await;
+            }
+        }
+    }
+
+    /// Deletes every `start_kernel` kernel still handed out (a `kernelgate mcp --url`
+    /// process that ends; a local table is shut down whole instead).
+    pub async fn release_handles(&self) {
+        let ids: Vec<(String, String)> = self
+            .handles()
+            .drain()
+            .map(|(id, h)| (id, h.owner))
+            .collect();
+        for (id, owner) in ids {
+            self.delete_kernel(&id, &owner, "MCP process ended").await;
+        }
+    }
+
+    async fn delete_kernel(&self, id: &str, owner: &str, reason: &str) {
+        match &self.place {
+            Place::Local(kernels) => {
+                kernels.audit().record(
+                    "kernel_deleted",
+                    json!({"kernel": id, "owner": owner, "reason": reason}),
+                );
+                if let Some(Err(e)) = kernels.delete(id).await {
+                    tracing::warn!(kernel = %id, error = %e, "cannot remove an MCP kernel");
+                }
+            }
+            Place::Remote(gateway) => {
+                if let Err(e) = gateway.delete(id).await {
+                    tracing::warn!(kernel = %id, error = %e, "cannot delete an MCP kernel");
+                }
+            }
+        }
+    }
+
+    /// A new kernel for `tenant`; `start_kernel`'s ones are remembered as handles.
+    async fn create_kernel(&self, tenant: &Tenant, handle: bool) -> Result<KernelRef, ToolError> {
+        let failed =
+            |e: &dyn std::fmt::Display| tools::error(format!("cannot start a kernel: {e}"));
+        let kernel = match &self.place {
+            Place::Local(kernels) => KernelRef::Local(
+                kernels
+                    .create(None, &BTreeMap::new(), tenant)
+                    .await
+                    .map_err(|e| failed(&e))?,
+            ),
+            Place::Remote(gateway) => {
+                KernelRef::Remote(gateway.create().await.map_err(|e| failed(&e))?)
+            }
+        };
+        if handle {
+            self.handles().insert(
+                kernel.id().to_owned(),
+                Handle {
+                    owner: tenant.name.clone(),
+                    last_used: Instant::now(),
+                },
+            );
+        }
+        Ok(kernel)
+    }
+
+    /// The kernel `id`, if `tenant` may use it.
+    async fn find(&self, tenant: &Tenant, id: &str) -> Result<Option<KernelRef>, ToolError> {
+        match &self.place {
+            Place::Local(kernels) => Ok(kernels
+                .get(id)
+                .filter(|l| tenant.may_use(l.owner()))
+                .map(KernelRef::Local)),
+            Place::Remote(gateway) => match gateway.exists(id).await {
+                Ok(true) => Ok(Some(KernelRef::Remote(id.to_owned()))),
+                Ok(false) => Ok(None),
+                Err(e) => Err(tools::error(e.to_string())),
+            },
+        }
+    }
+
+    fn run(&self, kernel: &KernelRef, run: Run) -> tokio::sync::mpsc::Receiver<Progress> {
+        match (&self.place, kernel) {
+            (Place::Local(kernels), KernelRef::Local(live)) => {
+                run::start(&self.tracker, kernels.clone(), live.clone(), run)
+            }
+            (Place::Remote(gateway), _) => gateway.run(
+                &self.tracker,
+                kernel.id(),
+                run.code,
+                run.timeout,
+                run.agent_id.unwrap_or_default(),
+            ),
+            (Place::Local(_), KernelRef::Remote(_)) => {
+                gateway_mismatch();
+                tokio::sync::mpsc::channel(1).1
+            }
+        }
+    }
+
+    async fn file(
+        &self,
+        kernel: &KernelRef,
+        key: &str,
+        op: FileOp,
+        path: &str,
+        body: Vec<u8>,
+    ) -> Result<Vec<u8>, FileError> {
+        let limit = tools::MAX_FILE_BYTES;
+        match (&self.place, kernel) {
+            (Place::Local(kernels), KernelRef::Local(live)) => {
+                files::run(kernels, live, key, op, path, body.into(), limit).await
+            }
+            (Place::Remote(gateway), _) => gateway.file(kernel.id(), op, path, body, limit).await,
+            (Place::Local(_), KernelRef::Remote(_)) => Err(FileError::Failed {
+                path: path.to_owned(),
+                reason: gateway_mismatch(),
+            }),
+        }
+    }
+
+    async fn restart(&self, kernel: &KernelRef, tenant: &Tenant) -> Result<(), ToolError> {
+        let failed = |e: &dyn std::fmt::Display| tools::error(format!("the restart failed: {e}"));
+        match (&self.place, kernel) {
+            (Place::Local(kernels), KernelRef::Local(live)) => {
+                kernels.audit().record(
+                    "kernel_restarted",
+                    json!({"kernel": live.id(), "key": tenant.name, "owner": live.owner()}),
+                );
+                kernels.restart(live).await.map_err(|e| failed(&e))
+            }
+            (Place::Remote(gateway), _) => {
+                gateway.restart(kernel.id()).await.map_err(|e| failed(&e))
+            }
+            (Place::Local(_), KernelRef::Remote(_)) => Err(tools::error(gateway_mismatch())),
+        }
+    }
+
+    /// Whether the kernel is still there (it may have been culled or deleted).
+    async fn alive(&self, kernel: &KernelRef) -> bool {
+        match &self.place {
+            Place::Local(kernels) => kernels.get(kernel.id()).is_some(),
+            Place::Remote(gateway) => gateway.exists(kernel.id()).await.unwrap_or(true),
+        }
+    }
+}
+
+/// A kernel reference from one place used with another: a bug, never a client's doing.
+fn gateway_mismatch() -> String {
+    tracing::error!("an MCP kernel reference does not match where kernels run");
+    "internal error: the kernel reference does not match this server".to_owned()
+}
+
+/// Who is calling, and in which session.
+#[derive(Debug)]
+struct Caller {
+    tenant: Arc<Tenant>,
+    /// The session id (the audit's agent id); `None` without a session.
+    session: Option<String>,
+}
+
+/// One MCP session's handler: rmcp makes one per HTTP session (and one per sessionless
+/// request) and one per stdio process.
+#[derive(Debug, Clone)]
+pub struct Session {
+    state: Arc<SessionState>,
+}
+
+#[derive(Debug)]
+struct SessionState {
+    mcp: Arc<Mcp>,
+    /// Over stdio: the process's tenant and session id. Over HTTP both come with requests.
+    fixed: Option<(Arc<Tenant>, String)>,
+    /// The session's own kernel, created on first use.
+    kernel: tokio::sync::Mutex<Option<KernelRef>>,
+}
+
+impl Drop for SessionState {
+    /// The session ended: its kernel goes (in a task of the gateway's, as this may run
+    /// anywhere).
+    fn drop(&mut self) {
+        let Some(kernel) = self.kernel.get_mut().take() else {
+            return;
+        };
+        if self.mcp.cancel.is_cancelled() {
+            return; // shutdown removes every kernel
+        }
+        let mcp = self.mcp.clone();
+        tracing::info!(kernel = %kernel.id(), "MCP session ended; deleting its kernel");
+        self.mcp.tracker.spawn(async move {
+            let owner = match &kernel {
+                KernelRef::Local(live) => live.owner().to_owned(),
+                KernelRef::Remote(_) => String::new(),
+            };
+            mcp.delete_kernel(kernel.id(), &owner, "MCP session ended")
+                .await;
+        });
+    }
+}
+
+impl Session {
+    /// A handler for HTTP: tenant and session come with each request.
+    pub fn http(mcp: Arc<Mcp>) -> Self {
+        Self::new(mcp, None)
+    }
+
+    /// The handler of a stdio process: one session, one tenant.
+    pub fn stdio(mcp: Arc<Mcp>, tenant: Arc<Tenant>) -> Self {
+        let id = format!("mcp-stdio-{}", uuid::Uuid::new_v4());
+        Self::new(mcp, Some((tenant, id)))
+    }
+
+    fn new(mcp: Arc<Mcp>, fixed: Option<(Arc<Tenant>, String)>) -> Self {
+        Session {
+            state: Arc::new(SessionState {
+                mcp,
+                fixed,
+                kernel: tokio::sync::Mutex::new(None),
+            }),
+        }
+    }
+
+    fn caller(&self, context: &RequestContext<RoleServer>) -> Option<Caller> {
+        if let Some((tenant, id)) = &self.state.fixed {
+            return Some(Caller {
+                tenant: tenant.clone(),
+                session: Some(id.clone()),
+            });
+        }
+        let parts = context.extensions.get::<axum::http::request::Parts>()?;
+        let tenant = parts.extensions.get::<Arc<Tenant>>()?.clone();
+        let session = parts
+            .headers
+            .get(SESSION_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned);
+        Some(Caller { tenant, session })
+    }
+
+    /// The kernel a call works on: `kernel_id`'s, else the session's own (started now if
+    /// it has none yet). The note says when the session's kernel had to be replaced.
+    async fn kernel(
+        &self,
+        caller: &Caller,
+        kernel_id: Option<&str>,
+    ) -> Result<(KernelRef, Option<&'static str>), ToolError> {
+        let mcp = &self.state.mcp;
+        if let Some(id) = kernel_id {
+            let kernel = mcp.find(&caller.tenant, id).await?.ok_or_else(|| {
+                tools::error(format!(
+                    "there is no kernel {id:?} (it was shut down after being idle, or the id \
+                     is wrong): call start_kernel for a new one"
+                ))
+            })?;
+            mcp.touch(id);
+            return Ok((kernel, None));
+        }
+        if caller.session.is_none() {
+            return Err(tools::error(
+                "this connection has no MCP session, so there is no default kernel: call \
+                 start_kernel and pass the kernel_id it returns",
+            ));
+        }
+        let mut mine = self.state.kernel.lock().await;
+        let mut note = None;
+        if let Some(kernel) = mine.as_ref() {
+            if mcp.alive(kernel).await {
+                return Ok((kernel.clone(), None));
+            }
+            note = Some(
+                "[this session's kernel had been shut down (idle or deleted); this ran on a new \
+                 kernel: earlier variables are gone]",
+            );
+        }
+        let kernel = mcp.create_kernel(&caller.tenant, false).await?;
+        *mine = Some(kernel.clone());
+        Ok((kernel, note))
+    }
+
+    async fn run_python(
+        &self,
+        caller: &Caller,
+        args: tools::RunPython,
+        context: &RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ToolError> {
+        let timeout = args.timeout()?;
+        let (kernel, note) = self.kernel(caller, args.kernel_id.as_deref()).await?;
+        let mcp = &self.state.mcp;
+        let mut rx = mcp.run(
+            &kernel,
+            Run {
+                code: args.code,
+                timeout,
+                key: caller.tenant.name.clone(),
+                agent_id: Some(
+                    caller
+                        .session
+                        .clone()
+                        .unwrap_or_else(|| format!("mcp-kernel-{}", kernel.id())),
+                ),
+            },
+        );
+        let progress = context.meta.get_progress_token();
+        let mut sent = 0u32;
+        let mut outcome = Outcome::default();
+        let mut ending = None;
+        loop {
+            let item = tokio::select! {
+                item = rx.recv() => item,
+                _ = context.ct.cancelled() => {
+                    // Dropping the receiver abandons the run: out of the queue, or the
+                    // kernel interrupted (its state kept).
+                    drop(rx);
+                    mcp.touch(kernel.id());
+                    return Err(tools::error("cancelled by the client; the kernel was interrupted if the code had started, and keeps its variables"));
+                }
+            };
+            let Some(item) = item else { break };
+            match item {
+                Progress::Event(event) => {
+                    if let (Some(token), Some(message)) = (&progress, progress_message(&event)) {
+                        sent += 1;
+                        let note = ProgressNotificationParam::new(token.clone(), f64::from(sent))
+                            .with_message(message);
+                        if let Err(e) = context.peer.notify_progress(note).await {
+                            tracing::debug!(error = %e, "cannot send an MCP progress notification");
+                        }
+                    }
+                    outcome.apply(&event);
+                }
+                Progress::End(end) => ending = Some(end),
+            }
+        }
+        mcp.touch(kernel.id());
+        let Some(end) = ending else {
+            return Err(tools::error(
+                "the run ended without a result (the gateway is shutting down?)",
+            ));
+        };
+        let mut result = tools::run_result(
+            &outcome,
+            tools::Ending {
+                status: end.status,
+                timeout,
+                truncated: end.truncated,
+            },
+        );
+        if let Some(note) = note {
+            result.content.insert(0, ContentBlock::text(note));
+        }
+        Ok(result)
+    }
+
+    async fn file_op(
+        &self,
+        caller: &Caller,
+        kernel_id: Option<&str>,
+        op: FileOp,
+        path: &str,
+        body: Vec<u8>,
+    ) -> Result<Vec<u8>, ToolError> {
+        let (kernel, _) = self.kernel(caller, kernel_id).await?;
+        let mcp = &self.state.mcp;
+        let result = mcp.file(&kernel, &caller.tenant.name, op, path, body).await;
+        mcp.touch(kernel.id());
+        result.map_err(|e| {
+            tools::error(match e {
+                FileError::TooLarge { path, limit_mib } => format!(
+                    "{path} is larger than read_file's {limit_mib} MiB limit: read a part of it \
+                     with run_python (e.g. pandas nrows, or open().read(n)) instead"
+                ),
+                FileError::BadPath { path, reason } => format!(
+                    "{path}: {reason}. Give a path relative to the working directory, without '..'"
+                ),
+                FileError::WrongKind { path, .. } if op == FileOp::Get => format!(
+                    "{path} is a directory: use list_files with this path to see what it holds"
+                ),
+                FileError::WrongKind { path, .. } if op == FileOp::List => {
+                    format!("{path} is a file: use read_file to read it")
+                }
+                other => other.to_string(),
+            })
+        })
+    }
+
+    async fn call(
+        &self,
+        request: CallToolRequestParams,
+        context: &RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ToolError> {
+        let caller = self
+            .caller(context)
+            .ok_or_else(|| tools::error("not authenticated"))?;
+        let args = request.arguments;
+        match request.name.as_ref() {
+            "run_python" => {
+                let args = tools::parse("run_python", tools::RunPython::EXAMPLE, args)?;
+                self.run_python(&caller, args, context).await
+            }
+            "list_files" => {
+                let a: tools::ListFiles = tools::parse("list_files", r#"{"path": "data"}"#, args)?;
+                let path = a.path.unwrap_or_default();
+                let op = FileOp::List;
+                let out = self
+                    .file_op(&caller, a.kernel_id.as_deref(), op, &path, Vec::new())
+                    .await?;
+                Ok(CallToolResult::success(vec![ContentBlock::text(
+                    tools::listing(&path, &out),
+                )]))
+            }
+            "read_file" => {
+                let a: tools::ReadFile =
+                    tools::parse("read_file", r#"{"path": "results.csv"}"#, args)?;
+                let bytes = self
+                    .file_op(
+                        &caller,
+                        a.kernel_id.as_deref(),
+                        FileOp::Get,
+                        &a.path,
+                        Vec::new(),
+                    )
+                    .await?;
+                Ok(CallToolResult::success(vec![tools::file_content(
+                    &a.path, bytes,
+                )]))
+            }
+            "write_file" => {
+                let a: tools::WriteFile =
+                    tools::parse("write_file", tools::WriteFile::EXAMPLE, args)?;
+                let bytes = a.bytes()?;
+                let n = bytes.len();
+                self.file_op(&caller, a.kernel_id.as_deref(), FileOp::Put, &a.path, bytes)
+                    .await?;
+                Ok(CallToolResult::success(vec![ContentBlock::text(format!(
+                    "wrote {n} bytes to {}",
+                    a.path
+                ))]))
+            }
+            "restart_kernel" => {
+                let a: tools::Target = tools::parse("restart_kernel", "{}", args)?;
+                let (kernel, _) = self.kernel(&caller, a.kernel_id.as_deref()).await?;
+                let mcp = &self.state.mcp;
+                mcp.restart(&kernel, &caller.tenant).await?;
+                mcp.touch(kernel.id());
+                Ok(CallToolResult::success(vec![ContentBlock::text(
+                    "The kernel restarted: all variables and imports are gone; files stay.",
+                )]))
+            }
+            "start_kernel" => {
+                let kernel = self.state.mcp.create_kernel(&caller.tenant, true).await?;
+                let mut result = CallToolResult::success(vec![ContentBlock::text(format!(
+                    "kernel_id: {}\nPass this kernel_id to run_python and the file tools. The \
+                     kernel is shut down after {} s without use.",
+                    kernel.id(),
+                    self.state.mcp.idle_timeout.as_secs()
+                ))]);
+                result.structured_content = Some(json!({"kernel_id": kernel.id()}));
+                Ok(result)
+            }
+            other => Err(tools::error(format!(
+                "there is no tool named {other:?}; the tools are run_python, list_files, \
+                 read_file, write_file, restart_kernel and start_kernel"
+            ))),
+        }
+    }
+}
+
+/// What a progress notification says about one event of a run.
+fn progress_message(event: &Event) -> Option<String> {
+    match event {
+        Event::Stream { text, .. } => Some(text.clone()),
+        Event::Display(d) => Some(match d.data.get("text/plain").and_then(|v| v.as_str()) {
+            Some(text) if !d.data.contains_key("image/png") => text.to_owned(),
+            _ => format!(
+                "[{} output]",
+                d.data.keys().next().map_or("an", String::as_str)
+            ),
+        }),
+        Event::Error(e) => Some(format!("{}: {}", e.ename, e.evalue)),
+        _ => None,
+    }
+}
+
+impl ServerHandler for Session {
+    fn get_info(&self) -> ServerConfig {
+        ServerConfig::new(ServerCapabilities::builder().enable_tools().build())
+            .with_server_info(Implementation::new("kernelgate", env!("CARGO_PKG_VERSION")))
+            .with_instructions(INSTRUCTIONS)
+    }
+
+    async fn list_tools(
+        &self,
+        _request: Option<PaginatedRequestParams>,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<ListToolsResult, ErrorData> {
+        Ok(ListToolsResult::with_all_items(tools::all()))
+    }
+
+    fn get_tool(&self, name: &str) -> Option<Tool> {
+        tools::all().into_iter().find(|t| t.name == name)
+    }
+
+    async fn call_tool(
+        &self,
+        request: CallToolRequestParams,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResponse, ErrorData> {
+        let result = match self.call(request, &context).await {
+            Ok(result) => result,
+            Err(e) => e.into_result(),
+        };
+        Ok(result.into())
+    }
+}
