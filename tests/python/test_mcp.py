@@ -8,6 +8,7 @@ modes.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import base64
 import hashlib
 import json
@@ -127,7 +128,11 @@ def text(result) -> str:
 
 
 def run(coro):
-    return asyncio.run(coro)
+    """Runs a scenario to its end on an event loop of its own, in a thread of its own: tests
+    run before it (Playwright's sync API, schemathesis) may leave a loop in the main thread,
+    where asyncio.run() refuses to start."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, coro).result()
 
 
 def containers(gw: Gateway) -> set[str]:
