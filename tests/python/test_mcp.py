@@ -475,9 +475,10 @@ def test_progress_notifications_carry_output_as_it_arrives(gw: Gateway, transpor
     assert ended - arrivals[0][0] > 1.5, (ended, arrivals)
 
 
-def test_cancelling_a_queued_call_only_removes_it_from_the_queue(gw: Gateway):
+@pytest.mark.parametrize(("transport", "mode"), WAYS, ids=WAY_IDS)
+def test_cancelling_a_queued_call_only_removes_it_from_the_queue(gw: Gateway, transport: str, mode: str):
     async def scenario():
-        async with connected(gw, "legacy") as (c, target):
+        async with connected(gw, mode, transport=transport) as (c, target):
             results = {}
 
             async def first():
