@@ -480,9 +480,10 @@ def test_progress_notifications_carry_output_as_it_arrives(gw: Gateway, transpor
     assert ended - arrivals[0][0] > 1.5, (ended, arrivals)
 
 
-def test_cancelling_a_queued_call_only_removes_it_from_the_queue(gw: Gateway):
+@pytest.mark.parametrize(("transport", "mode"), WAYS, ids=WAY_IDS)
+def test_cancelling_a_queued_call_only_removes_it_from_the_queue(gw: Gateway, transport: str, mode: str):
     async def scenario():
-        async with connected(gw, "legacy") as (c, target):
+        async with connected(gw, mode, transport=transport) as (c, target):
             results = {}
 
             async def first():
@@ -653,3 +654,18 @@ def test_a_hostile_session_does_not_affect_another(gw: Gateway):
             assert text(again).endswith("2"), text(again)
 
     run(scenario())
+
+
+def test_stdio_applies_the_policy_and_audits_with_its_session_as_agent_id(gw: Gateway):
+    async def scenario():
+        async with stdio_client("legacy") as c:
+            denied = await c.call_tool("run_python", {"code": "import subprocess"})
+            assert denied.is_error and "PolicyViolation" in text(denied), text(denied)
+            await c.call_tool("run_python", {"code": "stdio_audited = 1"})
+
+    run(scenario())
+    records = [json.loads(line) for line in (ARTIFACTS / "test_mcp" / "stdio-audit.log").read_text().splitlines()]
+    ran = [r for r in records if r["event"] == "execution_requested" and "stdio_audited" in json.dumps(r)]
+    assert ran and ran[-1]["agent_id"].startswith("mcp-stdio-"), ran
+    agent = ran[-1]["agent_id"]
+    assert any(r["event"] == "policy_decision" and r["agent_id"] == agent for r in records)

@@ -212,7 +212,8 @@ pub async fn execute(
             key: caller.0.name.clone(),
             agent_id: body.agent_id,
         },
-    );
+    )
+    .await;
 
     let streaming = headers
         .get(header::ACCEPT)

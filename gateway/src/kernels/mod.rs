@@ -72,8 +72,9 @@ pub struct LiveKernel {
     ops: tokio::sync::Mutex<()>,
     /// Bumped by every intentional restart, so the watcher ignores the exit it causes.
     epoch: AtomicU64,
-    /// Queues agent-API executions so concurrent calls run in order, never interleaved.
-    pub runs: tokio::sync::Mutex<()>,
+    /// Queues the runs of [`run`] (agent API, MCP) so concurrent calls go one at a time,
+    /// in the order they were made (tokio's mutex is fair).
+    pub runs: Arc<tokio::sync::Mutex<()>>,
     cancel: CancellationToken,
     /// The tenant it belongs to; set once, when it is registered (warm kernels have none).
     owner: OnceLock<String>,
@@ -553,7 +554,7 @@ impl Kernels {
             connection,
             ops: tokio::sync::Mutex::new(()),
             epoch: AtomicU64::new(0),
-            runs: tokio::sync::Mutex::new(()),
+            runs: Arc::default(),
             cancel,
             owner: OnceLock::new(),
         });

@@ -14,9 +14,11 @@ use kernelgate_protocol::content::{ErrorContent, ExecuteRequest};
 use kernelgate_protocol::execution::{Event, Interruption, Phase, Status};
 use kernelgate_protocol::{Channel, Execution, RawJson};
 use serde_json::Map;
+use std::future::Future;
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::{Duration, Instant};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, OwnedMutexGuard};
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
@@ -57,29 +59,40 @@ pub struct End {
 
 /// Queues the run on `live` and returns its progress. Dropping the receiver abandons the
 /// run: taken out of the queue if it is still waiting, the kernel interrupted if it runs.
-pub fn start(
+pub async fn start(
     tracker: &TaskTracker,
     kernels: Arc<Kernels>,
     live: Arc<LiveKernel>,
     run: Run,
 ) -> mpsc::Receiver<Progress> {
     let (tx, rx) = mpsc::channel(256);
-    tracker.spawn(execute(kernels, live, run, tx).in_current_span());
+    // The place in the queue is taken here, by the caller, not by the task: tasks spawned
+    // back to back may start in either order.
+    let mut turn = Box::pin(live.runs.clone().lock_owned());
+    let now = futures::poll!(turn.as_mut());
+    tracker.spawn(execute(kernels, live, run, tx, turn, now).in_current_span());
     rx
 }
 
-async fn execute(
+async fn execute<F>(
     kernels: Arc<Kernels>,
     live: Arc<LiveKernel>,
     run: Run,
     tx: mpsc::Sender<Progress>,
-) {
-    let _turn = tokio::select! {
-        turn = live.runs.lock() => turn,
-        _ = tx.closed() => {
-            tracing::debug!(kernel = %live.id(), "a queued run was abandoned before its turn");
-            return;
-        }
+    turn: std::pin::Pin<Box<F>>,
+    now: Poll<OwnedMutexGuard<()>>,
+) where
+    F: Future<Output = OwnedMutexGuard<()>>,
+{
+    let _turn = match now {
+        Poll::Ready(guard) => guard,
+        Poll::Pending => tokio::select! {
+            guard = turn => guard,
+            _ = tx.closed() => {
+                tracing::debug!(kernel = %live.id(), "a queued run was abandoned before its turn");
+                return;
+            }
+        },
     };
     let started = Instant::now();
     let me = live.kernel.attach(

@@ -255,10 +255,10 @@ impl Mcp {
         }
     }
 
-    fn run(&self, kernel: &KernelRef, run: Run) -> tokio::sync::mpsc::Receiver<Progress> {
+    async fn run(&self, kernel: &KernelRef, run: Run) -> tokio::sync::mpsc::Receiver<Progress> {
         match (&self.place, kernel) {
             (Place::Local(kernels), KernelRef::Local(live)) => {
-                run::start(&self.tracker, kernels.clone(), live.clone(), run)
+                run::start(&self.tracker, kernels.clone(), live.clone(), run).await
             }
             (Place::Remote(gateway), _) => gateway.run(
                 &self.tracker,
@@ -462,20 +462,28 @@ impl Session {
         let timeout = args.timeout()?;
         let (kernel, note) = self.kernel(caller, args.kernel_id.as_deref()).await?;
         let mcp = &self.state.mcp;
-        let mut rx = mcp.run(
-            &kernel,
-            Run {
-                code: args.code,
-                timeout,
-                key: caller.tenant.name.clone(),
-                agent_id: Some(
-                    caller
-                        .session
-                        .clone()
-                        .unwrap_or_else(|| format!("mcp-kernel-{}", kernel.id())),
-                ),
-            },
-        );
+        if context.ct.is_cancelled() {
+            // Cancelled while its kernel was being found or started: never queued.
+            return Err(tools::error(
+                "cancelled by the client before the code started",
+            ));
+        }
+        let mut rx = mcp
+            .run(
+                &kernel,
+                Run {
+                    code: args.code,
+                    timeout,
+                    key: caller.tenant.name.clone(),
+                    agent_id: Some(
+                        caller
+                            .session
+                            .clone()
+                            .unwrap_or_else(|| format!("mcp-kernel-{}", kernel.id())),
+                    ),
+                },
+            )
+            .await;
         let progress = context.meta.get_progress_token();
         let mut sent = 0u32;
         let mut outcome = Outcome::default();
