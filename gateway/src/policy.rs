@@ -70,9 +70,10 @@ pub struct Guard {
     pending: Mutex<HashMap<String, Pending>>,
     /// Owns the timeout tasks and the relays' release tasks.
     tracker: TaskTracker,
-    /// Scans running at once: one per core is enough, and bounds the stack memory a flood
-    /// of deeply nested cells can commit.
-    scanners: tokio::sync::Semaphore,
+    /// The scanner threads' queue. Two threads with the stack the scanner asks for, started
+    /// once: one per core is enough, and bounds the stack memory a flood of deeply nested
+    /// cells can commit.
+    scanners: Mutex<std::sync::mpsc::Sender<Scan>>,
     cancel: CancellationToken,
 }
 
@@ -88,7 +89,7 @@ impl Guard {
             approval_timeout,
             pending: Mutex::new(HashMap::new()),
             tracker,
-            scanners: tokio::sync::Semaphore::new(2),
+            scanners: Mutex::new(scanner_threads(2)),
             cancel,
         })
     }
@@ -123,25 +124,24 @@ impl Guard {
                 matched: "scanner failure".into(),
             })
         };
-        let Ok(_permit) = self.scanners.acquire().await else {
-            return failed("scanner pool closed");
-        };
         let (tx, rx) = tokio::sync::oneshot::channel();
         let me = self.clone();
-        let spawned = std::thread::Builder::new()
-            .name("policy-scan".into())
-            .stack_size(STACK_BYTES)
-            .spawn(move || {
-                let mut scope = scope.lock().unwrap_or_else(|e| e.into_inner());
-                let decision = me.policy.check_in(
-                    &mut scope,
-                    &code,
-                    user_expressions.iter().map(String::as_str),
-                );
-                let _ = tx.send(decision);
-            });
-        if let Err(e) = spawned {
-            return failed(&e.to_string());
+        let scan: Scan = Box::new(move || {
+            let mut scope = scope.lock().unwrap_or_else(|e| e.into_inner());
+            let decision = me.policy.check_in(
+                &mut scope,
+                &code,
+                user_expressions.iter().map(String::as_str),
+            );
+            let _ = tx.send(decision);
+        });
+        let queued = self
+            .scanners
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .send(scan);
+        if queued.is_err() {
+            return failed("no scanner thread is running");
         }
         match rx.await {
             Ok(decision) => decision,
@@ -218,4 +218,32 @@ impl Guard {
             p.timer.cancel();
         }
     }
+}
+
+/// One scan, run on a scanner thread.
+type Scan = Box<dyn FnOnce() + Send>;
+
+/// Starts `n` scanner threads taking scans from one queue; they end when the queue's sender
+/// is dropped. A thread that cannot start is logged: scans then wait for the others, and
+/// with none at all every check fails closed.
+fn scanner_threads(n: usize) -> std::sync::mpsc::Sender<Scan> {
+    let (tx, rx) = std::sync::mpsc::channel::<Scan>();
+    let rx = Arc::new(Mutex::new(rx));
+    for i in 0..n {
+        let rx = rx.clone();
+        let started = std::thread::Builder::new()
+            .name(format!("policy-scan-{i}"))
+            .stack_size(STACK_BYTES)
+            .spawn(move || loop {
+                let next = rx.lock().unwrap_or_else(|e| e.into_inner()).recv();
+                let Ok(scan) = next else { return };
+                // A panic in the scanner (a bug: it is fuzzed) drops the answer's sender, so
+                // that check fails closed; the thread goes on with the next scan.
+                let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(scan));
+            });
+        if let Err(e) = started {
+            tracing::error!(error = %e, "cannot start a policy scanner thread");
+        }
+    }
+    tx
 }

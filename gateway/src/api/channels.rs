@@ -53,9 +53,11 @@ pub async fn connect(
     let cancel = state.cancel.clone();
     // A revoked key's WebSockets close at once.
     let revoked = caller.0.revoked.clone();
-    let key = caller.0.name.clone();
+    // Attached before the 101 goes out: a client that has its 101 receives everything the
+    // kernel publishes after it (it may run code through the agent API at once), not only
+    // what comes once the upgrade task has run.
+    let attachment = live.kernel.attach(&session, false, &caller.0.name);
     Ok(ws.on_upgrade(move |socket: WebSocket| async move {
-        let attachment = live.kernel.attach(&session, false, &key);
         tracing::debug!(kernel = %live.id(), %session, ?encoding, "client connected");
         metrics::websocket_opened();
         tokio::select! {

@@ -3,7 +3,7 @@
 //! markdown table and writes it, with every sample, to JSON and markdown files.
 //!
 //! Usage: bench [--out FILE.json] [--md FILE.md] [--venv DIR] [--rounds N] [--pool-size N]
-//!              [--idle-kernels N] [--quick] [--mcp-only]
+//!              [--idle-kernels N] [--quick] [--mcp-only] [--audit-only]
 //!
 //! Kernelgate runs each kernel in a Docker container under runc (ipc sockets
 //! bind-mounted), then, in a table of its own, under runc and gVisor side by side; JKG and
@@ -48,6 +48,8 @@ struct Opts {
     soak: Option<Duration>,
     /// Only the agent API vs MCP round trips.
     mcp_only: bool,
+    /// Only the audit trail and execution policy comparison.
+    audit_only: bool,
 }
 
 impl Opts {
@@ -67,6 +69,7 @@ impl Opts {
             parallel_for: Duration::from_secs(10),
             soak: None,
             mcp_only: false,
+            audit_only: false,
         };
         let mut args = std::env::args().skip(1);
         while let Some(a) = args.next() {
@@ -80,6 +83,7 @@ impl Opts {
                 "--idle-kernels" => o.idle_kernels = val()?.parse()?,
                 "--soak" => o.soak = Some(Duration::from_secs(val()?.parse()?)),
                 "--mcp-only" => o.mcp_only = true,
+                "--audit-only" => o.audit_only = true,
                 "--quick" => {
                     // For trying the bench out, not for numbers.
                     o.rounds = 1;
@@ -106,7 +110,7 @@ impl Opts {
 }
 
 const USAGE: &str = "usage: bench [--out FILE.json] [--md FILE.md] [--venv DIR] [--rounds N] \
-                     [--pool-size N] [--idle-kernels N] [--quick] [--mcp-only]";
+                     [--pool-size N] [--idle-kernels N] [--quick] [--mcp-only] [--audit-only]";
 
 /// One target's kernels and client connections during the run.
 #[derive(Debug)]
@@ -158,7 +162,7 @@ async fn main() -> Result<()> {
     } else {
         std::env::current_dir()?.join(&opts.venv)
     };
-    if !opts.mcp_only && !venv.join("bin/jupyter-kernelgateway").exists() {
+    if !opts.mcp_only && !opts.audit_only && !venv.join("bin/jupyter-kernelgateway").exists() {
         bail!(
             "{} has no jupyter-kernelgateway: `make bench` creates it",
             venv.display()
@@ -193,6 +197,7 @@ async fn main() -> Result<()> {
             "parallel_seconds": opts.parallel_for.as_secs_f64(),
             "idle_kernels": opts.idle_kernels,
             "mcp_only": opts.mcp_only,
+            "audit_only": opts.audit_only,
         },
         "metrics": results.metrics,
     });
@@ -212,6 +217,9 @@ async fn main() -> Result<()> {
 async fn run(opts: &Opts, paths: &Paths, results: &mut Results) -> Result<()> {
     if opts.mcp_only {
         return mcp::compare(opts, paths, results).await;
+    }
+    if opts.audit_only {
+        return audit::compare(opts, paths, results).await;
     }
     log(format!(
         "starting Kernelgate (warm pool {}) and JKG",

@@ -188,6 +188,9 @@ pub fn markdown(doc: &Value) -> String {
     if doc["settings"]["mcp_only"] == Value::Bool(true) {
         return tool_call_table(m);
     }
+    if doc["settings"]["audit_only"] == Value::Bool(true) {
+        return audit_table(m);
+    }
     let mut out = String::new();
     out.push_str("| metric | Kernelgate | JKG | direct ZMQ | ratio vs direct | target | met? |\n");
     out.push_str("|---|---:|---:|---:|---:|---|---|\n");
