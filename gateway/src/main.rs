@@ -221,13 +221,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         })
         .await?;
     kernels.shutdown().await;
-    tracker.close();
-    if tokio::time::timeout(Duration::from_secs(10), tracker.wait())
-        .await
-        .is_err()
-    {
-        tracing::warn!("some tasks did not stop within 10 s");
-    }
+    drain(&tracker).await;
     Ok(())
 }
 
@@ -278,13 +272,7 @@ async fn mcp_stdio(args: McpArgs) -> anyhow::Result<()> {
     };
     cancel.cancel();
     table.kernels.shutdown().await;
-    tracker.close();
-    if tokio::time::timeout(Duration::from_secs(10), tracker.wait())
-        .await
-        .is_err()
-    {
-        tracing::warn!("some tasks did not stop within 10 s");
-    }
+    drain(&tracker).await;
     Ok(served?)
 }
 
@@ -314,6 +302,12 @@ async fn mcp_stdio_remote(url: &str, token: Option<String>, config: &Config) -> 
     // Stops the idle reaper; the deletion of the session's kernel, started when the
     // session ended, runs on and is waited for.
     cancel.cancel();
+    drain(&tracker).await;
+    Ok(served?)
+}
+
+/// Waits for the process's tasks to end (they were told to stop), 10 s at most.
+async fn drain(tracker: &TaskTracker) {
     tracker.close();
     if tokio::time::timeout(Duration::from_secs(10), tracker.wait())
         .await
@@ -321,7 +315,6 @@ async fn mcp_stdio_remote(url: &str, token: Option<String>, config: &Config) -> 
     {
         tracing::warn!("some tasks did not stop within 10 s");
     }
-    Ok(served?)
 }
 
 /// `/metrics` takes the gateway's token (or a metrics-only one) unless made public.
