@@ -240,3 +240,73 @@ async fn output_under_the_cap_arrives_whole() -> Result<()> {
             .is_some_and(|t| t.starts_with("[output truncated"))));
     Ok(())
 }
+
+/// ipykernel sends a long print as a few large `stream` messages; the cap keeps the first
+/// `--max-output-mb` of them, cutting the message that crosses it, for every client: the
+/// agent API (whole and streamed) and a WebSocket client see exactly the first MiB.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_first_mebibyte_of_a_large_print_reaches_every_client() -> Result<()> {
+    const CAP: usize = 1 << 20;
+    const FIVE_MB: &str = "for i in range(5000):\n    print('x' * 999)";
+    let gw = Gateway::start(&["--max-output-mb", "1"]).await?;
+    let id = gw.create_kernel().await?["id"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+
+    let r = gw.execute(&id, FIVE_MB).await?;
+    assert_eq!(r["status"], "ok", "{r:.300}");
+    assert_eq!(r["truncated"], true);
+    let stdout = r["stdout"].as_str().unwrap_or_default();
+    assert_eq!(stdout.len(), CAP, "the agent API got the first MiB");
+    assert!(stdout.starts_with(&format!("{}\n", "x".repeat(999))));
+    assert!(r["stderr"]
+        .as_str()
+        .is_some_and(|t| t.starts_with("[output truncated")));
+
+    let lines: Vec<Value> = gw
+        .request(reqwest::Method::POST, &format!("/api/kernels/{id}/execute"))
+        .header("Accept", "application/x-ndjson")
+        .json(&json!({ "code": FIVE_MB }))
+        .send()
+        .await?
+        .text()
+        .await?
+        .lines()
+        .map(serde_json::from_str)
+        .collect::<Result<_, _>>()?;
+    let streamed: usize = lines
+        .iter()
+        .filter(|l| l["type"] == "stdout")
+        .filter_map(|l| l["text"].as_str())
+        .map(str::len)
+        .sum();
+    assert_eq!(streamed, CAP, "the NDJSON stream got the first MiB");
+    assert_eq!(
+        lines.last().map(|l| l["truncated"].clone()),
+        Some(json!(true))
+    );
+
+    let mut client = gw.channels(&id, "reader").await?;
+    client.kernel_info().await?;
+    let msg_id = client.start_execute(FIVE_MB).await?;
+    let (mut seen, mut notices, mut idle) = (0, 0, false);
+    while !idle {
+        let m = client.recv(Duration::from_secs(60)).await?;
+        if m["parent_header"]["msg_id"] != msg_id.as_str() {
+            continue;
+        }
+        match (m["msg_type"].as_str(), m["content"]["name"].as_str()) {
+            (Some("stream"), Some("stdout")) => {
+                assert_eq!(notices, 0, "nothing after the notice");
+                seen += m["content"]["text"].as_str().map_or(0, str::len);
+            }
+            (Some("stream"), Some("stderr")) => notices += 1,
+            (Some("status"), _) => idle = m["content"]["execution_state"] == "idle",
+            _ => {}
+        }
+    }
+    assert_eq!(seen, CAP, "the WebSocket client got the first MiB");
+    assert_eq!(notices, 1);
+    Ok(())
+}

@@ -3,9 +3,12 @@
 //!
 //! Output counted: the text of `stream` messages, and the `data` (plus binary buffers) of
 //! `display_data`, `update_display_data` and `execute_result`, whose parent is the
-//! execution. The message that crosses the cap and every later one of that execution is
-//! dropped for every client; in its place clients get one stderr `stream` message that
-//! says so. The execution itself goes on and its reply, status and errors pass.
+//! execution. The first `--max-output-mb` of an execution's output reaches every client:
+//! a `stream` message that crosses the cap is cut there (on a UTF-8 boundary) and relayed,
+//! while a display or result that crosses it is dropped whole, since half an image or
+//! half a JSON document is no use. Every later output message of that execution is
+//! dropped, and clients get one stderr `stream` message that says so. The execution itself
+//! goes on and its reply, status and errors pass.
 
 use super::clients::Outbound;
 use kernelgate_protocol::{Channel, Header, Message, RawJson};
@@ -27,8 +30,12 @@ pub enum Verdict {
     Relay,
     /// Over the cap: drop it.
     Drop,
-    /// It crossed the cap: drop it and relay this notice instead.
-    Truncate(Arc<Outbound>),
+    /// It crossed the cap: relay what fits of it (`kept`, the part of a stream message
+    /// under the cap), then this notice.
+    Truncate {
+        kept: Option<Message>,
+        notice: Arc<Outbound>,
+    },
 }
 
 #[derive(Debug)]
@@ -159,12 +166,16 @@ impl Executions {
         if run.preview.len() < crate::audit::OUTPUT_PREVIEW_CHARS * 4 {
             crate::audit::extend_preview(&mut run.preview, &preview_text(message));
         }
+        let room = self.cap.saturating_sub(run.output);
         run.output = run.output.saturating_add(bytes);
         if run.output <= self.cap {
             return Verdict::Relay;
         }
         run.truncated = true;
-        Verdict::Truncate(truncation_notice(&run.request, self.cap))
+        Verdict::Truncate {
+            kept: stream_head(message, room),
+            notice: truncation_notice(&run.request, self.cap),
+        }
     }
 
     /// Executions whose output went on after their reply, once each, at their `idle`.
@@ -235,6 +246,29 @@ fn weight(message: &Message) -> Option<usize> {
     }
 }
 
+/// The first `room` bytes of a `stream` message's text (cut back to a character boundary),
+/// as a message of its own with every other field kept; `None` for other messages or when
+/// nothing fits.
+fn stream_head(message: &Message, room: usize) -> Option<Message> {
+    if message.msg_type() != "stream" || room == 0 {
+        return None;
+    }
+    let mut content: serde_json::Map<String, serde_json::Value> = message.content.parse().ok()?;
+    let text = content.get("text")?.as_str()?;
+    let mut end = room.min(text.len());
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    if end == 0 {
+        return None;
+    }
+    let head = text[..end].to_owned();
+    content.insert("text".to_owned(), serde_json::Value::String(head));
+    let mut kept = message.clone();
+    kept.content = RawJson::from_value(&content);
+    Some(kept)
+}
+
 /// What of an output message goes into the audit preview: stream text, or `text/plain`.
 fn preview_text(message: &Message) -> String {
     #[derive(Deserialize)]
@@ -302,9 +336,10 @@ mod tests {
         ex.started(&req, "k", String::new());
         assert!(matches!(ex.output(&stream(&req, "12345")), Verdict::Relay));
         assert!(matches!(ex.output(&stream(&req, "67890")), Verdict::Relay));
-        let Verdict::Truncate(notice) = ex.output(&stream(&req, "x")) else {
+        let Verdict::Truncate { kept, notice } = ex.output(&stream(&req, "x")) else {
             panic!("the eleventh byte crosses the cap");
         };
+        assert!(kept.is_none(), "the cap was full: nothing of it fits");
         let m = &notice.message;
         assert_eq!(m.msg_type(), "stream");
         assert_eq!(m.parent_msg_id(), Some(req.msg_id.as_str()));
@@ -346,7 +381,7 @@ mod tests {
         ex.started(&b, "k", String::new());
         assert!(matches!(
             ex.output(&stream(&a, "aaaaa")),
-            Verdict::Truncate(_)
+            Verdict::Truncate { .. }
         ));
         assert!(matches!(ex.output(&stream(&b, "bbbb")), Verdict::Relay));
         let other = request();
@@ -354,6 +389,60 @@ mod tests {
             matches!(ex.output(&stream(&other, "not tracked")), Verdict::Relay),
             "output of an execution the gateway did not see start is not cut"
         );
+    }
+
+    fn text_of(m: &Message) -> String {
+        let content: serde_json::Value = m.content.parse().expect("json");
+        content["text"].as_str().unwrap_or_default().to_owned()
+    }
+
+    #[test]
+    fn the_stream_message_that_crosses_the_cap_is_cut_there() {
+        let mut ex = Executions::new(10);
+        let req = request();
+        ex.started(&req, "k", String::new());
+        assert!(matches!(ex.output(&stream(&req, "1234")), Verdict::Relay));
+        let mut big = stream(&req, &"y".repeat(100));
+        big.metadata = RawJson::from_value(&serde_json::json!({"kept": true}));
+        let Verdict::Truncate { kept, notice } = ex.output(&big) else {
+            panic!("100 bytes cross a cap of 10");
+        };
+        let kept = kept.expect("the first 6 bytes fit");
+        assert_eq!(text_of(&kept), "yyyyyy");
+        assert_eq!(kept.header, big.header, "still the kernel's message");
+        assert_eq!(kept.metadata.get(), big.metadata.get());
+        let content: serde_json::Value = kept.content.parse().expect("json");
+        assert_eq!(content["name"], "stdout");
+        assert!(text_of(&notice.message).starts_with("[output truncated"));
+        assert!(matches!(ex.output(&stream(&req, "z")), Verdict::Drop));
+    }
+
+    #[test]
+    fn a_cut_never_splits_a_character() {
+        let mut ex = Executions::new(5);
+        let req = request();
+        ex.started(&req, "k", String::new());
+        // "é" is two bytes: five bytes end inside the third one.
+        let Verdict::Truncate { kept, .. } = ex.output(&stream(&req, "ééé")) else {
+            panic!("six bytes cross a cap of 5");
+        };
+        assert_eq!(text_of(&kept.expect("two characters fit")), "éé");
+    }
+
+    #[test]
+    fn a_display_that_crosses_the_cap_is_dropped_whole() {
+        let mut ex = Executions::new(10);
+        let req = request();
+        ex.started(&req, "k", String::new());
+        let png = iopub(
+            &req,
+            "display_data",
+            serde_json::json!({"data": {"image/png": "A".repeat(50)}, "metadata": {}}),
+        );
+        let Verdict::Truncate { kept, .. } = ex.output(&png) else {
+            panic!("a 52-byte display crosses a cap of 10");
+        };
+        assert!(kept.is_none());
     }
 
     #[test]

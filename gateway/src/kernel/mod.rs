@@ -650,9 +650,12 @@ impl Dispatch for Kernel {
                     metrics::dropped(DropReason::OutputLimit, 1);
                     return;
                 }
-                Verdict::Truncate(notice) => {
+                Verdict::Truncate { kept, notice } => {
                     tracing::info!(kernel = %self.id, "execution output over --max-output-mb; the rest of it is dropped");
-                    metrics::dropped(DropReason::OutputLimit, 1);
+                    match kept {
+                        Some(head) => st.clients.route(Outbound::new(channel, head)),
+                        None => metrics::dropped(DropReason::OutputLimit, 1),
+                    }
                     st.clients.route(notice);
                     return;
                 }
