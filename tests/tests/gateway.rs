@@ -15,8 +15,22 @@ async fn rest_api_matches_jupyter_server() -> Result<()> {
     let gw = Gateway::start(&[]).await?;
     let http = reqwest::Client::new();
 
+    // Public as in jupyter_server: the version only. What kernels run under and whether a
+    // policy is in force are for key holders.
     let api: Value = http.get(gw.url("/api")).send().await?.json().await?;
     assert!(api["version"].is_string());
+    assert_eq!(api.as_object().map(|o| o.len()), Some(1), "{api}");
+    let wrong: Value = http
+        .get(gw.url("/api"))
+        .header("Authorization", "token wrong")
+        .send()
+        .await?
+        .json()
+        .await?;
+    assert_eq!(wrong.as_object().map(|o| o.len()), Some(1), "{wrong}");
+    let (_, api) = gw.get_json("/api").await?;
+    assert!(api["kernelgate"]["runtime"].is_string(), "{api}");
+    assert_eq!(api["kernelgate"]["policy"], false);
 
     // The token is required, and the refusal says how to pass it.
     let r = http.get(gw.url("/api/kernels")).send().await?;

@@ -179,6 +179,24 @@ fn percent_decode(s: &str) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
+/// Whether a request to a public endpoint carries a valid key, for the details only keys
+/// may see. A wrong token counts as a failed authentication, so a public endpoint is no way
+/// around the throttle.
+pub fn carries_valid_key(state: &AppState, req: &Request) -> bool {
+    let presented = presented_token(req);
+    if state.keys.authenticate(presented.as_deref()).is_some() {
+        return true;
+    }
+    let addr = req
+        .extensions()
+        .get::<ConnectInfo<SocketAddr>>()
+        .map(|c| c.0.ip());
+    if let (Some(_), Some(addr)) = (presented, addr) {
+        let _ = state.failures.fail(addr);
+    }
+    false
+}
+
 /// Middleware: refuses requests without a valid key and tells handlers whose it is.
 pub async fn require_token(
     State(state): State<AppState>,

@@ -181,7 +181,9 @@ pub struct Version {
     /// The version Jupyter clients check.
     #[schema(example = "0.1.0")]
     version: &'static str,
-    kernelgate: GatewayInfo,
+    /// This gateway's set-up: only for a request with a valid key.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    kernelgate: Option<GatewayInfo>,
 }
 
 /// This gateway.
@@ -196,19 +198,21 @@ pub struct GatewayInfo {
     policy: bool,
 }
 
-/// Jupyter Server's `GET /api` (`version`), and ours beside it: what kernels run under.
+/// Jupyter Server's `GET /api` (`version`), public as there; with a valid key, ours beside
+/// it: what kernels run under and whether a policy is in force (no business of strangers).
 #[utoipa::path(
     get, path = "/api", tag = "meta", operation_id = "version",
-    responses((status = 200, description = "The versions, and what kernels run under", body = Version)),
+    responses((status = 200, description = "The version; with a valid token also what kernels run under", body = Version)),
 )]
-async fn version(State(state): State<AppState>) -> Json<Version> {
+async fn version(State(state): State<AppState>, req: Request) -> Json<Version> {
+    let kernelgate = auth::carries_valid_key(&state, &req).then(|| GatewayInfo {
+        version: env!("CARGO_PKG_VERSION"),
+        runtime: state.runtime,
+        policy: state.guard.is_some(),
+    });
     Json(Version {
         version: env!("CARGO_PKG_VERSION"),
-        kernelgate: GatewayInfo {
-            version: env!("CARGO_PKG_VERSION"),
-            runtime: state.runtime,
-            policy: state.guard.is_some(),
-        },
+        kernelgate,
     })
 }
 
