@@ -158,6 +158,8 @@ def test_jupyterlab_notebook_on_gateway(policy_gateway, jupyter_factory, chromiu
         err = lab.outputs(cell, "application/vnd.jupyter.stderr")
         expect(err).to_contain_text("PolicyViolation")
         expect(err).to_contain_text("no subprocesses in analyses")
+        # It never ran: no execution count, as for a cell never run (not the previous one's).
+        expect(cell.locator(".jp-InputPrompt")).to_have_text("[ ]:")
         lab.shot("policy-denied")
 
         # A cell an `ask` rule holds waits, busy, until an admin approves it.

@@ -311,6 +311,7 @@ def test_ui_approvals(policy_gateway, chromium, artifacts):
         denied = ui.run("import subprocess", outcome="error")
         expect(denied.locator(".error-output")).to_contain_text("PolicyViolation")
         expect(denied.locator(".error-output")).to_contain_text("no subprocesses in analyses")
+        expect(denied.locator(".prompt-label")).to_have_text("In [ ]:")
         expect(panel).to_be_hidden()
 
         # Held: the run waits and the panel lists it.

@@ -123,6 +123,8 @@ async fn denied_code_never_reaches_the_kernel() -> Result<()> {
             "{code:?}: {}",
             evalue(&o)
         );
+        // It never ran: no execution count (the cell shows `[ ]`, not a stale number).
+        assert_eq!(o.execution_count, None, "{code:?}");
         // Looks like a failed cell: busy, the error, the reply, idle.
         assert_eq!(
             o.msg_types,
@@ -176,6 +178,7 @@ async fn denied_code_never_reaches_the_kernel() -> Result<()> {
     assert_eq!(r["status"], "error", "{r}");
     assert_eq!(r["error"]["ename"], "PolicyViolation");
     assert_eq!(r["stdout"], "");
+    assert_eq!(r["execution_count"], Value::Null, "{r}");
 
     let records = audit_records(&gw)?;
     let denials: Vec<&Value> = records

@@ -351,7 +351,7 @@
       if (this.done) return;
       this.done = true;
       this.setCount(count);
-      if (count === undefined && this.label.textContent === 'In [*]:') this.label.textContent = 'In [ ]:';
+      if (count == null && this.label.textContent === 'In [*]:') this.label.textContent = 'In [ ]:';
       this.root.classList.remove('running');
       this.root.classList.add(`status-${status}`);
       const secs = ((performance.now() - this.started) / 1000).toFixed(2);

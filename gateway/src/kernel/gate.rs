@@ -51,14 +51,10 @@ pub struct Held {
     pub gate: Gate,
 }
 
-/// The messages that answer a refused `execute_request` in the kernel's place.
-/// `execution_count` is the kernel's latest: a refused cell does not advance it.
-pub fn refusal(
-    request: &Header,
-    session: &str,
-    execution_count: i64,
-    why: &Refusal,
-) -> Vec<Arc<Outbound>> {
+/// The messages that answer a refused `execute_request` in the kernel's place. The cell
+/// never ran, so its `execution_count` is null (notebooks show `[ ]`, as for a cell that was
+/// never run), and the kernel's own count does not advance.
+pub fn refusal(request: &Header, session: &str, why: &Refusal) -> Vec<Arc<Outbound>> {
     let traceback = vec![format!("{}: {}", why.ename, why.evalue)];
     vec![
         status(request, session, "busy"),
@@ -75,7 +71,7 @@ pub fn refusal(
             request,
             session,
             json!({
-                "status": "error", "execution_count": execution_count, "ename": why.ename,
+                "status": "error", "execution_count": null, "ename": why.ename,
                 "evalue": why.evalue, "traceback": traceback, "user_expressions": {},
                 "payload": [],
             }),

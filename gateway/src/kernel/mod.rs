@@ -63,8 +63,6 @@ struct State {
     held: VecDeque<Held>,
     /// A task is sending the held messages whose turn came ([`Kernel::release`]).
     releasing: bool,
-    /// The kernel's latest execution count, for the replies the gateway gives in its place.
-    execution_count: i64,
 }
 
 /// Most client messages held while a kernel restarts; past this, sends fail.
@@ -109,7 +107,6 @@ impl Kernel {
                 executions: Executions::new(limits.output_bytes),
                 held: VecDeque::new(),
                 releasing: false,
-                execution_count: 0,
             }),
         })
     }
@@ -427,7 +424,7 @@ impl Kernel {
                 "ran": false,
             }),
         );
-        for out in gate::refusal(h, &self.session, st.execution_count, why) {
+        for out in gate::refusal(h, &self.session, why) {
             st.clients.route(out);
         }
     }
@@ -612,9 +609,6 @@ impl Dispatch for Kernel {
                 .parent_msg_id()
                 .and_then(|id| st.executions.replied(id));
             let reply = message.content_as::<ReplyStatus>().unwrap_or_default();
-            if let Some(count) = reply.execution_count {
-                st.execution_count = count;
-            }
             if let Some(f) = finished {
                 metrics::execution_ended(&reply.status, f.took);
                 // Written before the reply is forwarded.
@@ -676,8 +670,6 @@ struct ReplyStatus {
     status: String,
     #[serde(default)]
     ename: Option<String>,
-    #[serde(default)]
-    execution_count: Option<i64>,
 }
 
 /// What of a request that makes the kernel run code the audit trail keeps.
