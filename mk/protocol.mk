@@ -1,5 +1,5 @@
-# Fuzzing of the decoders of untrusted input (the protocol crate's, and the execution
-# policy's scanner) and the protocol's golden vectors. Included by the root Makefile.
+# Fuzzing of the decoders of untrusted input (the protocol crate's, the vendored ZeroMQ
+# reader, and the execution policy's scanner) and the protocol's golden vectors. Included by the root Makefile.
 #
 #   make fuzz-smoke      each fuzz target for $(FUZZ_SECONDS) s (part of `make test`)
 #   make golden          regenerate protocol/tests/golden/*.json and the fuzz seeds with
@@ -13,7 +13,7 @@
 
 CARGO ?= cargo
 PROTOCOL_DIR := $(abspath $(dir $(lastword $(MAKEFILE_LIST)))../protocol)
-PROTOCOL_FUZZ_TARGETS := wire_decode connection_file ws_legacy_text ws_legacy_binary ws_v1
+PROTOCOL_FUZZ_TARGETS := wire_decode connection_file ws_legacy_text ws_legacy_binary ws_v1 zmq_stream
 POLICY_DIR := $(abspath $(dir $(lastword $(MAKEFILE_LIST)))../policy)
 POLICY_FUZZ_TARGETS := scan
 FUZZ_SECONDS ?= 15

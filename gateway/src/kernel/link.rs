@@ -323,4 +323,48 @@ mod tests {
         assert_eq!(refused, 1);
         let _ = std::fs::remove_dir_all(&dir);
     }
+
+    /// A kernel that answers the handshake with a command frame announcing 2^60 bytes is
+    /// refused from the frame's header. Without the limit on command frames the reader
+    /// reserved the announced size, and the failed allocation aborted the whole gateway.
+    #[tokio::test]
+    async fn a_giant_command_frame_is_refused_not_allocated() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let dir = std::env::temp_dir().join(format!("kg-command-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let path = dir.join("iopub");
+        let listener = tokio::net::UnixListener::bind(&path).expect("bind");
+        let hostile = tokio::spawn(async move {
+            let (mut stream, _) = listener.accept().await.expect("accept");
+            // A ZMTP 3.0 greeting offering NULL, then a long command frame's header.
+            let mut greeting = [0u8; 64];
+            greeting[0] = 0xff;
+            greeting[9] = 0x7f;
+            greeting[10] = 3;
+            greeting[12..16].copy_from_slice(b"NULL");
+            let mut frame = vec![0x06];
+            frame.extend_from_slice(&(1u64 << 60).to_be_bytes());
+            let _ = stream.write_all(&greeting).await;
+            let _ = stream.write_all(&frame).await;
+            let mut sink = [0u8; 4096];
+            while let Ok(Ok(n)) =
+                tokio::time::timeout(Duration::from_secs(5), stream.read(&mut sink)).await
+            {
+                if n == 0 {
+                    break;
+                }
+            }
+        });
+        let mut options = SocketOptions::default();
+        options.max_message_size(1 << 20);
+        let mut sub = SubSocket::with_options(options);
+        let endpoint = format!("ipc://{}", path.display());
+        let connected = tokio::time::timeout(Duration::from_secs(5), sub.connect(&endpoint)).await;
+        assert!(
+            !matches!(connected, Ok(Ok(()))),
+            "a handshake with a 2^60-byte command frame succeeded"
+        );
+        hostile.abort();
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

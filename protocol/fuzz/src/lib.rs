@@ -55,3 +55,26 @@ pub fn assert_ws_fixed_point(encoding: Encoding, channel: Channel, message: &Mes
         Err(e) => panic!("our own {encoding:?} encoding of an accepted message fails: {e}"),
     }
 }
+
+/// A ZMTP 3.0 greeting offering the NULL mechanism, as ipykernel's libzmq sends it.
+pub const ZMTP_GREETING: [u8; 64] = {
+    let mut g = [0u8; 64];
+    g[0] = 0xff;
+    g[9] = 0x7f;
+    g[10] = 3;
+    g[12] = b'N';
+    g[13] = b'U';
+    g[14] = b'L';
+    g[15] = b'L';
+    g
+};
+
+/// A `zmq_stream` input: the first byte picks the start (even: a valid greeting comes
+/// first, so mutations reach the commands and frames; odd: the bytes as they are).
+pub fn zmq_input(data: &[u8]) -> Vec<u8> {
+    match data.split_first() {
+        Some((&selector, rest)) if selector % 2 == 0 => [&ZMTP_GREETING[..], rest].concat(),
+        Some((_, rest)) => rest.to_vec(),
+        None => Vec::new(),
+    }
+}

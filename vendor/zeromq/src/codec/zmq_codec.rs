@@ -129,10 +129,12 @@ impl Decoder for ZmqCodec {
                         usize::from(src.get_u8())
                     };
                     // Refuse an oversized message from its header: its body is never
-                    // buffered. Commands are small and not messages.
+                    // buffered. Commands are not messages, but a command frame announcing
+                    // more than the limit is refused too: a peer could otherwise make the
+                    // reader reserve any amount of memory (an allocation failure aborts).
                     if let Some(limit) = self.max_message_size {
-                        if !frame.command && self.buffered_bytes.saturating_add(frame_len) > limit
-                        {
+                        let pending = if frame.command { 0 } else { self.buffered_bytes };
+                        if pending.saturating_add(frame_len) > limit {
                             self.buffered_message = None;
                             self.buffered_bytes = 0;
                             return Err(CodecError::MessageTooLarge { limit });

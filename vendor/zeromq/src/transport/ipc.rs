@@ -88,7 +88,9 @@ where
 {
     let wildcard: &Path = "*".as_ref();
     if path == wildcard {
-        todo!("Need to implement support for wildcard paths!");
+        return Err(crate::ZmqError::Other(
+            "wildcard ipc endpoints (ipc://*) are not supported: bind to a path",
+        ));
     }
 
     #[cfg(all(feature = "tokio-runtime", target_family = "unix"))]
