@@ -33,7 +33,7 @@ pub enum Verdict {
     /// It crossed the cap: relay what fits of it (`kept`, the part of a stream message
     /// under the cap), then this notice.
     Truncate {
-        kept: Option<Message>,
+        kept: Option<Box<Message>>,
         notice: Arc<Outbound>,
     },
 }
@@ -249,7 +249,7 @@ fn weight(message: &Message) -> Option<usize> {
 /// The first `room` bytes of a `stream` message's text (cut back to a character boundary),
 /// as a message of its own with every other field kept; `None` for other messages or when
 /// nothing fits.
-fn stream_head(message: &Message, room: usize) -> Option<Message> {
+fn stream_head(message: &Message, room: usize) -> Option<Box<Message>> {
     if message.msg_type() != "stream" || room == 0 {
         return None;
     }
@@ -264,7 +264,7 @@ fn stream_head(message: &Message, room: usize) -> Option<Message> {
     }
     let head = text[..end].to_owned();
     content.insert("text".to_owned(), serde_json::Value::String(head));
-    let mut kept = message.clone();
+    let mut kept = Box::new(message.clone());
     kept.content = RawJson::from_value(&content);
     Some(kept)
 }

@@ -647,7 +647,7 @@ impl Dispatch for Kernel {
                 Verdict::Truncate { kept, notice } => {
                     tracing::info!(kernel = %self.id, "execution output over --max-output-mb; the rest of it is dropped");
                     match kept {
-                        Some(head) => st.clients.route(Outbound::new(channel, head)),
+                        Some(head) => st.clients.route(Outbound::new(channel, *head)),
                         None => metrics::dropped(DropReason::OutputLimit, 1),
                     }
                     st.clients.route(notice);
