@@ -9,7 +9,7 @@ include mk/protocol.mk
 include mk/bench.mk
 include mk/python.mk
 
-.PHONY: all build run test lint unit e2e e2e-runc e2e-gvisor gvisor debug-build test-tools
+.PHONY: all build run test lint unit e2e e2e-runc e2e-gvisor gvisor debug-build test-tools leftovers test-stamp
 
 all: build
 
@@ -27,10 +27,19 @@ run: image build
 
 ## Everything CI checks: format, lints, unit tests, fuzzing, end-to-end tests (the Rust
 ## suite once under runc and once under gVisor, side by side; `make gvisor` sets gVisor up
-## first), then the Python suite.
-test: lint unit fuzz-smoke
+## first), then the Python suite, then a check that no test left work behind.
+TEST_STAMP := target/.test-started
+test: test-stamp lint unit fuzz-smoke
 	$(MAKE) --no-print-directory -j2 --output-sync=target E2E_THREADS=2 e2e-runc e2e-gvisor
 	$(MAKE) --no-print-directory python-tests
+	$(MAKE) --no-print-directory leftovers
+
+## Fails when a test left a container, runtime directory, log or network namespace behind.
+leftovers:
+	@bash mk/leftovers.sh $(TEST_STAMP)
+
+test-stamp:
+	@mkdir -p target && touch $(TEST_STAMP)
 
 lint:
 	$(CARGO) fmt --all --check

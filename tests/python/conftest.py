@@ -206,6 +206,9 @@ def start_gateway(log_path: Path, extra: list[str] | None = None) -> Gateway:
     extra = list(extra or [])
     if "--pool-size" not in extra:
         extra += ["--pool-size", "0"]
+    if "--audit-log" not in extra:
+        # Beside the gateway's log, not in the host's /var/log.
+        extra += ["--audit-log", str(log_path.with_name(log_path.stem + "-audit.log"))]
     env = dict(os.environ)
     env.setdefault("KERNELGATE_LOG", "kernelgate=debug,warn")
     env["NO_COLOR"] = "1"  # a plain log file

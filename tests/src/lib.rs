@@ -110,6 +110,10 @@ pub struct Gateway {
     pub runtime_dir: PathBuf,
     /// Where this gateway writes its audit trail.
     pub audit_log: PathBuf,
+    /// The harness chose the audit log (beside the runtime directory): it removes it.
+    owns_audit_log: bool,
+    /// Killed by [`Gateway::crash`]: what it left is the [`Crashed`] guard's.
+    crashed: bool,
     http: reqwest::Client,
     /// Every line the gateway wrote to stderr so far.
     pub logs: Arc<Mutex<Vec<String>>>,
@@ -162,7 +166,8 @@ impl Gateway {
             args.extend(["--pool-size".into(), "0".into()]);
         }
         // Each gateway its own audit log, beside its runtime directory.
-        let audit_log = match extra.iter().position(|a| *a == "--audit-log") {
+        let given_log = extra.iter().position(|a| *a == "--audit-log");
+        let audit_log = match given_log {
             Some(i) => PathBuf::from(extra.get(i + 1).copied().unwrap_or_default()),
             None => {
                 let log = PathBuf::from(format!("{}.audit.log", runtime_dir.display()));
@@ -186,6 +191,8 @@ impl Gateway {
             token,
             runtime_dir,
             audit_log,
+            owns_audit_log: given_log.is_none(),
+            crashed: false,
             http: reqwest::Client::new(),
             logs,
         };
@@ -364,14 +371,20 @@ impl Gateway {
         self.child.as_ref().and_then(Child::id)
     }
 
-    /// Kills the gateway with SIGKILL, as a crash would: its containers stay.
-    pub async fn crash(mut self) -> Result<()> {
+    /// Kills the gateway with SIGKILL, as a crash would: its containers, runtime directory
+    /// and audit log stay, for [`Crashed::restart`] (or the guard's drop) to take over.
+    pub async fn crash(mut self) -> Result<Crashed> {
         let mut child = self
             .child
             .take()
             .ok_or_else(|| anyhow!("already stopped"))?;
         child.kill().await?;
-        Ok(())
+        self.crashed = true;
+        Ok(Crashed {
+            runtime_dir: self.runtime_dir.clone(),
+            audit_log: self.owns_audit_log.then(|| self.audit_log.clone()),
+            armed: true,
+        })
     }
 
     /// Stops the gateway with SIGTERM and waits for it (it removes its containers).
@@ -416,9 +429,85 @@ impl Drop for Gateway {
                 }
             }
         }
-        // Empty once the gateway removed its kernels; a crashed one's is kept for the next.
+        if self.crashed {
+            return;
+        }
+        // Empty once the gateway removed its kernels; else kept to look at.
         let _ = std::fs::remove_dir(&self.runtime_dir);
+        if self.owns_audit_log {
+            let _ = std::fs::remove_file(&self.audit_log);
+        }
     }
+}
+
+/// What a gateway killed by [`Gateway::crash`] left: its containers, its runtime directory
+/// (with the kernels' socket directories, mounted when it ran as root) and its audit log.
+/// [`Crashed::restart`] hands them to a new gateway on the same directory, as after a real
+/// crash; dropped without that, the guard removes them, so no test leaves work behind.
+#[derive(Debug)]
+#[must_use = "restart the gateway, or drop the guard to remove what the crashed one left"]
+pub struct Crashed {
+    runtime_dir: PathBuf,
+    audit_log: Option<PathBuf>,
+    armed: bool,
+}
+
+impl Crashed {
+    /// Starts a gateway on the crashed one's runtime directory, plus `extra` flags.
+    pub async fn restart(mut self, extra: &[&str]) -> Result<Gateway> {
+        self.armed = false;
+        let dir = self.runtime_dir.display().to_string();
+        let mut args = extra.to_vec();
+        if !args.contains(&"--runtime-dir") {
+            args.extend(["--runtime-dir", &dir]);
+        }
+        Gateway::start(&args).await
+    }
+}
+
+impl Drop for Crashed {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        remove_leftovers(&self.runtime_dir);
+        if let Some(log) = &self.audit_log {
+            let _ = std::fs::remove_file(log);
+        }
+    }
+}
+
+/// Removes what a gateway on `runtime_dir` created, as the gateway itself would at its
+/// shutdown: the containers labelled with the directory, the mounts below it, the
+/// directory.
+pub fn remove_leftovers(runtime_dir: &std::path::Path) {
+    let filter = format!("label=org.kernelgate.runtime_dir={}", runtime_dir.display());
+    let listed = std::process::Command::new("docker")
+        .args(["ps", "-aq", "--filter", &filter])
+        .output();
+    if let Ok(out) = listed {
+        let ids: Vec<String> = String::from_utf8_lossy(&out.stdout)
+            .split_whitespace()
+            .map(str::to_owned)
+            .collect();
+        if !ids.is_empty() {
+            let _ = std::process::Command::new("docker")
+                .args(["rm", "-f"])
+                .args(&ids)
+                .stdout(Stdio::null())
+                .status();
+        }
+    }
+    let below = format!("{}/", runtime_dir.display());
+    let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap_or_default();
+    for point in mounts
+        .lines()
+        .filter_map(|l| l.split_whitespace().nth(1))
+        .filter(|p| p.starts_with(&below))
+    {
+        let _ = std::process::Command::new("umount").arg(point).status();
+    }
+    let _ = std::fs::remove_dir_all(runtime_dir);
 }
 
 fn forward_logs(child: &mut Child, port: u16) -> Arc<Mutex<Vec<String>>> {

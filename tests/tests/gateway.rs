@@ -525,9 +525,9 @@ async fn restarted_gateway_readopts_its_kernels() -> Result<()> {
     let id = id_of(&gw.create_kernel().await?);
     let mut c = gw.channels(&id, "before").await?;
     c.execute("x = 41").await?;
-    gw.crash().await?;
+    let crashed = gw.crash().await?;
 
-    let gw = Gateway::start(&["--runtime-dir", &dir]).await?;
+    let gw = crashed.restart(&[]).await?;
     let (status, model) = gw.get_json(&format!("/api/kernels/{id}")).await?;
     assert_eq!(status, 200, "{model}");
     let mut c = gw.channels(&id, "after").await?;

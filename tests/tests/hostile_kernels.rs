@@ -226,10 +226,10 @@ print(sorted(os.listdir('/run/kernel')))
         .file_type()
         .is_symlink());
     assert!(std::os::unix::net::UnixStream::connect(&planted).is_err());
-    gw.crash().await?;
+    let crashed = gw.crash().await?;
 
     let started = std::time::Instant::now();
-    let gw = Gateway::start(&["--runtime-dir", &dir]).await?;
+    let gw = crashed.restart(&[]).await?;
     assert!(started.elapsed() < std::time::Duration::from_secs(20));
     let (status, kernels) = gw.get_json("/api/kernels").await?;
     assert_eq!(status, 200);

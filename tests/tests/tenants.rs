@@ -331,9 +331,11 @@ async fn owners_survive_a_restart_of_the_gateway() -> Result<()> {
     // The first from the warm pool (owner recorded at hand-out), the second started cold.
     let pooled = create(&gw, &t.alice).await?;
     let cold = create(&gw, &t.alice).await?;
-    gw.crash().await?;
+    let crashed = gw.crash().await?;
 
-    let gw = Gateway::start(&["--keys", &file, "--runtime-dir", &dir, "--pool-size", "0"]).await?;
+    let gw = crashed
+        .restart(&["--keys", &file, "--pool-size", "0"])
+        .await?;
     let (_, mine) = gw
         .call_as(&t.alice, Method::GET, "/api/kernels", None)
         .await?;
