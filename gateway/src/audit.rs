@@ -97,14 +97,7 @@ impl Audit {
     pub fn record(&self, event: &str, fields: Value) {
         let Some(inner) = &self.inner else { return };
         let mut record = Map::new();
-        record.insert(
-            "time".into(),
-            Value::String(
-                chrono::Utc::now()
-                    .format("%Y-%m-%dT%H:%M:%S%.6fZ")
-                    .to_string(),
-            ),
-        );
+        record.insert("time".into(), Value::String(crate::time::now_iso()));
         record.insert("event".into(), Value::String(event.to_owned()));
         if let Value::Object(fields) = fields {
             record.extend(fields);

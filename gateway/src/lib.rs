@@ -19,3 +19,4 @@ pub mod metrics;
 pub mod notebook;
 pub mod policy;
 pub mod tenants;
+pub mod time;

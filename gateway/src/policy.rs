@@ -169,9 +169,7 @@ impl Guard {
                     key: key.to_owned(),
                     code: code.to_owned(),
                     reason: reason.to_owned(),
-                    requested_at: chrono::Utc::now()
-                        .format("%Y-%m-%dT%H:%M:%S%.6fZ")
-                        .to_string(),
+                    requested_at: crate::time::now_iso(),
                 },
                 kernel: Arc::downgrade(&kernel),
                 timer: timer.clone(),

@@ -240,20 +240,9 @@ def gateway(artifacts: Path) -> Iterator[Gateway]:
     stop_gateway(gw)
 
 
-# The execution policy of `policy_gateway` (format: docs/policy.md).
-POLICY = """
-[[rule]]
-action = "deny"
-reason = "no subprocesses in analyses"
-imports = ["subprocess"]
-calls = ["os.system"]
-shell = true
-
-[[rule]]
-action = "ask"
-reason = "network access needs a person's OK"
-imports = ["socket"]
-"""
+# The execution policy of `policy_gateway` and the other suites that run with one: the one
+# the Rust tests and the bench use (format: docs/policy.md).
+POLICY = (REPO / "tests" / "fixtures" / "policy.toml").read_text()
 
 
 @pytest.fixture

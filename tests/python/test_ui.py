@@ -45,12 +45,22 @@ class Console(Screens):
         expect(editor).to_have_value("")  # the editor empties for the next cell
         return runs.nth(n)
 
-    def run(self, code: str, outcome: str = "ok") -> Locator:
-        """Runs `code` and waits for the kernel's reply (`ok` or `error`)."""
+    def run(self, code: str, outcome: str = "ok", ran: bool = True) -> Locator:
+        """Runs `code` and waits for the kernel's reply (`ok` or `error`); its prompt shows
+        an execution count, or `[ ]` for code that never ran (`ran=False`)."""
         run = self.start(code)
         expect(run).to_have_class(re.compile(rf"\bstatus-{outcome}\b"), timeout=CELL_TIMEOUT_MS)
-        expect(run.locator(".prompt-label")).to_have_text(re.compile(r"In \[\d+\]:"))
+        prompt = r"In \[\d+\]:" if ran else r"In \[ \]:"
+        expect(run.locator(".prompt-label")).to_have_text(re.compile(prompt))
         return run
+
+    def log_in_and_start_kernel(self, gateway) -> None:
+        """Opens the page, logs in with the token, starts a kernel and waits until it is idle."""
+        self.page.goto(gateway.url + "/")
+        self.page.locator("#token").fill(gateway.token)
+        self.page.locator("#connect").click()
+        self.page.locator("#new-kernel").click()
+        self.wait_status("idle")
 
 
 def test_ui_console(gateway, chromium, artifacts):
@@ -241,11 +251,7 @@ def test_ui_restart(gateway, chromium, artifacts):
     page = context.new_page()
     ui = Console(page, artifacts)
     try:
-        page.goto(gateway.url + "/")
-        page.locator("#token").fill(gateway.token)
-        page.locator("#connect").click()
-        page.locator("#new-kernel").click()
-        ui.wait_status("idle")
+        ui.log_in_and_start_kernel(gateway)
         kernel_id = gateway.kernels()[0]["id"]
         ui.run("x = 41")
         before = ui.run("print(x + 1)")
@@ -300,18 +306,14 @@ def test_ui_approvals(policy_gateway, chromium, artifacts):
     ui = Console(page, artifacts)
     panel = page.locator("#approvals")
     try:
-        page.goto(gateway.url + "/")
-        page.locator("#token").fill(gateway.token)
-        page.locator("#connect").click()
-        page.locator("#new-kernel").click()
-        ui.wait_status("idle")
+        ui.log_in_and_start_kernel(gateway)
         expect(panel).to_be_hidden()  # nothing waits
 
         # Denied outright: a failed run, nothing to approve.
-        denied = ui.run("import subprocess", outcome="error")
+        # It never ran: its prompt shows no execution count.
+        denied = ui.run("import subprocess", outcome="error", ran=False)
         expect(denied.locator(".error-output")).to_contain_text("PolicyViolation")
         expect(denied.locator(".error-output")).to_contain_text("no subprocesses in analyses")
-        expect(denied.locator(".prompt-label")).to_have_text("In [ ]:")
         expect(panel).to_be_hidden()
 
         # Held: the run waits and the panel lists it.

@@ -12,19 +12,8 @@ use serde_json::{json, Value};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-const POLICY: &str = r#"
-[[rule]]
-action = "deny"
-reason = "no subprocesses in analyses"
-imports = ["subprocess"]
-calls = ["os.system", "os.popen"]
-shell = true
-
-[[rule]]
-action = "ask"
-reason = "network access needs a person's OK"
-imports = ["socket"]
-"#;
+/// The tests' policy: subprocesses denied, sockets asked for.
+const POLICY: &str = include_str!("../fixtures/policy.toml");
 
 fn write_policy(dir: &Path, text: &str) -> Result<String> {
     let path = dir.join("policy.toml");

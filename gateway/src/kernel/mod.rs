@@ -39,14 +39,7 @@ pub enum KernelError {
     NotReady(Duration),
 }
 
-/// The time as Jupyter writes it: ISO 8601 with microseconds and `Z`.
-pub fn now_iso() -> String {
-    iso(Utc::now())
-}
-
-pub fn iso(t: DateTime<Utc>) -> String {
-    t.format("%Y-%m-%dT%H:%M:%S%.6fZ").to_string()
-}
+pub use crate::time::{iso, now_iso};
 
 #[derive(Debug)]
 struct State {

@@ -281,7 +281,7 @@ impl Channels {
 
     async fn send(&mut self, msg_type: &str, content: Value) -> Result<String, RunError> {
         let msg_id = uuid::Uuid::new_v4().to_string();
-        let date = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Micros, true);
+        let date = crate::time::now_iso();
         let frame = json!({
             "header": {
                 "msg_id": msg_id, "msg_type": msg_type, "session": self.session,

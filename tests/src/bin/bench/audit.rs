@@ -14,20 +14,9 @@ use std::time::Duration;
 /// The modes compared, in table order.
 pub const MODES: [&str; 4] = ["off", "write", "fsync", "policy"];
 
-/// The policy of the `policy` mode: docs/policy.md's example, none of it matching `1+1`.
-const POLICY: &str = r#"
-[[rule]]
-action = "deny"
-reason = "no subprocesses in analyses"
-imports = ["subprocess", "pty"]
-calls = ["os.system", "os.popen"]
-shell = true
-
-[[rule]]
-action = "ask"
-reason = "network access needs a person's OK"
-imports = ["socket", "urllib.request", "http.client", "requests"]
-"#;
+/// The policy of the `policy` mode: the tests' (docs/policy.md's example), none of it
+/// matching `1+1`.
+const POLICY: &str = include_str!("../../../fixtures/policy.toml");
 
 pub async fn compare(opts: &Opts, paths: &Paths, results: &mut Results) -> Result<()> {
     let long = Duration::from_secs(120);
