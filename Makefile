@@ -75,12 +75,18 @@ gvisor:
 FIXTURE_PYTHON := $(PY_VENV)/bin/python
 fixture-image: python-venv
 
-# Debian's Prometheus: the operability test has it scrape a live gateway on loopback.
+# Debian's Prometheus (the operability test has it scrape a live gateway on loopback) and
+# etcd-server (the cluster registry's tests run a member on loopback; its package does not
+# start one).
+TEST_TOOLS := prometheus:prometheus etcd:etcd-server
 test-tools:
-	@if ! command -v prometheus >/dev/null 2>&1; then \
-		echo 'installing Debian prometheus for the metrics test'; \
+	@missing=; for t in $(TEST_TOOLS); do \
+		command -v $${t%%:*} >/dev/null 2>&1 || missing="$$missing $${t#*:}"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+		echo "installing Debian$$missing for the tests"; \
 		if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
-		$$SUDO apt-get update && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y --no-install-recommends prometheus; \
+		$$SUDO apt-get update && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y --no-install-recommends $$missing; \
 	fi
 
 # The Python suite drives the debug binary too.

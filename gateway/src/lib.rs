@@ -10,6 +10,7 @@
 pub mod api;
 pub mod audit;
 pub mod backend;
+pub mod cluster;
 pub mod config;
 pub mod kernel;
 pub mod kernels;

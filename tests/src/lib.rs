@@ -2,6 +2,8 @@
 //! port, call its REST API, and speak the Jupyter WebSocket protocol to it. Every test
 //! talks to real Docker and a real ipykernel in the real image.
 
+pub mod etcd;
+
 use anyhow::{anyhow, bail, Context, Result};
 use futures::{SinkExt, StreamExt};
 use kernelgate_protocol::{Channel, Execution, Message, RawJson};

@@ -1,0 +1,402 @@
+//! [`Registry`] on etcd's v3 API through its JSON gateway (`POST /v3/...`): the HTTP
+//! client the workspace already has, no gRPC stack and no protoc at build time. Keys and
+//! values travel base64-encoded and 64-bit numbers as strings, as the gateway writes them.
+//! Checked against etcd 3.4 (Debian's `etcd-server`); the same paths serve 3.5 and later.
+//!
+//! Each call goes to the first endpoint that answers; the one that answered last is tried
+//! first next time. A watch is one long POST whose response streams one JSON object per
+//! line; it ends with the connection, and the caller resumes it from a revision.
+
+use super::registry::{
+    prefix_end, Entry, Event, Lease, Listing, Registry, RegistryError, Revision,
+};
+use base64::engine::general_purpose::STANDARD as B64;
+use base64::Engine;
+use futures::stream::BoxStream;
+use futures::StreamExt;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// How long one request may take before the endpoint counts as unreachable. Well under
+/// the shortest lease etcd grants (2 s), so a slow member cannot cost a node its lease.
+const REQUEST_TIMEOUT: Duration = Duration::from_millis(1500);
+
+/// etcd reached through its JSON gateway; clones share the connection pool.
+#[derive(Debug, Clone)]
+pub struct Etcd {
+    endpoints: Arc<Vec<String>>,
+    /// The endpoint that answered last.
+    preferred: Arc<AtomicUsize>,
+    /// Calls other than the watch get [`REQUEST_TIMEOUT`] each; the watch, whose response
+    /// streams for as long as it lives, only the connect timeout.
+    http: reqwest::Client,
+}
+
+impl Etcd {
+    /// `endpoints`: base URLs (`http://host:2379`). `http`: a client configured for etcd
+    /// (TLS roots, client certificate), or a default one.
+    pub fn new(
+        endpoints: Vec<String>,
+        http: reqwest::ClientBuilder,
+    ) -> Result<Etcd, RegistryError> {
+        if endpoints.is_empty() {
+            return Err(RegistryError::Refused("no etcd endpoint given".into()));
+        }
+        let endpoints = endpoints
+            .into_iter()
+            .map(|e| e.trim_end_matches('/').to_owned())
+            .collect();
+        let http = http
+            .connect_timeout(REQUEST_TIMEOUT)
+            .build()
+            .map_err(|e| RegistryError::Refused(format!("cannot set up the etcd client: {e}")))?;
+        Ok(Etcd {
+            endpoints: Arc::new(endpoints),
+            preferred: Arc::new(AtomicUsize::new(0)),
+            http,
+        })
+    }
+
+    /// POSTs `body` to `path` on the first endpoint that answers; the JSON reply.
+    async fn call(&self, path: &str, body: Value) -> Result<Value, RegistryError> {
+        let response = self.send(path, &body, Some(REQUEST_TIMEOUT)).await?;
+        let status = response.status();
+        let text = response.text().await.map_err(|e| unreachable(path, &e))?;
+        let value: Value = serde_json::from_str(&text).map_err(|_| {
+            RegistryError::Malformed(format!("{path} answered {status}: {text:.200}"))
+        })?;
+        if let Some(error) = value.get("error").and_then(Value::as_str) {
+            return Err(RegistryError::Refused(error.to_owned()));
+        }
+        if !status.is_success() {
+            return Err(RegistryError::Refused(format!("{path} answered {status}")));
+        }
+        Ok(value)
+    }
+
+    async fn send(
+        &self,
+        path: &str,
+        body: &Value,
+        timeout: Option<Duration>,
+    ) -> Result<reqwest::Response, RegistryError> {
+        let n = self.endpoints.len();
+        let first = self.preferred.load(Ordering::Relaxed) % n;
+        let mut last = None;
+        for i in (0..n).map(|i| (first + i) % n) {
+            let url = format!("{}{path}", self.endpoints[i]);
+            let mut request = self.http.post(&url).json(body);
+            if let Some(t) = timeout {
+                request = request.timeout(t);
+            }
+            match request.send().await {
+                Ok(response) => {
+                    self.preferred.store(i, Ordering::Relaxed);
+                    return Ok(response);
+                }
+                Err(e) => last = Some(unreachable(&self.endpoints[i], &e)),
+            }
+        }
+        Err(last.unwrap_or_else(|| RegistryError::Refused("no etcd endpoint".into())))
+    }
+}
+
+fn unreachable(endpoint: &str, e: &reqwest::Error) -> RegistryError {
+    RegistryError::Unreachable {
+        endpoint: endpoint.to_owned(),
+        reason: e.to_string(),
+    }
+}
+
+fn b64(bytes: &[u8]) -> String {
+    B64.encode(bytes)
+}
+
+/// A 64-bit number as the gateway writes it (a string), or absent (zero).
+fn int(value: &Value) -> i64 {
+    match value {
+        Value::String(s) => s.parse().unwrap_or(0),
+        Value::Number(n) => n.as_i64().unwrap_or(0),
+        _ => 0,
+    }
+}
+
+#[derive(Deserialize)]
+struct Kv {
+    #[serde(default)]
+    key: String,
+    #[serde(default)]
+    value: String,
+    #[serde(default)]
+    mod_revision: Value,
+}
+
+impl Kv {
+    fn entry(self) -> Result<Entry, RegistryError> {
+        let decode = |s: &str| {
+            B64.decode(s)
+                .map_err(|_| RegistryError::Malformed("a key or value that is not base64".into()))
+        };
+        let key = String::from_utf8(decode(&self.key)?)
+            .map_err(|_| RegistryError::Malformed("a key that is not UTF-8".into()))?;
+        Ok(Entry {
+            key,
+            value: decode(&self.value)?,
+            revision: int(&self.mod_revision),
+        })
+    }
+}
+
+impl Registry for Etcd {
+    async fn grant(&self, ttl: Duration) -> Result<Lease, RegistryError> {
+        let reply = self
+            .call("/v3/lease/grant", json!({"TTL": ttl.as_secs().max(1)}))
+            .await?;
+        match int(&reply["ID"]) {
+            0 => Err(RegistryError::Malformed(
+                "a lease grant without an ID".into(),
+            )),
+            id => Ok(Lease(id)),
+        }
+    }
+
+    async fn keep_alive(&self, lease: Lease) -> Result<bool, RegistryError> {
+        let reply = self
+            .call("/v3/lease/keepalive", json!({"ID": lease.0.to_string()}))
+            .await?;
+        // A lease that is gone comes back with no TTL (zero).
+        Ok(int(&reply["result"]["TTL"]) > 0)
+    }
+
+    async fn revoke(&self, lease: Lease) -> Result<(), RegistryError> {
+        match self
+            .call("/v3/lease/revoke", json!({"ID": lease.0.to_string()}))
+            .await
+        {
+            Err(RegistryError::Refused(e)) if e.contains("lease not found") => Ok(()),
+            other => other.map(|_| ()),
+        }
+    }
+
+    async fn put(&self, key: &str, value: &[u8], lease: Lease) -> Result<Revision, RegistryError> {
+        let reply = self
+            .call(
+                "/v3/kv/put",
+                json!({"key": b64(key.as_bytes()), "value": b64(value), "lease": lease.0.to_string()}),
+            )
+            .await?;
+        Ok(int(&reply["header"]["revision"]))
+    }
+
+    async fn create(&self, key: &str, value: &[u8], lease: Lease) -> Result<bool, RegistryError> {
+        let key = b64(key.as_bytes());
+        let reply = self
+            .call(
+                "/v3/kv/txn",
+                json!({
+                    "compare": [{"key": key, "target": "CREATE", "result": "EQUAL", "create_revision": "0"}],
+                    "success": [{"request_put": {"key": key, "value": b64(value), "lease": lease.0.to_string()}}],
+                }),
+            )
+            .await?;
+        Ok(reply["succeeded"].as_bool() == Some(true))
+    }
+
+    async fn delete_if(&self, key: &str, expected: &[u8]) -> Result<bool, RegistryError> {
+        let key = b64(key.as_bytes());
+        let reply = self
+            .call(
+                "/v3/kv/txn",
+                json!({
+                    "compare": [{"key": key, "target": "VALUE", "result": "EQUAL", "value": b64(expected)}],
+                    "success": [{"request_delete_range": {"key": key}}],
+                }),
+            )
+            .await?;
+        Ok(reply["succeeded"].as_bool() == Some(true))
+    }
+
+    async fn list(&self, prefix: &str) -> Result<Listing, RegistryError> {
+        #[derive(Deserialize)]
+        struct Range {
+            #[serde(default)]
+            kvs: Vec<Kv>,
+        }
+        let reply = self
+            .call(
+                "/v3/kv/range",
+                json!({"key": b64(prefix.as_bytes()), "range_end": b64(&prefix_end(prefix))}),
+            )
+            .await?;
+        let revision = int(&reply["header"]["revision"]);
+        let range: Range = serde_json::from_value(reply)
+            .map_err(|e| RegistryError::Malformed(format!("a range answer: {e}")))?;
+        let mut entries = range
+            .kvs
+            .into_iter()
+            .map(Kv::entry)
+            .collect::<Result<Vec<_>, _>>()?;
+        entries.sort_by(|a, b| a.key.cmp(&b.key));
+        Ok(Listing { entries, revision })
+    }
+
+    async fn watch(
+        &self,
+        prefix: &str,
+        from: Revision,
+    ) -> Result<BoxStream<'static, Result<Vec<Event>, RegistryError>>, RegistryError> {
+        let body = json!({"create_request": {
+            "key": b64(prefix.as_bytes()), "range_end": b64(&prefix_end(prefix)),
+            "start_revision": from.to_string(),
+        }});
+        let response = self.send("/v3/watch", &body, None).await?;
+        if !response.status().is_success() {
+            return Err(RegistryError::Refused(format!(
+                "/v3/watch answered {}",
+                response.status()
+            )));
+        }
+        let lines = lines(response.bytes_stream());
+        Ok(lines
+            .filter_map(move |line| async move {
+                let line = match line {
+                    Ok(l) => l,
+                    Err(e) => return Some(Err(e)),
+                };
+                watch_batch(&line, from).transpose()
+            })
+            .boxed())
+    }
+}
+
+/// One line of a watch's response as events: `None` for lines without any (the
+/// confirmation that the watch was created, progress notices).
+fn watch_batch(line: &[u8], from: Revision) -> Result<Option<Vec<Event>>, RegistryError> {
+    #[derive(Deserialize)]
+    struct WatchEvent {
+        #[serde(default, rename = "type")]
+        kind: String,
+        kv: Kv,
+    }
+    let value: Value = serde_json::from_slice(line)
+        .map_err(|_| RegistryError::Malformed("a watch line that is not JSON".into()))?;
+    if let Some(error) = value.get("error") {
+        return Err(RegistryError::Refused(error.to_string()));
+    }
+    let result = &value["result"];
+    let compacted = int(&result["compact_revision"]);
+    if compacted > 0 {
+        return Err(RegistryError::Compacted {
+            requested: from,
+            compacted,
+        });
+    }
+    if result["canceled"].as_bool() == Some(true) {
+        return Err(RegistryError::Refused(format!(
+            "etcd cancelled the watch: {}",
+            result["cancel_reason"]
+        )));
+    }
+    let Some(events) = result.get("events") else {
+        return Ok(None);
+    };
+    let events: Vec<WatchEvent> = serde_json::from_value(events.clone())
+        .map_err(|e| RegistryError::Malformed(format!("watch events: {e}")))?;
+    let events = events
+        .into_iter()
+        .map(|e| {
+            let delete = e.kind == "DELETE";
+            let entry = e.kv.entry()?;
+            Ok(if delete {
+                Event::Delete {
+                    key: entry.key,
+                    revision: entry.revision,
+                }
+            } else {
+                Event::Put(entry)
+            })
+        })
+        .collect::<Result<Vec<_>, RegistryError>>()?;
+    Ok(Some(events))
+}
+
+/// The newline-separated lines of a byte stream.
+fn lines(
+    body: impl futures::Stream<Item = reqwest::Result<bytes::Bytes>> + Send + 'static,
+) -> impl futures::Stream<Item = Result<Vec<u8>, RegistryError>> + Send + 'static {
+    futures::stream::unfold(
+        (Box::pin(body), Vec::<u8>::new(), false),
+        |(mut body, mut pending, done)| async move {
+            loop {
+                if let Some(at) = pending.iter().position(|b| *b == b'\n') {
+                    let line: Vec<u8> = pending.drain(..=at).collect();
+                    return Some((Ok(line), (body, pending, done)));
+                }
+                if done {
+                    return None;
+                }
+                match body.next().await {
+                    Some(Ok(chunk)) => pending.extend_from_slice(&chunk),
+                    Some(Err(e)) => {
+                        return Some((
+                            Err(RegistryError::Unreachable {
+                                endpoint: "watch".into(),
+                                reason: e.to_string(),
+                            }),
+                            (body, Vec::new(), true),
+                        ))
+                    }
+                    None => {
+                        let rest = std::mem::take(&mut pending);
+                        let done_state = (body, Vec::new(), true);
+                        if rest.iter().all(u8::is_ascii_whitespace) {
+                            return None;
+                        }
+                        return Some((Ok(rest), done_state));
+                    }
+                }
+            }
+        },
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn watch_lines_become_events_and_compaction_is_an_error() {
+        let created = br#"{"result":{"header":{"revision":"2"},"created":true}}"#;
+        assert_eq!(watch_batch(created, 1).expect("ok"), None);
+        let put = br#"{"result":{"header":{"revision":"2"},"events":[{"kv":{"key":"L2EvYg==","create_revision":"2","mod_revision":"2","version":"1","value":"eA=="}}]}}"#;
+        let events = watch_batch(put, 1).expect("ok").expect("events");
+        assert_eq!(
+            events,
+            vec![Event::Put(Entry {
+                key: "/a/b".into(),
+                value: b"x".to_vec(),
+                revision: 2
+            })]
+        );
+        let delete = br#"{"result":{"events":[{"type":"DELETE","kv":{"key":"L2EvYg==","mod_revision":"3"}}]}}"#;
+        assert_eq!(
+            watch_batch(delete, 1).expect("ok"),
+            Some(vec![Event::Delete {
+                key: "/a/b".into(),
+                revision: 3
+            }])
+        );
+        let compacted = br#"{"result":{"canceled":true,"compact_revision":"3"}}"#;
+        assert!(matches!(
+            watch_batch(compacted, 1),
+            Err(RegistryError::Compacted {
+                requested: 1,
+                compacted: 3
+            })
+        ));
+        assert!(watch_batch(b"not json", 1).is_err());
+    }
+}

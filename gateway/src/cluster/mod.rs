@@ -1,0 +1,110 @@
+//! Cluster mode's shared state: the registry in etcd where every gateway node records
+//! itself and the kernels it owns, under leases that vanish with a node that stops
+//! renewing them. Single-node mode (no `--etcd`) never touches any of this.
+//!
+//! Key layout (versioned, so that a later layout can live beside this one):
+//!
+//! | key | value | lease |
+//! |---|---|---|
+//! | `/kernelgate/v1/nodes/<node id>` | [`NodeRecord`] | the node's |
+//! | `/kernelgate/v1/kernels/<kernel id>` | [`KernelRecord`] | its owner's |
+//!
+//! A kernel's key is claimed with a create-if-absent transaction and removed only by a
+//! transaction that compares the whole record, so that no kernel ever has two owners and no
+//! node removes a record another node holds.
+
+pub mod etcd;
+pub mod memory;
+pub mod registry;
+
+pub use registry::{Entry, Event, Lease, Listing, Registry, RegistryError, Revision};
+
+use serde::{Deserialize, Serialize};
+
+/// Where every key of this layout starts.
+pub const PREFIX: &str = "/kernelgate/v1/";
+
+/// The key of node `id`'s record.
+pub fn node_key(id: &str) -> String {
+    format!("{PREFIX}nodes/{id}")
+}
+
+/// The key of kernel `id`'s record.
+pub fn kernel_key(id: &str) -> String {
+    format!("{PREFIX}kernels/{id}")
+}
+
+/// What a key of this layout names.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Key<'a> {
+    Node(&'a str),
+    Kernel(&'a str),
+}
+
+impl<'a> Key<'a> {
+    /// `None` for keys outside the layout (another version's, or garbage).
+    pub fn parse(key: &'a str) -> Option<Key<'a>> {
+        let rest = key.strip_prefix(PREFIX)?;
+        let (kind, id) = rest.split_once('/')?;
+        if id.is_empty() || id.contains('/') {
+            return None;
+        }
+        match kind {
+            "nodes" => Some(Key::Node(id)),
+            "kernels" => Some(Key::Kernel(id)),
+            _ => None,
+        }
+    }
+}
+
+/// A gateway node, as the others see it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeRecord {
+    /// How other nodes reach it (`--advertise`).
+    pub address: String,
+    /// A new random value each time the node starts: tells a restarted node from the old one.
+    pub incarnation: String,
+    /// Kernels it may run (`--max-kernels`).
+    pub capacity: u32,
+    /// Kernels it runs now.
+    pub load: u32,
+    /// Its Kernelgate version.
+    pub version: String,
+    /// Kernel specs it can start.
+    #[serde(default)]
+    pub specs: Vec<String>,
+}
+
+/// A kernel, as the registry knows it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KernelRecord {
+    /// The node id of its owner.
+    pub node: String,
+    /// The owner's incarnation when it claimed the kernel.
+    pub incarnation: String,
+    /// The key (tenant) that owns it.
+    pub tenant: String,
+    pub spec: String,
+    /// When it was created, as Jupyter writes times.
+    pub created: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_round_trip_and_garbage_is_ignored() {
+        assert_eq!(Key::parse(&node_key("n1")), Some(Key::Node("n1")));
+        assert_eq!(Key::parse(&kernel_key("k-1")), Some(Key::Kernel("k-1")));
+        for garbage in [
+            "/kernelgate/v2/nodes/n1",
+            "/kernelgate/v1/nodes/",
+            "/kernelgate/v1/nodes/a/b",
+            "/kernelgate/v1/other/x",
+            "nodes/n1",
+        ] {
+            assert_eq!(Key::parse(garbage), None, "{garbage}");
+        }
+    }
+}

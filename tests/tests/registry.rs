@@ -1,0 +1,109 @@
+//! The cluster registry on a real etcd (Debian's etcd-server, on loopback): what cluster
+//! mode relies on, as etcd really does it. Leases expire with their keys, a kernel can be
+//! claimed once, a record is removed only by whoever holds its exact value, a watch resumes
+//! from a revision and reports compaction, and an outage is an error the caller can tell.
+
+use anyhow::Result;
+use futures::StreamExt;
+use kernelgate::cluster::etcd::Etcd;
+use kernelgate::cluster::{kernel_key, Event, Registry, RegistryError};
+use kernelgate_tests::etcd::EtcdServer;
+use std::time::{Duration, Instant};
+
+fn client(server: &EtcdServer) -> Result<Etcd> {
+    Ok(Etcd::new(vec![server.url()], reqwest::Client::builder())?)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kernel_has_one_owner_and_its_record_goes_with_the_owners_lease() -> Result<()> {
+    let server = EtcdServer::start().await?;
+    let etcd = client(&server)?;
+    let a = etcd.grant(Duration::from_secs(2)).await?;
+    let b = etcd.grant(Duration::from_secs(30)).await?;
+    let key = kernel_key("k1");
+    assert!(etcd.create(&key, b"node-a", a).await?);
+    assert!(!etcd.create(&key, b"node-b", b).await?, "a second owner");
+    assert!(!etcd.delete_if(&key, b"node-b").await?, "not b's to remove");
+    let listing = etcd.list("/kernelgate/v1/").await?;
+    assert_eq!(listing.entries.len(), 1);
+    assert_eq!(listing.entries[0].value, b"node-a");
+
+    // a stops renewing: its record vanishes within etcd's lease granularity.
+    let stopped = Instant::now();
+    while !etcd.list("/kernelgate/v1/").await?.entries.is_empty() {
+        assert!(
+            stopped.elapsed() < Duration::from_secs(8),
+            "the record outlived its lease"
+        );
+        assert!(etcd.keep_alive(b).await?, "b renews its own lease");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(!etcd.keep_alive(a).await?, "the lapsed lease is gone");
+    assert!(etcd.create(&key, b"node-b", b).await?, "b may claim it now");
+    etcd.revoke(b).await?;
+    assert!(etcd.list("/kernelgate/v1/").await?.entries.is_empty());
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watch_resumes_from_a_revision_and_says_when_history_is_compacted() -> Result<()> {
+    let server = EtcdServer::start().await?;
+    let etcd = client(&server)?;
+    let lease = etcd.grant(Duration::from_secs(30)).await?;
+    let first = etcd.put(&kernel_key("a"), b"1", lease).await?;
+    etcd.put("/elsewhere", b"x", lease).await?;
+    etcd.put(&kernel_key("b"), b"2", lease).await?;
+    let mut watch = etcd.watch("/kernelgate/v1/", first + 1).await?;
+    let batch = tokio::time::timeout(Duration::from_secs(5), watch.next())
+        .await?
+        .expect("a batch")?;
+    assert!(
+        matches!(&batch[..], [Event::Put(e)] if e.key == kernel_key("b")),
+        "{batch:?}"
+    );
+    assert!(etcd.delete_if(&kernel_key("a"), b"1").await?);
+    let batch = tokio::time::timeout(Duration::from_secs(5), watch.next())
+        .await?
+        .expect("a batch")?;
+    assert!(
+        matches!(&batch[..], [Event::Delete { key, .. }] if *key == kernel_key("a")),
+        "{batch:?}"
+    );
+
+    // Compact past `first`: a watch from there cannot be served; the caller lists again.
+    let now = etcd.list("/").await?.revision;
+    reqwest::Client::new()
+        .post(format!("{}/v3/kv/compaction", server.url()))
+        .json(&serde_json::json!({"revision": now.to_string()}))
+        .send()
+        .await?
+        .error_for_status()?;
+    let mut stale = etcd.watch("/kernelgate/v1/", first).await?;
+    let answer = tokio::time::timeout(Duration::from_secs(5), stale.next())
+        .await?
+        .expect("an answer");
+    assert!(
+        matches!(answer, Err(RegistryError::Compacted { .. })),
+        "{answer:?}"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outage_is_unreachable_and_leases_come_back_with_etcd() -> Result<()> {
+    let mut server = EtcdServer::start().await?;
+    let etcd = client(&server)?;
+    let lease = etcd.grant(Duration::from_secs(10)).await?;
+    etcd.put(&kernel_key("k"), b"n", lease).await?;
+    server.kill()?;
+    let answer = etcd.keep_alive(lease).await;
+    assert!(
+        matches!(answer, Err(RegistryError::Unreachable { .. })),
+        "{answer:?}"
+    );
+    server.resume().await?;
+    // etcd restores leases at their full TTL after a restart.
+    assert!(etcd.keep_alive(lease).await?);
+    assert_eq!(etcd.list("/kernelgate/v1/").await?.entries.len(), 1);
+    Ok(())
+}
