@@ -3,6 +3,7 @@
 //! talks to real Docker and a real ipykernel in the real image.
 
 pub mod etcd;
+pub mod netns;
 
 use anyhow::{anyhow, bail, Context, Result};
 use futures::{SinkExt, StreamExt};
