@@ -107,3 +107,73 @@ async fn an_outage_is_unreachable_and_leases_come_back_with_etcd() -> Result<()>
     assert_eq!(etcd.list("/kernelgate/v1/").await?.entries.len(), 1);
     Ok(())
 }
+
+/// Two nodes' memberships on a real etcd with a 3 s lease: each sees the other's kernel,
+/// and when one stops renewing (as a node killed with SIGKILL does), the other's view loses
+/// its kernel within the TTL plus etcd's lease granularity.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_that_stops_renewing_loses_its_kernels_in_the_others_view() -> Result<()> {
+    use kernelgate::cluster::membership::Membership;
+    use kernelgate::cluster::{KernelRecord, NodeRecord};
+    use tokio_util::sync::CancellationToken;
+
+    let server = EtcdServer::start().await?;
+    let ttl = Duration::from_secs(3);
+    let record = |address: &str| NodeRecord {
+        address: address.into(),
+        incarnation: uuid::Uuid::new_v4().to_string(),
+        capacity: 2,
+        load: 0,
+        version: "test".into(),
+        specs: vec!["python3".into()],
+    };
+    let a = Membership::new(client(&server)?, "a", record("http://198.18.0.1:8888"), ttl);
+    let b = Membership::new(client(&server)?, "b", record("http://198.18.0.2:8888"), ttl);
+    let a_stops = CancellationToken::new();
+    let b_stops = CancellationToken::new();
+    let a_keep = tokio::spawn(a.clone().keep(a_stops.clone(), |_| {}));
+    tokio::spawn(b.clone().keep(b_stops.clone(), |_| {}));
+    tokio::spawn(b.clone().follow(b_stops.clone()));
+    let started = Instant::now();
+    while !(a.registered() && b.registered()) {
+        assert!(started.elapsed() < Duration::from_secs(5), "registration");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let kernel = KernelRecord {
+        node: "a".into(),
+        incarnation: "i".into(),
+        tenant: "admin".into(),
+        spec: "python3".into(),
+        created: "2026-01-01T00:00:00.000000Z".into(),
+    };
+    a.claim("k1", &kernel).await?;
+    let seen = Instant::now();
+    while !b.view().kernels.contains_key("k1") {
+        assert!(
+            seen.elapsed() < Duration::from_secs(1),
+            "b sees k1 within 1 s"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(b.view().kernels["k1"].node, "a");
+
+    // a stops renewing, as a killed node does.
+    a_stops.cancel();
+    a_keep.await?;
+    let stopped = Instant::now();
+    while b.view().kernels.contains_key("k1") {
+        assert!(
+            stopped.elapsed() < ttl + Duration::from_secs(2),
+            "b still sees a's kernel {:?} after a stopped",
+            stopped.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    println!(
+        "a's kernel left b's view {:?} after a stopped renewing (TTL {ttl:?})",
+        stopped.elapsed()
+    );
+    assert!(!b.view().nodes.contains_key("a"));
+    b_stops.cancel();
+    Ok(())
+}

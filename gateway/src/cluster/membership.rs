@@ -1,0 +1,460 @@
+//! One node's place in the cluster: its lease and the records under it, kept alive and
+//! re-registered when lost, and the node's view of everyone's records, kept current by a
+//! watch that resumes from its revision and lists again when etcd has compacted it.
+//!
+//! The lease: renewed every TTL/3. A renewal that finds the lease gone (it expired during a
+//! partition or an etcd outage longer than the TTL), or no successful renewal for a whole
+//! TTL, makes the node *cut off*: it must assume its records are gone and that other nodes
+//! think its kernels are gone, so it refuses forwarded work and creates until it holds a
+//! new lease with every record registered again. A kernel record is claimed with
+//! create-if-absent, so re-registering never takes a kernel another node claimed meanwhile.
+
+use super::registry::{Event, Lease, Registry, RegistryError, Revision};
+use super::{kernel_key, node_key, KernelRecord, Key, NodeRecord, PREFIX};
+use futures::StreamExt;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+/// Everyone's records, as this node last saw them.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct View {
+    pub nodes: HashMap<String, NodeRecord>,
+    pub kernels: HashMap<String, KernelRecord>,
+    /// The registry revision this view reflects.
+    pub revision: Revision,
+}
+
+impl View {
+    fn apply(&mut self, event: &Event) {
+        match event {
+            Event::Put(entry) => match Key::parse(&entry.key) {
+                Some(Key::Node(id)) => {
+                    if let Ok(r) = serde_json::from_slice(&entry.value) {
+                        self.nodes.insert(id.to_owned(), r);
+                    }
+                }
+                Some(Key::Kernel(id)) => {
+                    if let Ok(r) = serde_json::from_slice(&entry.value) {
+                        self.kernels.insert(id.to_owned(), r);
+                    }
+                }
+                None => {}
+            },
+            Event::Delete { key, .. } => match Key::parse(key) {
+                Some(Key::Node(id)) => {
+                    self.nodes.remove(id);
+                }
+                Some(Key::Kernel(id)) => {
+                    self.kernels.remove(id);
+                }
+                None => {}
+            },
+        }
+        self.revision = self.revision.max(event.revision());
+    }
+}
+
+/// Why a kernel could not be claimed.
+#[derive(Debug, thiserror::Error)]
+pub enum ClaimError {
+    #[error("kernel {0} is already registered to another node")]
+    Taken(String),
+    /// This node holds no lease right now (cut off from the registry).
+    #[error("this node is cut off from the cluster registry; try again shortly")]
+    CutOff,
+    #[error(transparent)]
+    Registry(#[from] RegistryError),
+}
+
+#[derive(Debug)]
+struct Own {
+    lease: Option<Lease>,
+    /// When the lease was last known alive.
+    renewed: Option<Instant>,
+    node: NodeRecord,
+    /// This node's kernel records, serialized once: removal compares these exact bytes.
+    kernels: HashMap<String, Vec<u8>>,
+    /// Times the lease was found lost and the records registered again.
+    reregistrations: u64,
+}
+
+/// A node's membership: see the module's documentation.
+#[derive(Debug)]
+pub struct Membership<R> {
+    registry: R,
+    node_id: String,
+    ttl: Duration,
+    own: Mutex<Own>,
+    view: Mutex<View>,
+}
+
+impl<R: Registry + Clone> Membership<R> {
+    pub fn new(registry: R, node_id: &str, node: NodeRecord, ttl: Duration) -> Arc<Self> {
+        Arc::new(Membership {
+            registry,
+            node_id: node_id.to_owned(),
+            ttl,
+            own: Mutex::new(Own {
+                lease: None,
+                renewed: None,
+                node,
+                kernels: HashMap::new(),
+                reregistrations: 0,
+            }),
+            view: Mutex::new(View::default()),
+        })
+    }
+
+    fn own(&self) -> std::sync::MutexGuard<'_, Own> {
+        self.own.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A copy of the current view.
+    pub fn view(&self) -> View {
+        self.view.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Whether this node holds a lease renewed within the TTL, with its records registered.
+    pub fn registered(&self) -> bool {
+        let own = self.own();
+        own.lease.is_some() && own.renewed.is_some_and(|t| t.elapsed() < self.ttl)
+    }
+
+    /// How often the lease was lost and everything registered again.
+    pub fn reregistrations(&self) -> u64 {
+        self.own().reregistrations
+    }
+
+    /// Registers kernel `id` as this node's. Fails if another node holds it or this node is
+    /// cut off; the record is kept (and registered again after a lost lease) until
+    /// [`Membership::release`].
+    pub async fn claim(&self, id: &str, record: &KernelRecord) -> Result<(), ClaimError> {
+        let bytes = serde_json::to_vec(record).map_err(|e| {
+            ClaimError::Registry(RegistryError::Malformed(format!("a kernel record: {e}")))
+        })?;
+        let lease = self.own().lease.ok_or(ClaimError::CutOff)?;
+        if !self.registry.create(&kernel_key(id), &bytes, lease).await? {
+            return Err(ClaimError::Taken(id.to_owned()));
+        }
+        self.own().kernels.insert(id.to_owned(), bytes);
+        Ok(())
+    }
+
+    /// Keeps kernel `id`'s record without registering it now (re-adoption at start: the
+    /// lease loop registers it with the rest).
+    pub fn adopt(&self, id: &str, record: &KernelRecord) {
+        if let Ok(bytes) = serde_json::to_vec(record) {
+            self.own().kernels.insert(id.to_owned(), bytes);
+        }
+    }
+
+    /// Removes kernel `id`'s record, if it is still this node's.
+    pub async fn release(&self, id: &str) -> Result<(), RegistryError> {
+        let Some(bytes) = self.own().kernels.remove(id) else {
+            return Ok(());
+        };
+        self.registry.delete_if(&kernel_key(id), &bytes).await?;
+        Ok(())
+    }
+
+    /// Updates this node's own record (its load, say) in the registry.
+    pub async fn update_node(
+        &self,
+        update: impl FnOnce(&mut NodeRecord),
+    ) -> Result<(), RegistryError> {
+        let (lease, bytes) = {
+            let mut own = self.own();
+            update(&mut own.node);
+            (own.lease, serde_json::to_vec(&own.node).unwrap_or_default())
+        };
+        if let Some(lease) = lease {
+            self.registry
+                .put(&node_key(&self.node_id), &bytes, lease)
+                .await?;
+        }
+        Ok(())
+    }
+
+    /// Gets a lease and registers the node and its kernels under it. A kernel another node
+    /// claimed meanwhile stays that node's: it is dropped from this node's records and
+    /// returned, for the caller to deal with.
+    async fn register(&self) -> Result<Vec<String>, RegistryError> {
+        let lease = self.registry.grant(self.ttl).await?;
+        let (node, kernels) = {
+            let own = self.own();
+            (
+                serde_json::to_vec(&own.node).unwrap_or_default(),
+                own.kernels.clone(),
+            )
+        };
+        self.registry
+            .put(&node_key(&self.node_id), &node, lease)
+            .await?;
+        let mut lost = Vec::new();
+        for (id, bytes) in &kernels {
+            if !self.registry.create(&kernel_key(id), bytes, lease).await? {
+                lost.push(id.clone());
+            }
+        }
+        let mut own = self.own();
+        for id in &lost {
+            own.kernels.remove(id);
+        }
+        own.lease = Some(lease);
+        own.renewed = Some(Instant::now());
+        Ok(lost)
+    }
+
+    /// The lease loop, until `cancel`: registers, renews every TTL/3, registers again when
+    /// the lease is lost. `on_lost` hears of kernels another node claimed while this one was
+    /// cut off. Does not revoke the lease when cancelled (a stopping node's kernels stay
+    /// registered until it returns or its lease runs out).
+    pub async fn keep(
+        self: Arc<Self>,
+        cancel: CancellationToken,
+        on_lost: impl Fn(Vec<String>) + Send,
+    ) {
+        let period = self.ttl / 3;
+        let mut first = true;
+        loop {
+            if !first {
+                tokio::select! {
+                    _ = cancel.cancelled() => return,
+                    _ = tokio::time::sleep(period) => {}
+                }
+            }
+            first = false;
+            let lease = self.own().lease;
+            match lease {
+                None => match self.register().await {
+                    Ok(lost) => {
+                        tracing::info!(node = %self.node_id, "registered in the cluster registry");
+                        if !lost.is_empty() {
+                            tracing::warn!(kernels = ?lost, "kernels claimed by another node while this one was cut off");
+                            on_lost(lost);
+                        }
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "cannot register in the cluster registry; retrying")
+                    }
+                },
+                Some(lease) => match self.registry.keep_alive(lease).await {
+                    Ok(true) => self.own().renewed = Some(Instant::now()),
+                    Ok(false) => {
+                        tracing::warn!(node = %self.node_id, "cluster lease lost; registering again");
+                        let mut own = self.own();
+                        own.lease = None;
+                        own.reregistrations += 1;
+                        drop(own);
+                        first = true;
+                    }
+                    Err(e) => {
+                        let stale = self.own().renewed.is_none_or(|t| t.elapsed() >= self.ttl);
+                        tracing::warn!(error = %e, stale, "cannot renew the cluster lease");
+                        if stale {
+                            let mut own = self.own();
+                            own.lease = None;
+                            own.reregistrations += 1;
+                        }
+                    }
+                },
+            }
+        }
+    }
+
+    /// The watch loop, until `cancel`: lists, then follows changes from the listing's
+    /// revision; resumes after a lost connection, lists again after compaction.
+    pub async fn follow(self: Arc<Self>, cancel: CancellationToken) {
+        let mut from: Option<Revision> = None;
+        let retry = Duration::from_millis(500);
+        loop {
+            if cancel.is_cancelled() {
+                return;
+            }
+            let start = match from {
+                Some(r) => r,
+                None => match self.registry.list(PREFIX).await {
+                    Ok(listing) => {
+                        let mut view = View {
+                            revision: listing.revision,
+                            ..View::default()
+                        };
+                        for entry in listing.entries {
+                            view.apply(&Event::Put(entry));
+                        }
+                        view.revision = listing.revision;
+                        *self.view.lock().unwrap_or_else(|e| e.into_inner()) = view;
+                        listing.revision + 1
+                    }
+                    Err(e) => {
+                        tracing::debug!(error = %e, "cannot list the cluster registry; retrying");
+                        tokio::select! {
+                            _ = cancel.cancelled() => return,
+                            _ = tokio::time::sleep(retry) => continue,
+                        }
+                    }
+                },
+            };
+            from = Some(start);
+            let mut stream = match self.registry.watch(PREFIX, start).await {
+                Ok(s) => s,
+                Err(RegistryError::Compacted { .. }) => {
+                    from = None;
+                    continue;
+                }
+                Err(e) => {
+                    tracing::debug!(error = %e, "cannot watch the cluster registry; retrying");
+                    tokio::select! {
+                        _ = cancel.cancelled() => return,
+                        _ = tokio::time::sleep(retry) => continue,
+                    }
+                }
+            };
+            loop {
+                let next = tokio::select! {
+                    _ = cancel.cancelled() => return,
+                    n = stream.next() => n,
+                };
+                match next {
+                    Some(Ok(events)) => {
+                        let mut view = self.view.lock().unwrap_or_else(|e| e.into_inner());
+                        for event in &events {
+                            view.apply(event);
+                        }
+                        from = Some(view.revision + 1);
+                    }
+                    Some(Err(RegistryError::Compacted { .. })) => {
+                        from = None;
+                        break;
+                    }
+                    Some(Err(e)) => {
+                        tracing::debug!(error = %e, "cluster watch lost; resuming");
+                        break;
+                    }
+                    None => break,
+                }
+            }
+            tokio::select! {
+                _ = cancel.cancelled() => return,
+                _ = tokio::time::sleep(retry) => {}
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cluster::memory::Memory;
+
+    fn node(address: &str) -> NodeRecord {
+        NodeRecord {
+            address: address.into(),
+            incarnation: "i1".into(),
+            capacity: 2,
+            load: 0,
+            version: "0".into(),
+            specs: vec!["python3".into()],
+        }
+    }
+
+    fn kernel(node: &str) -> KernelRecord {
+        KernelRecord {
+            node: node.into(),
+            incarnation: "i1".into(),
+            tenant: "admin".into(),
+            spec: "python3".into(),
+            created: "2026-01-01T00:00:00.000000Z".into(),
+        }
+    }
+
+    async fn settle() {
+        for _ in 0..50 {
+            tokio::task::yield_now().await;
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn nodes_see_each_other_and_a_kernel_has_one_owner() {
+        let store = Memory::new();
+        let cancel = CancellationToken::new();
+        let ttl = Duration::from_secs(3);
+        let a = Membership::new(store.clone(), "a", node("http://a"), ttl);
+        let b = Membership::new(store.clone(), "b", node("http://b"), ttl);
+        for m in [&a, &b] {
+            tokio::spawn(m.clone().keep(cancel.clone(), |_| {}));
+            tokio::spawn(m.clone().follow(cancel.clone()));
+        }
+        settle().await;
+        assert!(a.registered() && b.registered());
+        a.claim("k1", &kernel("a")).await.expect("a claims k1");
+        assert!(matches!(
+            b.claim("k1", &kernel("b")).await,
+            Err(ClaimError::Taken(_))
+        ));
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        let view = b.view();
+        assert_eq!(view.nodes.len(), 2);
+        assert_eq!(view.kernels["k1"].node, "a");
+        a.release("k1").await.expect("release");
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        assert!(b.view().kernels.is_empty());
+        cancel.cancel();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_outage_longer_than_the_ttl_cuts_the_node_off_until_it_registers_again() {
+        let store = Memory::new();
+        let cancel = CancellationToken::new();
+        let ttl = Duration::from_secs(3);
+        let a = Membership::new(store.clone(), "a", node("http://a"), ttl);
+        tokio::spawn(a.clone().keep(cancel.clone(), |_| {}));
+        settle().await;
+        a.claim("k1", &kernel("a")).await.expect("claim");
+        store.set_down(true);
+        tokio::time::sleep(Duration::from_secs(4)).await;
+        assert!(!a.registered(), "no renewal for a whole TTL: cut off");
+        assert!(matches!(
+            a.claim("k2", &kernel("a")).await,
+            Err(ClaimError::CutOff) | Err(ClaimError::Registry(_))
+        ));
+        // Meanwhile etcd expired the lease: the records are gone from the store.
+        store.set_down(false);
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        assert!(a.registered(), "registered again");
+        assert!(a.reregistrations() >= 1);
+        let listing = store.list(PREFIX).await.expect("list");
+        let keys: Vec<&str> = listing.entries.iter().map(|e| e.key.as_str()).collect();
+        assert_eq!(keys, vec![kernel_key("k1"), node_key("a")], "{keys:?}");
+        cancel.cancel();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_kernel_claimed_by_another_node_meanwhile_stays_theirs() {
+        let store = Memory::new();
+        let cancel = CancellationToken::new();
+        let ttl = Duration::from_secs(3);
+        let a = Membership::new(store.clone(), "a", node("http://a"), ttl);
+        // a's record of k1 is adopted, but b registered k1 first.
+        a.adopt("k1", &kernel("a"));
+        let lease = store.grant(Duration::from_secs(60)).await.expect("grant");
+        let theirs = serde_json::to_vec(&kernel("b")).expect("json");
+        assert!(store
+            .create(&kernel_key("k1"), &theirs, lease)
+            .await
+            .expect("create"));
+        let lost = Arc::new(Mutex::new(Vec::new()));
+        let heard = lost.clone();
+        tokio::spawn(a.clone().keep(cancel.clone(), move |ids| {
+            heard.lock().expect("lock").extend(ids)
+        }));
+        settle().await;
+        assert_eq!(*lost.lock().expect("lock"), vec!["k1".to_owned()]);
+        let listing = store.list(&kernel_key("k1")).await.expect("list");
+        assert_eq!(listing.entries[0].value, theirs, "never two owners");
+        cancel.cancel();
+    }
+}
