@@ -358,6 +358,7 @@ mod tests {
             load: 0,
             version: "0".into(),
             specs: vec!["python3".into()],
+            warm: Default::default(),
         }
     }
 

@@ -16,7 +16,9 @@
 pub mod etcd;
 pub mod membership;
 pub mod memory;
+pub mod placement;
 pub mod registry;
+pub mod signing;
 
 pub use registry::{Entry, Event, Lease, Listing, Registry, RegistryError, Revision};
 
@@ -74,6 +76,9 @@ pub struct NodeRecord {
     /// Kernel specs it can start.
     #[serde(default)]
     pub specs: Vec<String>,
+    /// Warm kernels ready to hand out, by spec.
+    #[serde(default)]
+    pub warm: std::collections::BTreeMap<String, u32>,
 }
 
 /// A kernel, as the registry knows it.

@@ -1,0 +1,93 @@
+//! Where a new kernel goes: the nodes that can start its spec, the one with the most free
+//! room first. Free room is a node's capacity less the kernels it runs, counting whichever
+//! is higher of the load it reported and the kernel records the view holds for it (records
+//! appear within a watch's delay, reports only when the node updates its record), so that
+//! creates in quick succession spread out. Among equals, a node with a warm kernel of the
+//! spec goes first (its create takes milliseconds), then the node id, so that every entry
+//! node orders alike. The target enforces its own limit: a full node refuses, and the entry
+//! node tries the next.
+
+use super::membership::View;
+
+/// The nodes to try for a kernel of `spec`, best first; nodes that are full are left out.
+pub fn candidates(view: &View, spec: &str) -> Vec<String> {
+    let mut nodes: Vec<(u32, u32, &str)> = view
+        .nodes
+        .iter()
+        .filter(|(_, n)| n.specs.iter().any(|s| s == spec))
+        .filter_map(|(id, n)| {
+            let recorded = view.kernels.values().filter(|k| k.node == *id).count();
+            let used = n.load.max(u32::try_from(recorded).unwrap_or(u32::MAX));
+            let free = n.capacity.saturating_sub(used);
+            let warm = n.warm.get(spec).copied().unwrap_or(0);
+            (free > 0).then_some((free, warm, id.as_str()))
+        })
+        .collect();
+    nodes.sort_by(|a, b| b.0.cmp(&a.0).then(b.1.cmp(&a.1)).then(a.2.cmp(b.2)));
+    nodes.into_iter().map(|(_, _, id)| id.to_owned()).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cluster::{KernelRecord, NodeRecord};
+
+    fn node(capacity: u32, load: u32, specs: &[&str]) -> NodeRecord {
+        NodeRecord {
+            address: String::new(),
+            incarnation: String::new(),
+            capacity,
+            load,
+            version: String::new(),
+            specs: specs.iter().map(|s| s.to_string()).collect(),
+            warm: Default::default(),
+        }
+    }
+
+    fn kernel_on(node: &str) -> KernelRecord {
+        KernelRecord {
+            node: node.into(),
+            incarnation: String::new(),
+            tenant: String::new(),
+            spec: "python3".into(),
+            created: String::new(),
+        }
+    }
+
+    #[test]
+    fn most_free_room_first_and_full_nodes_left_out() {
+        let mut view = View::default();
+        view.nodes.insert("a".into(), node(2, 1, &["python3"]));
+        view.nodes.insert("b".into(), node(2, 0, &["python3"]));
+        view.nodes.insert("c".into(), node(2, 2, &["python3"]));
+        view.nodes.insert("d".into(), node(9, 0, &["r"]));
+        assert_eq!(candidates(&view, "python3"), ["b", "a"]);
+        assert_eq!(candidates(&view, "r"), ["d"]);
+        assert!(candidates(&view, "julia").is_empty());
+    }
+
+    #[test]
+    fn records_count_before_the_load_is_reported_and_warm_kernels_break_ties() {
+        let mut view = View::default();
+        view.nodes.insert("a".into(), node(2, 0, &["python3"]));
+        view.nodes.insert("b".into(), node(2, 0, &["python3"]));
+        view.nodes.insert("c".into(), node(2, 0, &["python3"]));
+        view.nodes
+            .get_mut("c")
+            .map(|c| c.warm.insert("python3".into(), 1));
+        assert_eq!(candidates(&view, "python3"), ["c", "a", "b"]);
+        // Six creates in a row spread 2/2/2, each seeing the records of the ones before.
+        let mut placed = Vec::new();
+        for i in 0..6 {
+            let first = candidates(&view, "python3")[0].clone();
+            view.kernels.insert(format!("k{i}"), kernel_on(&first));
+            placed.push(first);
+        }
+        placed.sort();
+        assert_eq!(placed, ["a", "a", "b", "b", "c", "c"]);
+        assert!(
+            candidates(&view, "python3").is_empty(),
+            "the cluster is full"
+        );
+    }
+}
