@@ -229,10 +229,9 @@ fn note(left_out: &[&ContentBlock], kib: usize) -> ContentBlock {
         n => format!("{n} images"),
     };
     ContentBlock::text(format!(
-        "[{what} left out ({}{more}): tool results are limited to {kib} KiB \
-         (--mcp-max-result-kb). Show fewer or smaller figures per call (e.g. \
-         plt.figure(figsize=(6, 4), dpi=72)), or save one (plt.savefig('fig.png')) and \
-         read_file it.]",
+        "[{what} left out ({}{more}): a tool result holds at most {kib} KiB \
+         (--mcp-max-result-kb). Show fewer figures per call, or smaller ones (e.g. \
+         plt.figure(figsize=(5, 3), dpi=72)).]",
         described.join("; ")
     ))
 }
