@@ -293,7 +293,7 @@ pub fn run_result(outcome: &Outcome, ending: Ending) -> CallToolResult {
     if let Some(e) = &outcome.error {
         failed = true;
         let traceback: Vec<String> = e.traceback.iter().map(|line| plain_text(line)).collect();
-        let mut text = format!("{}: {}", e.ename, e.evalue);
+        let mut text = format!("{}: {}", plain_text(&e.ename), plain_text(&e.evalue));
         if !traceback.is_empty() {
             text = format!("{text}\n\n{}", traceback.join("\n"));
         }
@@ -370,14 +370,14 @@ pub fn display(data: &Map<String, Value>) -> ContentBlock {
     }
 }
 
-/// `<module.Class object>` or `<module.Class object at 0x…>`: Python's repr of an object
-/// that has no better one.
+/// `<module.Class object>`, `<module.Class object at 0x…>` or IPython's
+/// `<module.Class at 0x…>`: the repr of an object that has no better one.
 fn is_default_repr(text: &str) -> bool {
     let text = text.trim();
     text.starts_with('<')
         && text.ends_with('>')
         && !text.contains('\n')
-        && (text.ends_with(" object>") || text.contains(" object at 0x"))
+        && (text.ends_with(" object>") || text.contains(" at 0x"))
 }
 
 /// What a progress notification says about a display: its text, or what it is.
