@@ -6,7 +6,8 @@
 //!
 //! What does not fit: a text keeps its head and its tail, with a note in the middle saying
 //! how much was left out and how to read all of it; an image (or any other binary block)
-//! is kept only when it fits whole, and a note stands for each one left out. No I/O here.
+//! is kept only when it fits whole, and a note where it was names its type and size (one
+//! note for neighbours left out together). No I/O here.
 
 use rmcp::model::{CallToolResult, ContentBlock};
 
@@ -130,12 +131,16 @@ impl Budget {
         let mut kept = 0;
         let kib = self.kib();
         let mut flush = |out: &mut Vec<ContentBlock>, run: &mut Vec<&'a ContentBlock>| {
-            if notes < MAX_NOTES && !run.is_empty() {
+            if run.is_empty() {
+                return;
+            }
+            if notes < MAX_NOTES {
                 out.push(note(run, kib));
                 notes += 1;
                 run.clear();
+            } else {
+                later.append(run);
             }
-            later.append(run);
         };
         for block in blocks {
             if block.as_text().is_some() {

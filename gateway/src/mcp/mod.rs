@@ -30,7 +30,7 @@ use crate::tenants::Tenant;
 use budget::Budget;
 use kernelgate_protocol::content::ExecutionState;
 use kernelgate_protocol::execution::Event;
-use kernelgate_protocol::terminal::Terminal;
+use kernelgate_protocol::terminal::{plain_text, Terminal};
 use kernelgate_protocol::Outcome;
 use rmcp::model::{
     CallToolRequestParams, CallToolResponse, CallToolResult, ContentBlock, Implementation,
@@ -692,9 +692,13 @@ impl Session {
 /// A file operation's failure as what the model should do about it.
 fn file_error(e: FileError, op: FileOp) -> ToolError {
     tools::error(match e {
+        FileError::TooLarge { path, limit_mib } if op == FileOp::List => format!(
+            "the listing of {path} is larger than the {limit_mib} MiB limit: list its \
+             subdirectories one at a time"
+        ),
         FileError::TooLarge { path, limit_mib } => format!(
             "{path} is larger than the {limit_mib} MiB limit: read it in parts with \
-                 read_file's offset and length"
+             read_file's offset and length"
         ),
         FileError::BadPath { path, reason } => {
             format!("{path}: {reason}. Give a path relative to the working directory, without '..'")
@@ -737,7 +741,11 @@ impl Streams {
                 (!message.is_empty()).then_some(message)
             }
             Event::Display(d) => Some(tools::display_summary(&d.data)),
-            Event::Error(e) => Some(format!("{}: {}", e.ename, e.evalue)),
+            Event::Error(e) => Some(format!(
+                "{}: {}",
+                plain_text(&e.ename),
+                plain_text(&e.evalue)
+            )),
             _ => None,
         }
     }
