@@ -1,5 +1,7 @@
 # Runs inside a kernel's container (as the kernel's user) for the gateway's files API.
 # Usage: python3 -c <this> OP RELPATH    (OP: get, put, list, delete; put reads stdin)
+#        python3 -c <this> read RELPATH OFFSET LENGTH    (the file's size and a newline, then
+#        at most LENGTH bytes from OFFSET)
 # Paths are relative to the kernel's working directory; anything that would leave it
 # (absolute paths, "..", symlinks pointing out) is refused. Exit codes carry the outcome.
 import errno, json, os, stat, sys
@@ -68,6 +70,25 @@ def main():
                 if not chunk:
                     break
                 sys.stdout.buffer.write(chunk)
+    elif op == "read":
+        offset, length = int(sys.argv[3]), int(sys.argv[4])
+        if not os.path.exists(path):
+            fail(NOT_FOUND, "no such file")
+        if os.path.isdir(path):
+            fail(IS_DIR, "is a directory")
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                fail(BAD_PATH, "not a regular file")
+            sys.stdout.buffer.write(b"%d\n" % st.st_size)
+            f.seek(min(offset, st.st_size))
+            while length > 0:
+                chunk = f.read(min(length, 1 << 20))
+                if not chunk:
+                    break
+                sys.stdout.buffer.write(chunk)
+                length -= len(chunk)
     elif op == "put":
         if path == ROOT or os.path.isdir(path):
             fail(EXISTS_DIR, "a directory has that name")

@@ -346,4 +346,10 @@ pub struct Config {
     /// before it ends and its kernel is deleted.
     #[arg(long, env = "KERNELGATE_MCP_IDLE_TIMEOUT", default_value_t = 1800, value_parser = clap::value_parser!(u64).range(1..))]
     pub mcp_idle_timeout: u64,
+
+    /// Largest MCP tool result or progress notification, in KiB of serialized JSON-RPC
+    /// (escaping and base64 counted). Longer text keeps its head and tail around a note;
+    /// images that do not fit are replaced by notes. Clients refuse messages over 1 MiB.
+    #[arg(long, env = "KERNELGATE_MCP_MAX_RESULT_KB", default_value_t = 256, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(16..=65536))]
+    pub mcp_max_result_kb: usize,
 }

@@ -165,6 +165,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         tracker.clone(),
         cancel.clone(),
         Duration::from_secs(config.mcp_idle_timeout),
+        kernelgate::mcp::budget::Budget::from_kib(config.mcp_max_result_kb),
     );
     let state = AppState {
         kernels: kernels.clone(),
@@ -265,6 +266,7 @@ async fn mcp_stdio(args: McpArgs) -> anyhow::Result<()> {
         tracker.clone(),
         cancel.clone(),
         Duration::from_secs(config.mcp_idle_timeout),
+        kernelgate::mcp::budget::Budget::from_kib(config.mcp_max_result_kb),
     );
     let served = tokio::select! {
         served = kernelgate::mcp::stdio::serve(mcp, Tenant::admin(TOKEN_KEY)) => served,
@@ -291,6 +293,7 @@ async fn mcp_stdio_remote(url: &str, token: Option<String>, config: &Config) -> 
         tracker.clone(),
         cancel.clone(),
         Duration::from_secs(config.mcp_idle_timeout),
+        kernelgate::mcp::budget::Budget::from_kib(config.mcp_max_result_kb),
     );
     tracing::info!(%url, "serving MCP on stdio with a remote gateway's kernels");
     // The tenant is the gateway's business: it knows the token.

@@ -4,7 +4,9 @@
 //! ([`wire`]), connection files ([`connection`]), the WebSocket encodings that Jupyter
 //! Server speaks to browsers and gateway clients ([`websocket`]), and typed views of the
 //! few messages a gateway acts on ([`content`]). Everything else is relayed as raw JSON,
-//! so fields this crate does not know about are never dropped or reordered.
+//! so fields this crate does not know about are never dropped or reordered. Outputs are
+//! followed to a request's end ([`execution`]) and turned into plain text for readers that
+//! are not terminals ([`terminal`]).
 //!
 //! Spec: <https://jupyter-client.readthedocs.io/en/stable/messaging.html>
 
@@ -14,6 +16,7 @@ pub mod content;
 pub mod execution;
 pub mod message;
 pub mod signature;
+pub mod terminal;
 pub mod websocket;
 pub mod wire;
 

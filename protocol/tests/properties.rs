@@ -5,6 +5,7 @@
 use bytes::Bytes;
 use kernelgate_protocol::connection::{ConnectionError, MAX_IPC_PATH};
 use kernelgate_protocol::signature::SignatureError;
+use kernelgate_protocol::terminal::{plain_text, Terminal};
 use kernelgate_protocol::websocket::{self, Encoding, Frame};
 use kernelgate_protocol::wire::{self, WireError, DELIMITER};
 use kernelgate_protocol::{Channel, ConnectionInfo, Header, Message, RawJson, SigningKey};
@@ -357,5 +358,53 @@ fn floats_in_extras_survive_re_serialization() {
         let text = serde_json::to_string(&header).expect("serializes");
         let back: Header = serde_json::from_str(&text).expect("parses");
         assert_eq!(back.extra["x"], Value::Number(n), "{text}");
+    }
+}
+
+/// Output text as programs write it: words, newlines, carriage returns, backspaces and
+/// pieces of escape sequences, in any order.
+fn terminal_text() -> impl Strategy<Value = String> {
+    prop::collection::vec(
+        prop_oneof![
+            "[a-z ]{0,6}",
+            Just("\n".to_owned()),
+            Just("\r".to_owned()),
+            Just("\r\n".to_owned()),
+            Just("\u{8}".to_owned()),
+            Just("\t".to_owned()),
+            Just("\u{1b}".to_owned()),
+            Just("\u{1b}[".to_owned()),
+            Just("\u{1b}]".to_owned()),
+            Just("\u{1b}\\".to_owned()),
+            Just("\u{7}".to_owned()),
+            Just("\u{9b}".to_owned()),
+            "[0-9;?]{0,3}[mKGCDHJ]",
+            any::<char>().prop_map(String::from),
+        ],
+        0..40,
+    )
+    .prop_map(|parts| parts.concat())
+}
+
+proptest! {
+    /// Chunks cut anywhere (stream messages end where they end) give the text the whole
+    /// gives, and what comes out has no control character but newlines and tabs.
+    #[test]
+    fn terminal_text_does_not_depend_on_chunks(text in terminal_text(), cuts in prop::collection::vec(any::<prop::sample::Index>(), 0..4)) {
+        let whole = plain_text(&text);
+        let chars: Vec<char> = text.chars().collect();
+        let mut at: Vec<usize> = cuts.iter().map(|i| i.index(chars.len() + 1)).collect();
+        at.sort_unstable();
+        let mut terminal = Terminal::new();
+        let mut out = String::new();
+        let mut from = 0;
+        for to in at.into_iter().chain([chars.len()]) {
+            out += &terminal.push(&chars[from..to].iter().collect::<String>());
+            from = to;
+        }
+        out += &terminal.finish();
+        prop_assert_eq!(&out, &whole);
+        prop_assert!(!whole.chars().any(|c| c.is_control() && c != '\n' && c != '\t'), "{:?}", whole);
+        prop_assert!(plain_text(&whole) == whole, "plain text is a fixed point: {:?}", whole);
     }
 }

@@ -2,7 +2,8 @@
 Docker: over Streamable HTTP (`/mcp`) in the client's default mode (2026-07-28: no session,
 kernels by `start_kernel` handle) and with the classic `initialize` handshake (a session
 with its own kernel), and over stdio (`kernelgate mcp`, one session per process) in both
-modes.
+modes. The gateway and `kernelgate mcp` run at their default limits (the output cap, the
+MCP result budget), as a user's would.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import base64
 import hashlib
 import json
 import os
+import re
 import secrets
 import shutil
 import subprocess
@@ -38,7 +40,7 @@ ALICE, BOB = secrets.token_hex(16), secrets.token_hex(16)
 @pytest.fixture(scope="module")
 def gw(tmp_path_factory) -> Iterator[Gateway]:
     """One gateway for the module: a warm pool of 2, two keys (alice, bob) besides the admin
-    token, conftest's execution policy, an audit log of its own, and a 1 MiB output cap."""
+    token, conftest's execution policy and an audit log of its own; default limits."""
     keys = tmp_path_factory.mktemp("keys") / "keys.toml"
     keys.write_text(
         "".join(
@@ -52,8 +54,7 @@ def gw(tmp_path_factory) -> Iterator[Gateway]:
     policy = logs / "policy.toml"
     policy.write_text(POLICY)
     gateway = start_gateway(logs / "gateway.log", [
-        "--pool-size", "2", "--keys", str(keys), "--policy", str(policy), "--audit-log", str(logs / "audit.log"),
-        "--max-output-mb", "1"])
+        "--pool-size", "2", "--keys", str(keys), "--policy", str(policy), "--audit-log", str(logs / "audit.log")])
     yield gateway
     stop_gateway(gateway)
     shutil.rmtree(STDIO_BASE, ignore_errors=True)  # the emptied runtime dirs of `kernelgate mcp`
@@ -257,7 +258,7 @@ def test_files_written_by_code_and_by_the_tool(gw: Gateway, transport: str, mode
             seen = await c.call_tool("run_python", {"code": "import pandas as pd; int(pd.read_csv('data/in.csv').b.sum())", **target})
             assert text(seen) == "2"
             frame = await c.call_tool("run_python", {"code": "pd.read_csv('data/in.csv')", **target})
-            assert "<table" in text(frame), text(frame)  # HTML results come as text
+            assert text(frame) == "   a  b\n0  1  2", text(frame)  # its text/plain, not HTML
 
             binary = base64.b64encode(bytes(range(256))).decode()
             await c.call_tool("write_file", {"path": "blob.bin", "content": binary, "encoding": "base64", **target})
@@ -285,10 +286,10 @@ def test_bad_arguments_are_tool_errors_that_say_what_to_fix(gw: Gateway, transpo
             assert absolute.is_error and "relative" in text(absolute)
             big = await c.call_tool("write_file", {"path": "big.txt", "content": "x" * (10 * 1024 * 1024 + 1), **target})
             assert big.is_error and "10 MiB" in text(big)
-            made = await c.call_tool("run_python", {"code": "open('huge.bin', 'wb').write(b'0' * (11 * 1024 * 1024))", **target})
-            assert not made.is_error, text(made)
-            huge = await c.call_tool("read_file", {"path": "huge.bin", **target})
-            assert huge.is_error and "10 MiB" in text(huge)
+            negative = await c.call_tool("read_file", {"path": "x", "offset": -1, **target})
+            assert negative.is_error and "invalid value" in text(negative), text(negative)
+            nothing = await c.call_tool("read_file", {"path": "x", "length": 0, **target})
+            assert nothing.is_error and "length 0" in text(nothing), text(nothing)
             unknown = await c.call_tool("run_python", {"code": "1", "kernel_id": "nope"})
             assert unknown.is_error and "start_kernel" in text(unknown)
 
@@ -613,10 +614,18 @@ def test_host_and_origin_checks_are_the_gateways(gw: Gateway):
     assert "evil.example" in foreign.json()["message"]
 
 
+@pytest.fixture(scope="module")
+def capped_gw() -> Iterator[Gateway]:
+    """A gateway whose output cap (--max-output-mb 1) a test reaches quickly."""
+    gateway = start_gateway(ARTIFACTS / "test_mcp" / "capped-gateway.log", ["--max-output-mb", "1"])
+    yield gateway
+    stop_gateway(gateway)
+
+
 @pytest.mark.parametrize("mode", MODES)
-def test_timeout_and_output_cap_apply_as_in_the_agent_api(gw: Gateway, mode: str):
+def test_timeout_and_output_cap_apply_as_in_the_agent_api(capped_gw: Gateway, mode: str):
     async def scenario():
-        async with connected(gw, mode) as (c, target):
+        async with connected(capped_gw, mode) as (c, target):
             await c.call_tool("run_python", {"code": "kept = 'yes'", **target})
             t0 = time.monotonic()
             slow = await c.call_tool("run_python", {"code": "import time; time.sleep(30)", "timeout": 1, **target})
@@ -669,3 +678,164 @@ def test_stdio_applies_the_policy_and_audits_with_its_session_as_agent_id(gw: Ga
     assert ran and ran[-1]["agent_id"].startswith("mcp-stdio-"), ran
     agent = ran[-1]["agent_id"]
     assert any(r["event"] == "policy_decision" and r["agent_id"] == agent for r in records)
+
+
+# What a model is sent: every result and progress notification within the default
+# --mcp-max-result-kb (256 KiB), text as a terminal shows it, one MIME type per output.
+
+BUDGET = 256 * 1024
+# One transport of each kind, for the checks that do not depend on the protocol mode.
+TRANSPORTS = [("http", "auto"), ("stdio", "legacy"), ("stdio-url", "auto")]
+TRANSPORT_IDS = [t for t, _ in TRANSPORTS]
+
+
+def wire_size(result) -> int:
+    """The result's JSON as the server sent it, near enough (the envelope aside)."""
+    return len(result.model_dump_json(by_alias=True, exclude_none=True).encode())
+
+
+THREE_FIGURES = (
+    "import matplotlib.pyplot as plt, numpy as np\n"
+    "rng = np.random.default_rng(0)\n"
+    "for i in range(3):\n"
+    "    plt.figure(figsize=(3, 3))\n"  # random pixels: each PNG about 200 KiB as base64
+    "    plt.imshow(rng.random((600, 600)))\n"
+    "    plt.show()\n"
+    "print('drawn')\n"
+)
+
+
+@pytest.mark.parametrize(("transport", "mode"), WAYS, ids=WAY_IDS)
+def test_large_output_and_figures_fit_the_result_budget(gw: Gateway, transport: str, mode: str):
+    """A 1.1 MB print and three large figures: before, the client refused the message (over
+    its 1 MiB SSE limit) or the host got megabytes. Now head, tail and a note; the figure
+    that fits, and a note for the others; progress notifications within the budget too."""
+    progress: list[str] = []
+
+    async def on_progress(value: float, total: float | None, message: str | None) -> None:
+        progress.append(message or "")
+
+    async def scenario():
+        async with connected(gw, mode, transport=transport) as (c, target):
+            big = await c.call_tool("run_python", {
+                "code": "print('HEAD' + 'a' * 1_100_000 + 'TAIL')", **target}, progress_callback=on_progress)
+            figures = await c.call_tool("run_python", {"code": THREE_FIGURES, **target}, progress_callback=on_progress)
+            return big, figures
+
+    big, figures = run(scenario())
+    assert not big.is_error, text(big)[:300]
+    assert wire_size(big) <= BUDGET, wire_size(big)
+    out = text(big)
+    assert out.startswith("HEADaaaa") and out.endswith("aaaaTAIL\n"), (out[:20], out[-20:])
+    note = re.search(r"\[\.\.\. (\d+) bytes \(\d+ lines\) left out here: .*read_file's offset and length", out)
+    assert note, out[100_000:100_400]
+    assert len(out) + int(note.group(1)) - len(note.group(0)) > 1_100_000
+    assert len(out) > BUDGET * 0.9, "the budget is used, not wasted"
+
+    assert not figures.is_error, text(figures)
+    assert wire_size(figures) <= BUDGET, wire_size(figures)
+    images = [b for b in figures.content if b.type == "image"]
+    assert len(images) == 1 and base64.b64decode(images[0].data).startswith(PNG_MAGIC), figures.content
+    assert "[2 images left out (image/png" in text(figures), text(figures)
+    assert "drawn" in text(figures)
+
+    assert progress, "progress notifications came"
+    assert all(len(json.dumps(m)) <= BUDGET for m in progress), [len(m) for m in progress]
+    assert any(m.startswith("HEADaaa") and "left out here" in m for m in progress), [m[:40] for m in progress]
+
+
+@pytest.mark.parametrize(("transport", "mode"), TRANSPORTS, ids=TRANSPORT_IDS)
+def test_read_file_reads_a_file_larger_than_the_budget_in_parts(gw: Gateway, transport: str, mode: str):
+    lines = 60_000  # 12 bytes each: 720,000 bytes
+
+    async def scenario():
+        async with connected(gw, mode, transport=transport) as (c, target):
+            made = await c.call_tool("run_python", {
+                "code": f"with open('big.txt', 'w') as f:\n    f.writelines(f'line {{i:06d}}\\n' for i in range({lines}))",
+                **target})
+            assert not made.is_error, text(made)
+            parts, offset = [], 0
+            while True:
+                args = {"path": "big.txt", **target} if offset == 0 else {"path": "big.txt", "offset": offset, **target}
+                part = await c.call_tool("read_file", args)
+                assert not part.is_error, text(part)[-300:]
+                assert wire_size(part) <= BUDGET, wire_size(part)
+                content, note = part.content[0].text, part.content[1].text
+                parts.append(content)
+                follow = re.fullmatch(r"\[big\.txt: bytes (\d+)-(\d+) of 720000; (\d+) more bytes follow: "
+                                      r"call read_file with offset=(\d+) for the next part\]", note)
+                if follow is None:
+                    assert note == f"[big.txt: bytes {offset}-719999 of 720000, up to the end of the file]", note
+                    break
+                first, last, more, offset = map(int, follow.groups())
+                assert (last + 1, 720_000 - more) == (offset, offset), note
+            middle = await c.call_tool("read_file", {"path": "big.txt", "offset": 12 * 31_415, "length": 24, **target})
+            past = await c.call_tool("read_file", {"path": "big.txt", "offset": 720_000, **target})
+            return parts, middle, past
+
+    parts, middle, past = run(scenario())
+    # Each part as large as the budget allows (a newline takes two bytes as JSON: \n).
+    assert len(parts) == 4 and all(len(p) > 230_000 for p in parts[:3]), [len(p) for p in parts]
+    assert "".join(parts) == "".join(f"line {i:06d}\n" for i in range(lines))
+    assert middle.content[0].text == "line 031415\nline 031416\n"
+    assert "call read_file with offset=377004 " in middle.content[1].text, middle.content[1].text
+    assert past.is_error and "past the end of big.txt (720000 bytes)" in text(past), text(past)
+
+
+MODEL_TEXT = r"""
+import sys, time
+from IPython.display import Markdown, SVG, display
+import pandas as pd
+for i in range(0, 101, 5):
+    print(f'\rtraining {i:3d}%|' + '#' * (i // 10), end='', flush=True)
+    if i in (0, 50):
+        time.sleep(0.3)  # so the frames come in several stream messages
+print()
+print('\033[1;32mpassed\033[0m', file=sys.stderr)
+display(Markdown('# Report\n*all good*'))
+display(SVG('<svg xmlns="http://www.w3.org/2000/svg" width="4" height="4"><rect width="4" height="4"/></svg>'))
+pd.DataFrame({'a': [1, 2], 'b': [3.5, 4.5]})
+"""
+
+
+@pytest.mark.parametrize(("transport", "mode"), TRANSPORTS, ids=TRANSPORT_IDS)
+def test_text_is_what_a_terminal_shows_and_each_output_its_best_type(gw: Gateway, transport: str, mode: str):
+    async def scenario():
+        async with connected(gw, mode, transport=transport) as (c, target):
+            shown = await c.call_tool("run_python", {"code": MODEL_TEXT, **target})
+            failed = await c.call_tool("run_python", {"code": "def f():\n    return 1/0\nf()", **target})
+            return shown, failed
+
+    shown, failed = run(scenario())
+    assert not shown.is_error, text(shown)
+    assert [b.type for b in shown.content] == ["text"] * 5, shown.content
+    stdout, stderr, markdown, svg, frame = (b.text for b in shown.content)
+    assert stdout == "training 100%|##########\n", repr(stdout)  # one line, its last frame
+    assert stderr == "[stderr]\npassed\n", repr(stderr)  # no colour codes
+    assert markdown == "# Report\n*all good*"  # not <IPython.core.display.Markdown object>
+    assert svg.startswith("[SVG image, as its XML source]\n<svg"), svg
+    assert frame == "   a    b\n0  1  3.5\n1  2  4.5", frame  # text/plain, not HTML with a <style>
+    assert failed.is_error
+    message = text(failed)
+    assert message.startswith("ZeroDivisionError: division by zero\n"), message
+    assert "\x1b" not in message and "----> 3 f()" in message, message
+
+
+@pytest.mark.parametrize(("transport", "mode"), TRANSPORTS, ids=TRANSPORT_IDS)
+def test_restart_removes_the_files_and_says_so(gw: Gateway, transport: str, mode: str):
+    async def scenario():
+        async with connected(gw, mode, transport=transport) as (c, target):
+            wrote = await c.call_tool("write_file", {"path": "notes.txt", "content": "keep me?", **target})
+            assert not wrote.is_error, text(wrote)
+            assert "notes.txt" in text(await c.call_tool("list_files", {**target}))
+            restarted = await c.call_tool("restart_kernel", {**target})
+            listed = await c.call_tool("list_files", {**target})
+            tools = (await c.list_tools()).tools
+            return restarted, listed, next(t for t in tools if t.name == "restart_kernel").description
+
+    restarted, listed, description = run(scenario())
+    assert not restarted.is_error, text(restarted)
+    assert "files in its working directory were removed" in text(restarted), text(restarted)
+    assert "notes.txt" not in text(listed), text(listed)
+    assert "file in the working directory is removed" in description, description
+    assert "stay" not in description

@@ -166,6 +166,100 @@ async fn streaming_ndjson_and_abandoned_runs() -> Result<()> {
     Ok(())
 }
 
+/// The NDJSON lines of a streamed run.
+async fn stream_lines(gw: &Gateway, id: &str, body: Value) -> Result<Vec<Value>> {
+    let resp = gw
+        .request(reqwest::Method::POST, &format!("/api/kernels/{id}/execute"))
+        .header("Accept", "application/x-ndjson")
+        .json(&body)
+        .send()
+        .await?;
+    let body = resp.text().await?;
+    body.lines()
+        .map(|l| Ok(serde_json::from_str(l)?))
+        .collect::<Result<_>>()
+}
+
+/// `"plain": true` gives text as a terminal shows it, for a model: a progress line redrawn
+/// with `\r` (across several stream messages) comes once in its last state, colours go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plain_text_for_a_model_in_json_and_streamed() -> Result<()> {
+    let gw = Gateway::start(&[]).await?;
+    let id = kernel(&gw).await?;
+    let code = "import sys, time\n\
+        for i in range(0, 101, 25):\n    print(f'\\r{i:3d}%', end='', flush=True)\n    time.sleep(0.2)\n\
+        print(' done')\n\
+        print('\\033[31mred\\033[0m', file=sys.stderr)\n\
+        print('50%', end='\\r', flush=True)\n\
+        time.sleep(0.2)\n\
+        print('last', end='')\n\
+        1/0";
+
+    let raw = stream_lines(&gw, &id, json!({"code": code})).await?;
+    let frames = raw.iter().filter(|l| l["type"] == "stdout").count();
+    assert!(frames >= 5, "the frames came in separate messages: {raw:?}");
+
+    let lines = stream_lines(&gw, &id, json!({"code": code, "plain": true})).await?;
+    let shown: Vec<(&str, &str)> = lines
+        .iter()
+        .filter(|l| l["type"] != "end")
+        .map(|l| {
+            let t = l["type"].as_str().unwrap_or_default();
+            (
+                t,
+                l["text"]
+                    .as_str()
+                    .unwrap_or_else(|| l["ename"].as_str().unwrap_or_default()),
+            )
+        })
+        .collect();
+    assert_eq!(
+        shown,
+        [
+            ("stdout", "100% done\n"),
+            ("stderr", "red\n"),
+            ("error", "ZeroDivisionError"),
+            ("stdout", "last"),
+        ],
+        "{lines:?}"
+    );
+    let traceback = lines[2]["traceback"].to_string();
+    assert!(
+        !traceback.contains("\\u001b") && traceback.contains("1/0"),
+        "{traceback}"
+    );
+    assert_eq!(lines.last().map(|l| l["type"].clone()), Some(json!("end")));
+
+    let (status, r) = gw
+        .post_json(
+            &format!("/api/kernels/{id}/execute"),
+            json!({"code": code, "plain": true}),
+        )
+        .await?;
+    assert_eq!(status, 200, "{r}");
+    assert_eq!(r["stdout"], "100% done\nlast");
+    assert_eq!(r["stderr"], "red\n");
+    assert!(
+        !r["error"]["traceback"].to_string().contains("\\u001b"),
+        "{r}"
+    );
+    // Without it, the text is as the kernel sent it.
+    let r = execute(&gw, &id, code, None).await?;
+    assert!(
+        r["stdout"]
+            .as_str()
+            .is_some_and(|s| s.starts_with("\r  0%\r 25%")),
+        "{r}"
+    );
+    assert!(
+        r["stderr"]
+            .as_str()
+            .is_some_and(|s| s.contains("\u{1b}[31m")),
+        "{r}"
+    );
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_calls_run_in_order() -> Result<()> {
     let gw = Gateway::start(&[]).await?;
@@ -296,6 +390,28 @@ async fn files_go_in_and_out_and_stay_confined() -> Result<()> {
     let bytes = got.bytes().await?;
     let expected: Vec<u8> = (0..1000).flat_map(|_| 0..=255u8).collect();
     assert_eq!(bytes.as_ref(), expected.as_slice());
+    // A part of it, with a Range header; a range past the end says the size.
+    let ranged = |range: &'static str| {
+        gw.request(
+            reqwest::Method::GET,
+            &format!("/api/kernels/{id}/files/out.bin"),
+        )
+        .header("Range", range)
+        .send()
+    };
+    let part = ranged("bytes=300-555").await?;
+    assert_eq!(part.status().as_u16(), 206);
+    assert_eq!(part.headers()["content-range"], "bytes 300-555/256000");
+    assert_eq!(part.bytes().await?.as_ref(), &expected[300..556]);
+    let tail = ranged("bytes=255990-").await?;
+    assert_eq!(
+        tail.headers()["content-range"],
+        "bytes 255990-255999/256000"
+    );
+    assert_eq!(tail.bytes().await?.as_ref(), &expected[255_990..]);
+    let past = ranged("bytes=256000-").await?;
+    assert_eq!(past.status().as_u16(), 416);
+    assert_eq!(past.headers()["content-range"], "bytes */256000");
 
     let (status, listing) = gw.get_json(&format!("/api/kernels/{id}/files")).await?;
     assert_eq!(status, 200);

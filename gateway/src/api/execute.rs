@@ -4,6 +4,11 @@
 //! Calls on one kernel run one at a time, in arrival order. A timeout interrupts the
 //! kernel and returns what was produced with status `timeout`; a client that goes away
 //! mid-run gets its run interrupted too. The kernel's state survives both.
+//!
+//! With `"plain": true` text comes as a terminal shows it
+//! ([`kernelgate_protocol::terminal`]): no escape sequences, each `\r`-redrawn line in its
+//! final state. Streamed, each stream keeps its terminal state across chunks, so a line
+//! is sent once it is finished (or at the end), never frame by frame.
 
 use super::auth::Caller;
 use super::error::{body_refused, ApiError, ErrorBody};
@@ -19,6 +24,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use kernelgate_protocol::content::ErrorContent;
 use kernelgate_protocol::execution::{Display, Event, Status};
+use kernelgate_protocol::terminal::{plain_text, Terminal};
 use kernelgate_protocol::Outcome;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
@@ -43,6 +49,13 @@ pub struct ExecuteBody {
     /// Which agent runs this, for the audit trail.
     #[serde(default)]
     agent_id: Option<String>,
+    /// Text as a terminal shows it, for readers that are not terminals (a language model):
+    /// ANSI escape sequences removed from stdout, stderr, tracebacks and `text/plain`
+    /// results, and each line redrawn with `\r` (a progress bar) only in its final state.
+    /// Streamed, a line comes once it is finished (`\n`), or at the end of the run.
+    #[serde(default)]
+    #[schema(example = true)]
+    plain: bool,
 }
 
 fn status_schema() -> utoipa::openapi::Object {
@@ -82,7 +95,7 @@ pub struct ErrorOutput {
     ename: String,
     #[schema(example = "division by zero")]
     evalue: String,
-    /// Lines with ANSI colour codes, as IPython prints them.
+    /// Lines with ANSI colour codes, as IPython prints them (without, with `plain`).
     traceback: Vec<String>,
 }
 
@@ -133,6 +146,76 @@ fn event_line(event: Event) -> Option<Line> {
         Event::Error(e) => Line::Error(e.into()),
         _ => return None,
     })
+}
+
+/// The NDJSON lines of a run with `plain`: each stream through a terminal of its own.
+#[derive(Debug, Default)]
+struct PlainLines {
+    stdout: Terminal,
+    stderr: Terminal,
+}
+
+impl PlainLines {
+    /// The lines for one piece of progress: a stream chunk's finished lines (none while
+    /// it only redraws), other outputs in plain text, and before `end` what each stream
+    /// still had on its unfinished line.
+    fn lines(&mut self, progress: Progress) -> Vec<Line> {
+        match progress {
+            Progress::Event(Event::Stream { name, text }) => {
+                let stderr = name == "stderr";
+                let terminal = if stderr {
+                    &mut self.stderr
+                } else {
+                    &mut self.stdout
+                };
+                let text = terminal.push(&text);
+                stream_line(stderr, text).into_iter().collect()
+            }
+            Progress::Event(Event::Display(mut d)) => {
+                plain_result(&mut d.data);
+                vec![Line::Result(d.into())]
+            }
+            Progress::Event(Event::Error(e)) => vec![Line::Error(plain_error(e))],
+            Progress::Event(_) => Vec::new(),
+            Progress::End(end) => {
+                let stdout = stream_line(false, self.stdout.finish());
+                let stderr = stream_line(true, self.stderr.finish());
+                stdout
+                    .into_iter()
+                    .chain(stderr)
+                    .chain([Line::End(end.into())])
+                    .collect()
+            }
+        }
+    }
+}
+
+fn stream_line(stderr: bool, text: String) -> Option<Line> {
+    match (text.is_empty(), stderr) {
+        (true, _) => None,
+        (false, true) => Some(Line::Stderr { text }),
+        (false, false) => Some(Line::Stdout { text }),
+    }
+}
+
+/// A result's `text/plain` without escape sequences (a string or a list of lines).
+fn plain_result(data: &mut Map<String, Value>) {
+    match data.get_mut("text/plain") {
+        Some(Value::String(text)) => *text = plain_text(text),
+        Some(Value::Array(lines)) => {
+            let text: String = lines.iter().filter_map(Value::as_str).collect();
+            *lines = vec![Value::String(plain_text(&text))];
+        }
+        _ => {}
+    }
+}
+
+fn plain_error(e: ErrorContent) -> ErrorOutput {
+    ErrorOutput {
+        ename: e.ename,
+        evalue: e.evalue,
+        traceback: e.traceback.iter().map(|line| plain_text(line)).collect(),
+    }
 }
 
 /// How a run ended: the last line of a streamed run.
@@ -220,16 +303,26 @@ pub async fn execute(
         .and_then(|v| v.to_str().ok())
         .is_some_and(|a| a.contains("application/x-ndjson"));
     if streaming {
-        let lines = futures::stream::unfold(rx, |mut rx| async move {
+        let plain = body.plain.then(PlainLines::default);
+        let state = (rx, plain, std::collections::VecDeque::new());
+        let lines = futures::stream::unfold(state, |(mut rx, mut plain, mut ready)| async move {
             loop {
-                let line = match rx.recv().await? {
-                    Progress::Event(e) => event_line(e),
-                    Progress::End(end) => Some(Line::End(end.into())),
-                };
-                // Serializing plain strings and maps cannot fail; a line that did is skipped.
-                if let Some(Ok(mut line)) = line.map(|l| serde_json::to_string(&l)) {
-                    line.push('\n');
-                    return Some((Ok::<_, std::convert::Infallible>(line), rx));
+                if let Some(line) = ready.pop_front() {
+                    // Serializing strings and maps cannot fail; a line that did is skipped.
+                    if let Ok(mut line) = serde_json::to_string(&line) {
+                        line.push('\n');
+                        let out = Ok::<_, std::convert::Infallible>(line);
+                        return Some((out, (rx, plain, ready)));
+                    }
+                    continue;
+                }
+                let progress = rx.recv().await?;
+                match plain.as_mut() {
+                    Some(plain) => ready.extend(plain.lines(progress)),
+                    None => ready.extend(match progress {
+                        Progress::Event(e) => event_line(e),
+                        Progress::End(end) => Some(Line::End(end.into())),
+                    }),
                 }
             }
         });
@@ -239,11 +332,11 @@ pub async fn execute(
         )
             .into_response());
     }
-    Ok(Json(collect(rx).await).into_response())
+    Ok(Json(collect(rx, body.plain).await).into_response())
 }
 
 /// Folds a run's events into the single JSON answer.
-async fn collect(mut rx: mpsc::Receiver<Progress>) -> ExecuteResult {
+async fn collect(mut rx: mpsc::Receiver<Progress>, plain: bool) -> ExecuteResult {
     let mut outcome = Outcome::default();
     let mut end = EndLine {
         status: Status::Error.as_str(),
@@ -257,14 +350,87 @@ async fn collect(mut rx: mpsc::Receiver<Progress>) -> ExecuteResult {
             Progress::End(e) => end = e.into(),
         }
     }
+    if plain {
+        outcome.stdout = plain_text(&outcome.stdout);
+        outcome.stderr = plain_text(&outcome.stderr);
+        for d in &mut outcome.displays {
+            plain_result(&mut d.data);
+        }
+    }
     ExecuteResult {
         status: end.status,
         execution_count: end.execution_count,
         stdout: outcome.stdout,
         stderr: outcome.stderr,
         results: outcome.displays.into_iter().map(Into::into).collect(),
-        error: outcome.error.map(Into::into),
+        error: outcome.error.map(|e| match plain {
+            true => plain_error(e),
+            false => e.into(),
+        }),
         duration_ms: end.duration_ms,
         truncated: end.truncated,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stream(name: &str, text: &str) -> Progress {
+        Progress::Event(Event::Stream {
+            name: name.into(),
+            text: text.into(),
+        })
+    }
+
+    fn texts(lines: &[Line]) -> Vec<String> {
+        lines
+            .iter()
+            .map(|l| match l {
+                Line::Stdout { text } => format!("stdout {text:?}"),
+                Line::Stderr { text } => format!("stderr {text:?}"),
+                Line::Result(_) => "result".into(),
+                Line::Error(e) => format!("error {:?}", e.traceback),
+                Line::End(_) => "end".into(),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn plain_lines_keep_each_streams_redrawn_line_until_it_is_done() {
+        let mut plain = PlainLines::default();
+        let mut out = Vec::new();
+        for p in [
+            stream("stderr", "\r  0%|"),
+            stream("stdout", "start\n"),
+            stream("stderr", "\r 50%|#"),
+            stream("stderr", "\r100%|##\n\u{1b}[31mred"),
+            stream("stdout", "tail"),
+            Progress::Event(Event::Error(ErrorContent {
+                ename: "E".into(),
+                evalue: "v".into(),
+                traceback: vec!["\u{1b}[0;31mE\u{1b}[0m: v".into()],
+                extra: Map::new(),
+            })),
+            Progress::End(End {
+                status: Status::Error,
+                execution_count: Some(1),
+                duration_ms: 1,
+                truncated: false,
+            }),
+        ] {
+            out.extend(plain.lines(p));
+        }
+        assert_eq!(
+            texts(&out),
+            [
+                r#"stdout "start\n""#,
+                r#"stderr "100%|##\n""#,
+                r#"error ["E: v"]"#,
+                r#"stdout "tail""#,
+                r#"stderr "red""#,
+                "end"
+            ]
+        );
     }
 }

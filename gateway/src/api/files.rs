@@ -2,17 +2,19 @@
 //! and `GET /api/kernels/{id}/files` (a listing).
 //!
 //! The work (inside the kernel's container, traversal-proof) is [`crate::kernels::files`].
+//! A file's GET takes a `Range: bytes=FIRST-LAST` header (RFC 9110 §14) to read a part of
+//! it: files larger than `--max-message-mb` are read that way.
 
 use super::auth::Caller;
 use super::error::{body_refused, ApiError, ErrorBody};
 use super::extract::Path;
 use super::kernels::{find, KernelPath};
 use super::AppState;
-use crate::kernels::files::{self, FileOp};
+use crate::kernels::files::{self, FileError, FileOp};
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
-use axum::http::{header, StatusCode};
+use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, ToSchema};
@@ -101,12 +103,19 @@ pub async fn list_root(
 }
 
 /// A file's bytes, or a directory's listing.
+///
+/// With `Range: bytes=FIRST-LAST` (or `bytes=FIRST-`), only those bytes of a file: 206 with
+/// `Content-Range: bytes FIRST-END/SIZE`, at most `--max-message-mb` of them (END says where
+/// they stop). Other range forms are ignored (200, the whole file).
 #[utoipa::path(
     get, path = "/api/kernels/{id}/files/{*path}", tag = "files", operation_id = "get_file",
-    params(FilePath),
+    params(FilePath, ("Range" = Option<String>, Header, description = "`bytes=FIRST-LAST` or `bytes=FIRST-`: read only that part of a file", example = "bytes=0-65535")),
     responses(
         (status = 200, description = "A file's bytes (`application/octet-stream`), or a directory's entries (`application/json`)",
          content(("application/octet-stream"), ([FileEntry] = "application/json"))),
+        (status = 206, description = "The part of the file a `Range` header asked for, with `Content-Range: bytes FIRST-END/SIZE`",
+         content(("application/octet-stream"))),
+        (status = 416, description = "The `Range` starts at or past the end of the file (`Content-Range: bytes */SIZE` gives its size)", body = ErrorBody),
         (status = 400, description = "The path is absolute, holds `..` or control characters, or leads out through a symlink", body = ErrorBody),
         (status = 403, description = "The kernel's user may not read it", body = ErrorBody),
         (status = 404, description = "No such kernel, or no such file", body = ErrorBody),
@@ -120,7 +129,44 @@ pub async fn get(
     State(state): State<AppState>,
     caller: Caller,
     Path(FilePath { id, path }): Path<FilePath>,
+    headers: HeaderMap,
 ) -> Result<Response, ApiError> {
+    if let Some((first, count)) = byte_range(&headers) {
+        let live = find(&state, &caller, &id)?;
+        let most = state.max_message_bytes;
+        let length = count.map_or(most, |n| usize::try_from(n).unwrap_or(most).min(most));
+        let part = files::read_part(&state.kernels, &live, &caller.0.name, &path, first, length);
+        return match part.await {
+            Ok((_, size)) if first >= size => {
+                let message = format!("{path} has {size} bytes: a range must start below that");
+                let mut response =
+                    ApiError::new(StatusCode::RANGE_NOT_SATISFIABLE, message).into_response();
+                if let Ok(value) = format!("bytes */{size}").parse() {
+                    response.headers_mut().insert(header::CONTENT_RANGE, value);
+                }
+                Ok(response)
+            }
+            Ok((bytes, size)) => {
+                let last = first + bytes.len().max(1) as u64 - 1;
+                Ok((
+                    StatusCode::PARTIAL_CONTENT,
+                    [
+                        (header::CONTENT_TYPE, "application/octet-stream".to_owned()),
+                        (
+                            header::CONTENT_RANGE,
+                            format!("bytes {first}-{last}/{size}"),
+                        ),
+                    ],
+                    bytes,
+                )
+                    .into_response())
+            }
+            Err(FileError::WrongKind { .. }) => Ok(json(
+                run(&state, &caller, &id, FileOp::List, &path, Bytes::new()).await?,
+            )),
+            Err(e) => Err(e.into()),
+        };
+    }
     match run(&state, &caller, &id, FileOp::Get, &path, Bytes::new()).await {
         Ok(bytes) => {
             Ok(([(header::CONTENT_TYPE, "application/octet-stream")], bytes).into_response())
@@ -129,6 +175,21 @@ pub async fn get(
             run(&state, &caller, &id, FileOp::List, &path, Bytes::new()).await?,
         )),
         Err(e) => Err(e),
+    }
+}
+
+/// A `Range: bytes=FIRST-LAST` or `bytes=FIRST-` header: the first byte and, with LAST, how
+/// many bytes. Other forms (suffixes, several ranges) are `None`, and ignored.
+fn byte_range(headers: &HeaderMap) -> Option<(u64, Option<u64>)> {
+    let spec = headers.get(header::RANGE)?.to_str().ok()?.trim();
+    let (first, last) = spec.strip_prefix("bytes=")?.split_once('-')?;
+    let first: u64 = first.trim().parse().ok()?;
+    match last.trim() {
+        "" => Some((first, None)),
+        last => {
+            let last: u64 = last.parse().ok()?;
+            (last >= first).then(|| (first, Some(last - first + 1)))
+        }
     }
 }
 

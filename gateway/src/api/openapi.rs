@@ -365,6 +365,7 @@ mod tests {
             tracker.clone(),
             cancel.clone(),
             Duration::from_secs(60),
+            crate::mcp::budget::Budget::from_kib(256),
         );
         AppState {
             kernels,

@@ -93,15 +93,60 @@ pub async fn run(
         op.audit_event(),
         serde_json::json!({"key": key, "kernel": live.id(), "path": path, "bytes": body.len()}),
     );
+    script(kernels, live, &[op.arg(), path], body, max_bytes).await
+}
+
+/// Reads at most `length` bytes of the file at `path` from `offset` (none past its end),
+/// for the key `key` (audited as a read); also the file's size.
+pub async fn read_part(
+    kernels: &Kernels,
+    live: &LiveKernel,
+    key: &str,
+    path: &str,
+    offset: u64,
+    length: usize,
+) -> Result<(Vec<u8>, u64), FileError> {
+    kernels.audit().record(
+        FileOp::Get.audit_event(),
+        serde_json::json!({"key": key, "kernel": live.id(), "path": path, "offset": offset, "length": length}),
+    );
+    let (offset_arg, length_arg) = (offset.to_string(), length.to_string());
+    let args = ["read", path, &offset_arg, &length_arg];
+    // The size line comes first: at most 20 digits and a newline.
+    let out = script(kernels, live, &args, Bytes::new(), length + 21).await?;
+    let size = out
+        .iter()
+        .position(|&b| b == b'\n')
+        .and_then(|nl| Some((std::str::from_utf8(&out[..nl]).ok()?.parse().ok()?, nl)));
+    let Some((size, nl)) = size else {
+        return Err(FileError::Failed {
+            path: path.to_owned(),
+            reason: "the file script answered without the file's size".into(),
+        });
+    };
+    Ok((out[nl + 1..].to_vec(), size))
+}
+
+/// Runs the files script with `args` in the kernel's container.
+async fn script(
+    kernels: &Kernels,
+    live: &LiveKernel,
+    args: &[&str],
+    body: Bytes,
+    max_bytes: usize,
+) -> Result<Vec<u8>, FileError> {
+    let path = args.get(1).copied().unwrap_or_default();
     if path.chars().any(char::is_control) {
         return Err(FileError::BadPath {
             path: path.escape_default().to_string(),
             reason: "file paths may not contain NUL or other control characters".into(),
         });
     }
-    let argv = ["python3", "-c", SCRIPT, op.arg(), path]
+    let argv = ["python3", "-c", SCRIPT]
+        .into_iter()
+        .chain(args.iter().copied())
         .map(str::to_owned)
-        .to_vec();
+        .collect();
     let out = kernels
         .backend()
         .exec(live.handle(), argv, body, max_bytes)

@@ -12,7 +12,12 @@
 //! Executions go through [`crate::kernels::run`], like the agent API's: one at a time per
 //! kernel, the timeout interrupts, the kernel relay applies the policy, the output cap and
 //! the audit trail, with the MCP session id as the agent id.
+//!
+//! What a model is sent: text as a terminal shows it, one MIME type per output
+//! ([`tools`]), and every result and progress notification within `--mcp-max-result-kb`
+//! ([`budget`]).
 
+pub mod budget;
 pub mod http;
 pub mod remote;
 pub mod stdio;
@@ -22,8 +27,10 @@ use crate::kernels::files::{self, FileError, FileOp};
 use crate::kernels::run::{self, Progress, Run};
 use crate::kernels::{Kernels, LiveKernel};
 use crate::tenants::Tenant;
+use budget::Budget;
 use kernelgate_protocol::content::ExecutionState;
 use kernelgate_protocol::execution::Event;
+use kernelgate_protocol::terminal::{plain_text, Terminal};
 use kernelgate_protocol::Outcome;
 use rmcp::model::{
     CallToolRequestParams, CallToolResponse, CallToolResult, ContentBlock, Implementation,
@@ -46,8 +53,10 @@ const SESSION_HEADER: &str = "mcp-session-id";
 const INSTRUCTIONS: &str = "Kernelgate runs Python for you in a persistent, sandboxed IPython \
     kernel (no network). Use run_python for code; variables persist between calls. Use \
     write_file/read_file/list_files to move data in and out of the kernel's working \
-    directory, restart_kernel to start over. Without a session, call start_kernel first and \
-    pass its kernel_id to every other tool.";
+    directory, restart_kernel to start over (it removes the files too). Results are limited \
+    in size: write large output to a file and read it in parts with read_file's offset and \
+    length. Without a session, call start_kernel first and pass its kernel_id to every other \
+    tool.";
 
 /// A kernel handed out by `start_kernel`.
 #[derive(Debug)]
@@ -88,6 +97,8 @@ pub struct Mcp {
     tracker: TaskTracker,
     cancel: CancellationToken,
     idle_timeout: Duration,
+    /// The largest message a client is sent.
+    budget: Budget,
     /// `start_kernel` kernels by id.
     handles: Mutex<HashMap<String, Handle>>,
 }
@@ -100,8 +111,9 @@ impl Mcp {
         tracker: TaskTracker,
         cancel: CancellationToken,
         idle_timeout: Duration,
+        budget: Budget,
     ) -> Arc<Self> {
-        Self::start(Place::Local(kernels), tracker, cancel, idle_timeout)
+        Self::start(Place::Local(kernels), tracker, cancel, idle_timeout, budget)
     }
 
     /// MCP over the kernels of a running gateway.
@@ -110,8 +122,15 @@ impl Mcp {
         tracker: TaskTracker,
         cancel: CancellationToken,
         idle_timeout: Duration,
+        budget: Budget,
     ) -> Arc<Self> {
-        Self::start(Place::Remote(gateway), tracker, cancel, idle_timeout)
+        Self::start(
+            Place::Remote(gateway),
+            tracker,
+            cancel,
+            idle_timeout,
+            budget,
+        )
     }
 
     fn start(
@@ -119,12 +138,14 @@ impl Mcp {
         tracker: TaskTracker,
         cancel: CancellationToken,
         idle_timeout: Duration,
+        budget: Budget,
     ) -> Arc<Self> {
         let mcp = Arc::new(Mcp {
             place,
             tracker: tracker.clone(),
             cancel,
             idle_timeout,
+            budget,
             handles: Mutex::default(),
         });
         tracker.spawn(mcp.clone().reap_idle_handles());
@@ -288,6 +309,28 @@ impl Mcp {
                 files::run(kernels, live, key, op, path, body.into(), limit).await
             }
             (Place::Remote(gateway), _) => gateway.file(kernel.id(), op, path, body, limit).await,
+            (Place::Local(_), KernelRef::Remote(_)) => Err(FileError::Failed {
+                path: path.to_owned(),
+                reason: gateway_mismatch(),
+            }),
+        }
+    }
+
+    async fn read_part(
+        &self,
+        kernel: &KernelRef,
+        key: &str,
+        path: &str,
+        offset: u64,
+        length: usize,
+    ) -> Result<(Vec<u8>, u64), FileError> {
+        match (&self.place, kernel) {
+            (Place::Local(kernels), KernelRef::Local(live)) => {
+                files::read_part(kernels, live, key, path, offset, length).await
+            }
+            (Place::Remote(gateway), _) => {
+                gateway.read_part(kernel.id(), path, offset, length).await
+            }
             (Place::Local(_), KernelRef::Remote(_)) => Err(FileError::Failed {
                 path: path.to_owned(),
                 reason: gateway_mismatch(),
@@ -485,7 +528,11 @@ impl Session {
             )
             .await;
         let progress = context.meta.get_progress_token();
+        let token_len = progress
+            .as_ref()
+            .map_or(0, |t| serde_json::to_string(t).map_or(0, |s| s.len()));
         let mut sent = 0u32;
+        let mut terminals = Streams::default();
         let mut outcome = Outcome::default();
         let mut ending = None;
         loop {
@@ -502,7 +549,11 @@ impl Session {
             let Some(item) = item else { break };
             match item {
                 Progress::Event(event) => {
-                    if let (Some(token), Some(message)) = (&progress, progress_message(&event)) {
+                    let message = progress
+                        .as_ref()
+                        .and_then(|_| terminals.message(&event))
+                        .map(|m| mcp.budget.fit_message(m, token_len));
+                    if let (Some(token), Some(message)) = (&progress, message) {
                         sent += 1;
                         let note = ProgressNotificationParam::new(token.clone(), f64::from(sent))
                             .with_message(message);
@@ -547,24 +598,7 @@ impl Session {
         let mcp = &self.state.mcp;
         let result = mcp.file(&kernel, &caller.tenant.name, op, path, body).await;
         mcp.touch(kernel.id());
-        result.map_err(|e| {
-            tools::error(match e {
-                FileError::TooLarge { path, limit_mib } => format!(
-                    "{path} is larger than read_file's {limit_mib} MiB limit: read a part of it \
-                     with run_python (e.g. pandas nrows, or open().read(n)) instead"
-                ),
-                FileError::BadPath { path, reason } => format!(
-                    "{path}: {reason}. Give a path relative to the working directory, without '..'"
-                ),
-                FileError::WrongKind { path, .. } if op == FileOp::Get => format!(
-                    "{path} is a directory: use list_files with this path to see what it holds"
-                ),
-                FileError::WrongKind { path, .. } if op == FileOp::List => {
-                    format!("{path} is a file: use read_file to read it")
-                }
-                other => other.to_string(),
-            })
-        })
+        result.map_err(|e| file_error(e, op))
     }
 
     async fn call(
@@ -593,20 +627,25 @@ impl Session {
                 )]))
             }
             "read_file" => {
-                let a: tools::ReadFile =
-                    tools::parse("read_file", r#"{"path": "results.csv"}"#, args)?;
-                let bytes = self
-                    .file_op(
-                        &caller,
-                        a.kernel_id.as_deref(),
-                        FileOp::Get,
-                        &a.path,
-                        Vec::new(),
-                    )
-                    .await?;
-                Ok(CallToolResult::success(vec![tools::file_content(
-                    &a.path, bytes,
-                )]))
+                let a: tools::ReadFile = tools::parse("read_file", tools::ReadFile::EXAMPLE, args)?;
+                // What one result holds besides the file's content.
+                let room = self
+                    .state
+                    .mcp
+                    .budget
+                    .room()
+                    .saturating_sub(256 + 2 * a.path.len());
+                let window = a.window(room)?;
+                let (kernel, _) = self.kernel(&caller, a.kernel_id.as_deref()).await?;
+                let mcp = &self.state.mcp;
+                let part = mcp
+                    .read_part(&kernel, &caller.tenant.name, &a.path, a.offset, window)
+                    .await;
+                mcp.touch(kernel.id());
+                let (bytes, size) = part.map_err(|e| file_error(e, FileOp::Get))?;
+                Ok(CallToolResult::success(tools::file_part(
+                    &a.path, a.offset, bytes, size, room,
+                )?))
             }
             "write_file" => {
                 let a: tools::WriteFile =
@@ -627,7 +666,8 @@ impl Session {
                 mcp.restart(&kernel, &caller.tenant).await?;
                 mcp.touch(kernel.id());
                 Ok(CallToolResult::success(vec![ContentBlock::text(
-                    "The kernel restarted: all variables and imports are gone; files stay.",
+                    "The kernel restarted in a new sandbox: all variables and imports are gone, \
+                     and the files in its working directory were removed.",
                 )]))
             }
             "start_kernel" => {
@@ -649,19 +689,65 @@ impl Session {
     }
 }
 
-/// What a progress notification says about one event of a run.
-fn progress_message(event: &Event) -> Option<String> {
-    match event {
-        Event::Stream { text, .. } => Some(text.clone()),
-        Event::Display(d) => Some(match d.data.get("text/plain").and_then(|v| v.as_str()) {
-            Some(text) if !d.data.contains_key("image/png") => text.to_owned(),
-            _ => format!(
-                "[{} output]",
-                d.data.keys().next().map_or("an", String::as_str)
-            ),
-        }),
-        Event::Error(e) => Some(format!("{}: {}", e.ename, e.evalue)),
-        _ => None,
+/// A file operation's failure as what the model should do about it.
+fn file_error(e: FileError, op: FileOp) -> ToolError {
+    tools::error(match e {
+        FileError::TooLarge { path, limit_mib } if op == FileOp::List => format!(
+            "the listing of {path} is larger than the {limit_mib} MiB limit: list its \
+             subdirectories one at a time"
+        ),
+        FileError::TooLarge { path, limit_mib } => format!(
+            "{path} is larger than the {limit_mib} MiB limit: read it in parts with \
+             read_file's offset and length"
+        ),
+        FileError::BadPath { path, reason } => {
+            format!("{path}: {reason}. Give a path relative to the working directory, without '..'")
+        }
+        FileError::WrongKind { path, .. } if op == FileOp::Get => {
+            format!("{path} is a directory: use list_files with this path to see what it holds")
+        }
+        FileError::WrongKind { path, .. } if op == FileOp::List => {
+            format!("{path} is a file: use read_file to read it")
+        }
+        other => other.to_string(),
+    })
+}
+
+/// The terminal state of a run's two streams, for its progress notifications.
+#[derive(Debug, Default)]
+struct Streams {
+    stdout: Terminal,
+    stderr: Terminal,
+}
+
+impl Streams {
+    /// What a progress notification says about one event of a run: the lines a stream
+    /// chunk completed, else the line it is drawing (a progress bar in its current
+    /// state); a display's text or kind; an exception's name and value.
+    fn message(&mut self, event: &Event) -> Option<String> {
+        match event {
+            Event::Stream { name, text } => {
+                let terminal = if name == "stderr" {
+                    &mut self.stderr
+                } else {
+                    &mut self.stdout
+                };
+                let done = terminal.push(text);
+                let message = if done.is_empty() {
+                    terminal.pending().to_owned()
+                } else {
+                    done
+                };
+                (!message.is_empty()).then_some(message)
+            }
+            Event::Display(d) => Some(tools::display_summary(&d.data)),
+            Event::Error(e) => Some(format!(
+                "{}: {}",
+                plain_text(&e.ename),
+                plain_text(&e.evalue)
+            )),
+            _ => None,
+        }
     }
 }
 
@@ -693,6 +779,6 @@ impl ServerHandler for Session {
             Ok(result) => result,
             Err(e) => e.into_result(),
         };
-        Ok(result.into())
+        Ok(self.state.mcp.budget.fit(result).into())
     }
 }

@@ -218,34 +218,10 @@ impl Remote {
             FileOp::List | FileOp::Get => self.request(reqwest::Method::GET, &url),
         };
         let owned = path.to_owned();
-        let response = self.send(request).await.map_err(|e| match e {
-            RemoteError::Refused { status, message } => match status {
-                StatusCode::NOT_FOUND => FileError::NotFound {
-                    path: owned.clone(),
-                    reason: message,
-                },
-                StatusCode::BAD_REQUEST => FileError::BadPath {
-                    path: owned.clone(),
-                    reason: message,
-                },
-                StatusCode::CONFLICT => FileError::WrongKind {
-                    path: owned.clone(),
-                    reason: message,
-                },
-                StatusCode::PAYLOAD_TOO_LARGE => FileError::TooLarge {
-                    path: owned.clone(),
-                    limit_mib: max_bytes >> 20,
-                },
-                _ => FileError::Failed {
-                    path: owned.clone(),
-                    reason: message,
-                },
-            },
-            other => FileError::Failed {
-                path: owned.clone(),
-                reason: other.to_string(),
-            },
-        })?;
+        let response = self
+            .send(request)
+            .await
+            .map_err(|e| file_error(e, path, max_bytes))?;
         let is_listing = response
             .headers()
             .get("content-type")
@@ -273,6 +249,121 @@ impl Remote {
             });
         }
         Ok(bytes.to_vec())
+    }
+
+    /// At most `length` bytes of a file from `offset`, and the file's size: the files API
+    /// with a `Range` header.
+    pub async fn read_part(
+        &self,
+        id: &str,
+        path: &str,
+        offset: u64,
+        length: usize,
+    ) -> Result<(Vec<u8>, u64), FileError> {
+        if let Some(reason) = refused_path(path) {
+            return Err(FileError::BadPath {
+                path: path.to_owned(),
+                reason: reason.to_owned(),
+            });
+        }
+        let last = offset.saturating_add(length.max(1) as u64 - 1);
+        let request = self
+            .request(
+                reqwest::Method::GET,
+                &format!("/api/kernels/{id}/files/{}", encode_path(path)),
+            )
+            .header("Range", format!("bytes={offset}-{last}"));
+        let failed = |detail: String| FileError::Failed {
+            path: path.to_owned(),
+            reason: detail,
+        };
+        let response = request
+            .send()
+            .await
+            .map_err(|e| failed(format!("cannot reach the gateway at {}: {e}", self.url)))?;
+        let status = response.status();
+        // `bytes FIRST-LAST/SIZE` or `bytes */SIZE`.
+        let size = response
+            .headers()
+            .get("content-range")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.rsplit_once('/'))
+            .and_then(|(_, size)| size.parse::<u64>().ok());
+        let is_listing = response
+            .headers()
+            .get("content-type")
+            .is_some_and(|v| v.as_bytes().starts_with(b"application/json"));
+        match status {
+            StatusCode::RANGE_NOT_SATISFIABLE => {
+                return Ok((Vec::new(), size.unwrap_or(offset)));
+            }
+            StatusCode::PARTIAL_CONTENT | StatusCode::OK if is_listing => {
+                return Err(FileError::WrongKind {
+                    path: path.to_owned(),
+                    reason: "is a directory".into(),
+                });
+            }
+            StatusCode::PARTIAL_CONTENT | StatusCode::OK => {}
+            _ => {
+                let body: Value = response.json().await.unwrap_or(Value::Null);
+                let message = body
+                    .get("message")
+                    .and_then(Value::as_str)
+                    .unwrap_or("no message")
+                    .to_owned();
+                return Err(file_error(
+                    RemoteError::Refused { status, message },
+                    path,
+                    length,
+                ));
+            }
+        }
+        let bytes = response.bytes().await.map_err(|e| failed(e.to_string()))?;
+        match (status, size) {
+            (StatusCode::PARTIAL_CONTENT, Some(size)) => Ok((bytes.to_vec(), size)),
+            // A gateway that ignored the range sent the whole file.
+            _ => {
+                let size = bytes.len() as u64;
+                let from = usize::try_from(offset)
+                    .unwrap_or(usize::MAX)
+                    .min(bytes.len());
+                let to = from.saturating_add(length).min(bytes.len());
+                Ok((bytes[from..to].to_vec(), size))
+            }
+        }
+    }
+}
+
+/// A refusal of the files API as the file error it stands for.
+fn file_error(e: RemoteError, path: &str, max_bytes: usize) -> FileError {
+    let path = path.to_owned();
+    match e {
+        RemoteError::Refused { status, message } => match status {
+            StatusCode::NOT_FOUND => FileError::NotFound {
+                path,
+                reason: message,
+            },
+            StatusCode::BAD_REQUEST => FileError::BadPath {
+                path,
+                reason: message,
+            },
+            StatusCode::CONFLICT => FileError::WrongKind {
+                path,
+                reason: message,
+            },
+            StatusCode::PAYLOAD_TOO_LARGE => FileError::TooLarge {
+                path,
+                limit_mib: max_bytes >> 20,
+            },
+            _ => FileError::Failed {
+                path,
+                reason: message,
+            },
+        },
+        other => FileError::Failed {
+            path,
+            reason: other.to_string(),
+        },
     }
 }
 

@@ -2,18 +2,20 @@
 //! checked into typed values (a wrong argument is a tool error that says what to fix); and
 //! a run's outputs turned into MCP content. No I/O here.
 
+use super::budget;
 use kernelgate_protocol::execution::Status;
+use kernelgate_protocol::terminal::plain_text;
 use kernelgate_protocol::Outcome;
 use rmcp::model::{CallToolResult, ContentBlock, JsonObject, ResourceContents, Tool};
 use serde::de::DeserializeOwned;
 use serde::Deserialize;
-use serde_json::{json, Value};
+use serde_json::{json, Map, Value};
 use std::sync::Arc;
 use std::time::Duration;
 
 /// Used when `run_python` gives no timeout (the agent API's default).
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
-/// Largest file `read_file` returns and `write_file` accepts.
+/// Largest file `write_file` accepts.
 pub const MAX_FILE_BYTES: usize = 10 * 1024 * 1024;
 
 const KERNEL_ID: &str = "The kernel to use, as start_kernel returned it. Leave it out to use \
@@ -35,9 +37,16 @@ pub fn all() -> Vec<Tool> {
             "Run Python code in a persistent IPython kernel (a sandboxed container with numpy, \
              pandas and matplotlib). Variables, imports and files persist between calls. \
              Returns stdout, stderr, the value of the last expression, and every chart \
-             (matplotlib figures come back as PNG images: call plt.show()). An exception comes \
-             back as an error result with its name, value and traceback; the kernel keeps its \
-             state. The kernel has no network access. IPython magics (%timeit) work.",
+             (matplotlib figures come back as PNG images: call plt.show()). Each rich output \
+             comes as the first of: a PNG, JPEG, GIF or WebP image; an SVG as its XML text; \
+             Markdown as text; text/plain (a DataFrame as its text table); HTML, LaTeX or \
+             JSON as text. Text is as a terminal shows it (no colour codes; a line redrawn \
+             with \\r, like a progress bar, only in its last state). A result is limited in \
+             size: long output keeps its head and tail with a note, and images that do not \
+             fit are replaced by a note (write big output to a file and read it with \
+             read_file). An exception comes back as an error result with its name, value and \
+             traceback; the kernel keeps its state. The kernel has no network access. \
+             IPython magics (%timeit) work.",
             schema(json!({
                 "type": "object",
                 "properties": {
@@ -63,12 +72,16 @@ pub fn all() -> Vec<Tool> {
         ),
         Tool::new(
             "read_file",
-            "Read a file from the kernel's working directory: text comes back as text, other \
-             files as an embedded base64 blob. Files over 10 MiB are refused.",
+            "Read a file from the kernel's working directory: text comes back as text, a \
+             PNG, JPEG, GIF or WebP image as an image, other files as an embedded base64 \
+             blob. A result is limited in size: a larger file comes in parts, each saying \
+             which bytes it holds and the offset to ask for next.",
             schema(json!({
                 "type": "object",
                 "properties": {
                     "path": {"type": "string", "description": "File path relative to the working directory, e.g. results/summary.csv."},
+                    "offset": {"type": "integer", "minimum": 0, "description": "Byte to start at; default 0. A part's note names the offset of the next one."},
+                    "length": {"type": "integer", "minimum": 1, "description": "Most bytes to return; default: as many as fit in one result."},
                     "kernel_id": {"type": "string", "description": KERNEL_ID},
                 },
                 "required": ["path"],
@@ -91,8 +104,10 @@ pub fn all() -> Vec<Tool> {
         ),
         Tool::new(
             "restart_kernel",
-            "Restart the kernel: every variable and import is lost, files in the working \
-             directory stay. Use it when the kernel is stuck or its state is broken.",
+            "Restart the kernel: it starts afresh in a new sandbox, so every variable and \
+             import is lost and every file in the working directory is removed (write_file \
+             or recreate what you still need). Use it when the kernel is stuck or its state \
+             is broken.",
             schema(json!({
                 "type": "object",
                 "properties": {"kernel_id": {"type": "string", "description": KERNEL_ID}},
@@ -179,8 +194,31 @@ pub struct ListFiles {
 pub struct ReadFile {
     pub path: String,
     #[serde(default)]
+    pub offset: u64,
+    #[serde(default)]
+    pub length: Option<u64>,
+    #[serde(default)]
     pub kernel_id: Option<String>,
 }
+
+impl ReadFile {
+    pub const EXAMPLE: &'static str = r#"{"path": "results.csv", "offset": 0, "length": 65536}"#;
+
+    /// Bytes to read: what was asked, at most what one result of `room` bytes can hold.
+    pub fn window(&self, room: usize) -> Result<usize, ToolError> {
+        let most = room.saturating_sub(PART_NOTE_ROOM);
+        match self.length {
+            Some(0) => Err(error(
+                "length 0 reads nothing: give at least 1, or leave it out to read as much as fits",
+            )),
+            Some(n) => Ok(usize::try_from(n).unwrap_or(usize::MAX).min(most)),
+            None => Ok(most),
+        }
+    }
+}
+
+/// Room kept in a `read_file` result for the note about the part it holds.
+const PART_NOTE_ROOM: usize = 1024;
 
 #[derive(Debug, Deserialize)]
 pub struct WriteFile {
@@ -229,35 +267,6 @@ impl WriteFile {
     }
 }
 
-/// Drops ANSI escape sequences (IPython colours its tracebacks).
-pub fn strip_ansi(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    let mut chars = text.chars().peekable();
-    while let Some(c) = chars.next() {
-        if c != '\u{1b}' {
-            out.push(c);
-            continue;
-        }
-        match chars.peek() {
-            // CSI: parameters and intermediates, then one final byte in @..~
-            Some('[') => {
-                chars.next();
-                for c in chars.by_ref() {
-                    if ('@'..='~').contains(&c) {
-                        break;
-                    }
-                }
-            }
-            // A two-character escape.
-            Some(_) => {
-                chars.next();
-            }
-            None => {}
-        }
-    }
-    out
-}
-
 /// How a run ended, as the tool result sees it.
 #[derive(Debug, Clone, Copy)]
 pub struct Ending {
@@ -266,37 +275,25 @@ pub struct Ending {
     pub truncated: bool,
 }
 
-/// A run's outputs as MCP content: text for streams, results and HTML, images for PNGs, and
-/// a tool error carrying the exception when the code failed.
+/// A run's outputs as MCP content: text for streams and results, images for raster
+/// images, and a tool error carrying the exception when the code failed. All text as a
+/// terminal shows it ([`plain_text`]).
 pub fn run_result(outcome: &Outcome, ending: Ending) -> CallToolResult {
     let mut content = Vec::new();
-    if !outcome.stdout.is_empty() {
-        content.push(ContentBlock::text(outcome.stdout.clone()));
+    let stdout = plain_text(&outcome.stdout);
+    if !stdout.is_empty() {
+        content.push(ContentBlock::text(stdout));
     }
-    if !outcome.stderr.is_empty() {
-        content.push(ContentBlock::text(format!(
-            "[stderr]\n{}",
-            strip_ansi(&outcome.stderr)
-        )));
+    let stderr = plain_text(&outcome.stderr);
+    if !stderr.is_empty() {
+        content.push(ContentBlock::text(format!("[stderr]\n{stderr}")));
     }
-    for display in &outcome.displays {
-        let data = &display.data;
-        if let Some(png) = data.get("image/png").and_then(Value::as_str) {
-            let png: String = png.chars().filter(|c| !c.is_whitespace()).collect();
-            content.push(ContentBlock::image(png, "image/png"));
-        } else if let Some(html) = data.get("text/html").and_then(text_of) {
-            content.push(ContentBlock::text(html));
-        } else if let Some(plain) = data.get("text/plain").and_then(text_of) {
-            content.push(ContentBlock::text(strip_ansi(&plain)));
-        } else if let Some(kind) = data.keys().next() {
-            content.push(ContentBlock::text(format!("[an output of type {kind}]")));
-        }
-    }
+    content.extend(outcome.displays.iter().map(|d| display(&d.data)));
     let mut failed = false;
     if let Some(e) = &outcome.error {
         failed = true;
-        let traceback: Vec<String> = e.traceback.iter().map(|line| strip_ansi(line)).collect();
-        let mut text = format!("{}: {}", e.ename, e.evalue);
+        let traceback: Vec<String> = e.traceback.iter().map(|line| plain_text(line)).collect();
+        let mut text = format!("{}: {}", plain_text(&e.ename), plain_text(&e.evalue));
         if !traceback.is_empty() {
             text = format!("{text}\n\n{}", traceback.join("\n"));
         }
@@ -327,6 +324,68 @@ pub fn run_result(outcome: &Outcome, ending: Ending) -> CallToolResult {
         CallToolResult::error(content)
     } else {
         CallToolResult::success(content)
+    }
+}
+
+/// Raster image types, which models take as images.
+const RASTER: [&str; 4] = ["image/png", "image/jpeg", "image/gif", "image/webp"];
+
+/// The one MIME type of a display a model gets, in this order: a raster image; SVG as its
+/// XML text (model APIs take raster images only, so an SVG image block would be refused
+/// or dropped by the host); Markdown; `text/plain` unless it is only an object's default
+/// repr (`<IPython.core.display.HTML object>`); HTML, LaTeX, JSON as text; else the
+/// `text/plain` anyway, or a note naming the type.
+pub fn display(data: &Map<String, Value>) -> ContentBlock {
+    for mime in RASTER {
+        if let Some(b64) = data.get(mime).and_then(text_of) {
+            let b64: String = b64.chars().filter(|c| !c.is_whitespace()).collect();
+            return ContentBlock::image(b64, mime);
+        }
+    }
+    if let Some(svg) = data.get("image/svg+xml").and_then(text_of) {
+        return ContentBlock::text(format!("[SVG image, as its XML source]\n{svg}"));
+    }
+    if let Some(markdown) = data.get("text/markdown").and_then(text_of) {
+        return ContentBlock::text(markdown);
+    }
+    let plain = data
+        .get("text/plain")
+        .and_then(text_of)
+        .map(|p| plain_text(&p));
+    if let Some(plain) = plain.as_ref().filter(|p| !is_default_repr(p)) {
+        return ContentBlock::text(plain.clone());
+    }
+    for mime in ["text/html", "text/latex"] {
+        if let Some(text) = data.get(mime).and_then(text_of) {
+            return ContentBlock::text(text);
+        }
+    }
+    if let Some(value) = data.get("application/json") {
+        return ContentBlock::text(value.to_string());
+    }
+    match (plain, data.keys().next()) {
+        (Some(plain), _) => ContentBlock::text(plain),
+        (None, Some(kind)) => ContentBlock::text(format!("[an output of type {kind}]")),
+        (None, None) => ContentBlock::text("[an empty output]"),
+    }
+}
+
+/// `<module.Class object>`, `<module.Class object at 0x…>` or IPython's
+/// `<module.Class at 0x…>`: the repr of an object that has no better one.
+fn is_default_repr(text: &str) -> bool {
+    let text = text.trim();
+    text.starts_with('<')
+        && text.ends_with('>')
+        && !text.contains('\n')
+        && (text.ends_with(" object>") || text.contains(" at 0x"))
+}
+
+/// What a progress notification says about a display: its text, or what it is.
+pub fn display_summary(data: &Map<String, Value>) -> String {
+    match display(data) {
+        ContentBlock::Text(t) => t.text,
+        ContentBlock::Image(i) => format!("[{} image]", i.mime_type),
+        _ => "[an output]".to_owned(),
     }
 }
 
@@ -361,18 +420,94 @@ pub fn listing(path: &str, json_listing: &[u8]) -> String {
     out
 }
 
-/// A file's bytes as content: text when it is UTF-8, else an embedded blob.
-pub fn file_content(path: &str, bytes: Vec<u8>) -> ContentBlock {
+/// A part of a file as content, `bytes` read from `offset` of a file of `size` bytes,
+/// within `room` bytes of JSON: text when it is UTF-8, a whole raster image as an image,
+/// anything else as an embedded base64 blob. A note follows when the part is not the
+/// whole file: which bytes these are and what offset comes next.
+pub fn file_part(
+    path: &str,
+    offset: u64,
+    bytes: Vec<u8>,
+    size: u64,
+    room: usize,
+) -> Result<Vec<ContentBlock>, ToolError> {
+    if offset > size || (offset == size && size > 0) {
+        return Err(error(format!(
+            "offset {offset} is past the end of {path} ({size} bytes): give an offset below {size}"
+        )));
+    }
+    let room = room.saturating_sub(PART_NOTE_ROOM);
     let uri = format!("file:///{}", path.trim_start_matches('/'));
-    match String::from_utf8(bytes) {
-        Ok(text) => ContentBlock::text(text),
-        Err(e) => {
-            use base64::Engine as _;
-            let blob = base64::engine::general_purpose::STANDARD.encode(e.into_bytes());
-            ContentBlock::resource(
-                ResourceContents::blob(blob, uri).with_mime_type("application/octet-stream"),
-            )
+    let whole_file = offset == 0 && bytes.len() as u64 == size;
+    let text = match std::str::from_utf8(&bytes) {
+        Ok(text) => Some(text),
+        // A multi-byte character cut by the end of the part: it starts the next part.
+        Err(e) if e.error_len().is_none() && e.valid_up_to() > 0 => {
+            std::str::from_utf8(&bytes[..e.valid_up_to()]).ok()
         }
+        Err(_) => None,
+    };
+    let (block, taken) = match text {
+        Some(text) => {
+            let mut end = 0;
+            let mut json = 0;
+            for (i, c) in text.char_indices() {
+                json += budget::char_json_len(c);
+                if json > room {
+                    break;
+                }
+                end = i + c.len_utf8();
+            }
+            (ContentBlock::text(&text[..end]), end)
+        }
+        None => {
+            use base64::Engine as _;
+            let b64 = base64::engine::general_purpose::STANDARD;
+            let image = whole_file
+                .then(|| image_type(&bytes))
+                .flatten()
+                .filter(|_| bytes.len().div_ceil(3) * 4 <= room);
+            match image {
+                Some(mime) => (ContentBlock::image(b64.encode(&bytes), mime), bytes.len()),
+                None => {
+                    let n = bytes
+                        .len()
+                        .min(room.saturating_sub(uri.len() + 128) / 4 * 3);
+                    let blob = b64.encode(&bytes[..n]);
+                    let block = ContentBlock::resource(
+                        ResourceContents::blob(blob, uri)
+                            .with_mime_type("application/octet-stream"),
+                    );
+                    (block, n)
+                }
+            }
+        }
+    };
+    let end = offset + taken as u64;
+    let mut content = vec![block];
+    if offset > 0 || end < size {
+        let last = end.saturating_sub(1).max(offset);
+        content.push(ContentBlock::text(if end < size {
+            format!(
+                "[{path}: bytes {offset}-{last} of {size}; {} more bytes follow: call read_file \
+                 with offset={end} for the next part]",
+                size - end
+            )
+        } else {
+            format!("[{path}: bytes {offset}-{last} of {size}, up to the end of the file]")
+        }));
+    }
+    Ok(content)
+}
+
+/// The image type of a file's bytes, by their magic numbers.
+fn image_type(bytes: &[u8]) -> Option<&'static str> {
+    match bytes {
+        [0x89, b'P', b'N', b'G', b'\r', b'\n', 0x1a, b'\n', ..] => Some("image/png"),
+        [0xff, 0xd8, 0xff, ..] => Some("image/jpeg"),
+        [b'G', b'I', b'F', b'8', ..] => Some("image/gif"),
+        [b'R', b'I', b'F', b'F', _, _, _, _, b'W', b'E', b'B', b'P', ..] => Some("image/webp"),
+        _ => None,
     }
 }
 
@@ -391,14 +526,95 @@ mod tests {
             .collect()
     }
 
+    fn bundle(pairs: &[(&str, Value)]) -> Map<String, Value> {
+        pairs
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), v.clone()))
+            .collect()
+    }
+
     #[test]
-    fn ansi_colours_are_stripped() {
+    fn streams_are_text_as_a_terminal_shows_it() {
+        let outcome = Outcome {
+            stdout: "\r 10%|#   |\r 50%|##  |\r100%|####|\ndone\n".into(),
+            stderr: "\u{1b}[33mwarning\u{1b}[0m\n".into(),
+            ..Outcome::default()
+        };
+        let ending = Ending {
+            status: Status::Ok,
+            timeout: DEFAULT_TIMEOUT,
+            truncated: false,
+        };
         assert_eq!(
-            strip_ansi("\u{1b}[0;31mZeroDivisionError\u{1b}[0m: division by zero"),
-            "ZeroDivisionError: division by zero"
+            texts(&run_result(&outcome, ending)),
+            ["100%|####|\ndone\n", "[stderr]\nwarning\n"]
         );
-        assert_eq!(strip_ansi("plain"), "plain");
-        assert_eq!(strip_ansi("cut \u{1b}"), "cut ");
+    }
+
+    #[test]
+    fn each_display_comes_as_the_type_a_model_reads_best() {
+        let frame = bundle(&[
+            ("text/plain", json!("   a\n0  1")),
+            ("text/html", json!("<style>…</style><table>")),
+        ]);
+        assert_eq!(
+            display(&frame).as_text().map(|t| t.text.as_str()),
+            Some("   a\n0  1")
+        );
+        let markdown = bundle(&[
+            (
+                "text/plain",
+                json!("<IPython.core.display.Markdown object>"),
+            ),
+            ("text/markdown", json!("# Title")),
+        ]);
+        assert_eq!(
+            display(&markdown).as_text().map(|t| t.text.as_str()),
+            Some("# Title")
+        );
+        let html = bundle(&[
+            ("text/plain", json!("<IPython.core.display.HTML object>")),
+            ("text/html", json!("<b>bold</b>")),
+        ]);
+        assert_eq!(
+            display(&html).as_text().map(|t| t.text.as_str()),
+            Some("<b>bold</b>")
+        );
+        let svg = bundle(&[
+            ("text/plain", json!("<Figure size 640x480 with 1 Axes>")),
+            ("image/svg+xml", json!("<svg/>")),
+        ]);
+        assert_eq!(
+            display(&svg).as_text().map(|t| t.text.as_str()),
+            Some("[SVG image, as its XML source]\n<svg/>")
+        );
+        let jpeg = bundle(&[
+            ("image/jpeg", json!("/9j/\n4AAQ")),
+            ("text/plain", json!("<PIL.Image>")),
+        ]);
+        let image = display(&jpeg);
+        let image = image.as_image().expect("an image");
+        assert_eq!(
+            (image.data.as_str(), image.mime_type.as_str()),
+            ("/9j/4AAQ", "image/jpeg")
+        );
+        let json_only = bundle(&[
+            ("text/plain", json!("<IPython.core.display.JSON object>")),
+            ("application/json", json!({"a": 1})),
+        ]);
+        assert_eq!(
+            display(&json_only).as_text().map(|t| t.text.as_str()),
+            Some(r#"{"a":1}"#)
+        );
+        let coloured = bundle(&[("text/plain", json!("\u{1b}[1mbold\u{1b}[0m"))]);
+        assert_eq!(
+            display(&coloured).as_text().map(|t| t.text.as_str()),
+            Some("bold")
+        );
+        let widget = bundle(&[("application/vnd.jupyter.widget-view+json", json!({}))]);
+        assert!(display(&widget)
+            .as_text()
+            .is_some_and(|t| t.text.contains("widget-view")));
     }
 
     #[test]
@@ -503,8 +719,56 @@ mod tests {
     }
 
     #[test]
-    fn binary_files_are_blobs() {
-        assert!(file_content("a.txt", b"hi".to_vec()).as_text().is_some());
-        assert!(file_content("a.bin", vec![0xff, 0]).as_text().is_none());
+    fn a_whole_small_file_is_its_content_alone() {
+        let text = file_part("a.txt", 0, b"hi".to_vec(), 2, 4096).expect("read");
+        assert_eq!(text.len(), 1);
+        assert_eq!(text[0].as_text().map(|t| t.text.as_str()), Some("hi"));
+        let blob = file_part("a.bin", 0, vec![0xff, 0], 2, 4096).expect("read");
+        assert!(blob[0].as_resource().is_some());
+        let png = b"\x89PNG\r\n\x1a\nrest".to_vec();
+        let image = file_part("a.png", 0, png, 12, 4096).expect("read");
+        assert_eq!(
+            image[0].as_image().map(|i| i.mime_type.as_str()),
+            Some("image/png")
+        );
+    }
+
+    #[test]
+    fn a_part_says_which_bytes_it_holds_and_where_the_next_starts() {
+        let room = 4096;
+        let part =
+            file_part("log.txt", 100, "x".repeat(5000).into_bytes(), 10_000, room).expect("read");
+        let text = &part[0].as_text().expect("text").text;
+        assert_eq!(text.len(), room - PART_NOTE_ROOM);
+        let next = 100 + text.len();
+        assert_eq!(
+            part[1].as_text().map(|t| t.text.clone()),
+            Some(format!(
+                "[log.txt: bytes 100-{} of 10000; {} more bytes follow: call read_file with offset={next} for the next part]",
+                next - 1,
+                10_000 - next
+            ))
+        );
+        // A character cut by the end of the window starts the next part.
+        let part = file_part("u.txt", 0, "aé".as_bytes()[..2].to_vec(), 3, room).expect("read");
+        assert_eq!(part[0].as_text().map(|t| t.text.as_str()), Some("a"));
+        assert!(part[1]
+            .as_text()
+            .is_some_and(|t| t.text.contains("offset=1 ")));
+        let last = file_part("log.txt", 9_000, vec![b'y'; 1000], 10_000, room).expect("read");
+        assert!(last[1]
+            .as_text()
+            .is_some_and(|t| t.text.ends_with("up to the end of the file]")));
+        let binary = file_part("b.bin", 0, vec![0xff; 5000], 5000, room).expect("read");
+        let ResourceContents::BlobResourceContents { blob, .. } =
+            &binary[0].as_resource().expect("a blob").resource
+        else {
+            panic!("a blob");
+        };
+        assert!(blob.len() <= room - PART_NOTE_ROOM);
+        let past = file_part("log.txt", 10_000, Vec::new(), 10_000, room);
+        assert!(past.is_err_and(|e| e.0.contains("past the end")));
+        let empty = file_part("e.txt", 0, Vec::new(), 0, room).expect("read");
+        assert_eq!(empty.len(), 1);
     }
 }
