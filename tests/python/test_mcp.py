@@ -617,6 +617,7 @@ def test_host_and_origin_checks_are_the_gateways(gw: Gateway):
 @pytest.fixture(scope="module")
 def capped_gw() -> Iterator[Gateway]:
     """A gateway whose output cap (--max-output-mb 1) a test reaches quickly."""
+    (ARTIFACTS / "test_mcp").mkdir(parents=True, exist_ok=True)
     gateway = start_gateway(ARTIFACTS / "test_mcp" / "capped-gateway.log", ["--max-output-mb", "1"])
     yield gateway
     stop_gateway(gateway)
@@ -634,9 +635,14 @@ def test_timeout_and_output_cap_apply_as_in_the_agent_api(capped_gw: Gateway, mo
             assert "KeyboardInterrupt" in text(slow)
             assert text(await c.call_tool("run_python", {"code": "kept", **target})) == "'yes'"
 
-            flood = await c.call_tool("run_python", {"code": "for i in range(30000): print('x' * 99)", **target})
+            # 5 MB in a few large stream messages: the first MiB of it reaches the model's
+            # side (head and tail within the result budget, the rest counted in the note).
+            flood = await c.call_tool("run_python", {"code": "for i in range(5000): print('x' * 999)", **target})
             assert len(text(flood)) < 1_200_000
             assert "output limit" in text(flood), text(flood)[-300:]
+            left_out = sum(int(n) for n in re.findall(r"\[\.\.\. (\d+) bytes", text(flood)))
+            delivered = text(flood).count("x" * 999) * 1000 + left_out
+            assert delivered >= 1_000_000, (delivered, text(flood)[-500:])
             assert text(await c.call_tool("run_python", {"code": "kept", **target})) == "'yes'"
 
     run(scenario())
