@@ -14,6 +14,7 @@
 //! node removes a record another node holds.
 
 pub mod etcd;
+pub mod forward;
 pub mod membership;
 pub mod memory;
 pub mod placement;

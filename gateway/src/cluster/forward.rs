@@ -1,0 +1,520 @@
+//! The forwarding layer: a request for a kernel another node owns goes to that node as the
+//! client sent it (method, path, query, headers, body streamed both ways), less the
+//! client's credentials and any internal header a client tried to send, plus the identity
+//! the entry node vouches for, signed with the cluster secret ([`super::signing`]). A
+//! WebSocket is forwarded as the HTTP Upgrade itself: the owner checks the request,
+//! negotiates the subprotocol and answers `101`, then the bytes are spliced both ways and
+//! no frame is ever decoded or re-encoded here.
+
+use super::signing::{Forwarded, Signer, HEADER_PREFIX};
+use axum::body::Body;
+use axum::extract::Request;
+use axum::http::{header, HeaderMap, HeaderName, HeaderValue, Response};
+use futures::TryStreamExt;
+use hyper_util::rt::TokioIo;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+/// How long connecting to the owner may take before it counts as unreachable.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+/// The most an owner's answer to an upgrade may hold before its body.
+const MAX_HEAD: usize = 64 * 1024;
+
+/// Headers that describe one hop, not the request (RFC 9110 §7.6.1), and the client's
+/// credentials, which stay at the entry node.
+const NOT_FORWARDED: [&str; 10] = [
+    "connection",
+    "keep-alive",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+    "host",
+    "authorization",
+];
+
+#[derive(Debug, thiserror::Error)]
+pub enum ForwardError {
+    /// The owner did not answer: the client should try again shortly.
+    #[error("the node that runs this kernel ({node}) cannot be reached: {reason}")]
+    Unreachable { node: String, reason: String },
+    /// The owner answered something that is not HTTP.
+    #[error("the node that runs this kernel ({node}) answered something that is not HTTP")]
+    BadAnswer { node: String },
+}
+
+/// Sends requests on to the nodes that own their kernels.
+#[derive(Debug)]
+pub struct Forwarder {
+    http: reqwest::Client,
+    signer: Arc<Signer>,
+    /// This node's id, named as the entry in forwarded calls.
+    node_id: String,
+    /// Owns the splice of every forwarded WebSocket.
+    tracker: TaskTracker,
+    cancel: CancellationToken,
+}
+
+/// The path and query as forwarded: without a `token` parameter (credentials stay here).
+fn forwarded_path(req: &Request) -> String {
+    let path = req.uri().path();
+    match req.uri().query() {
+        None => path.to_owned(),
+        Some(q) => {
+            let kept: Vec<&str> = q
+                .split('&')
+                .filter(|kv| !kv.is_empty() && kv.split('=').next() != Some("token"))
+                .collect();
+            if kept.is_empty() {
+                path.to_owned()
+            } else {
+                format!("{path}?{}", kept.join("&"))
+            }
+        }
+    }
+}
+
+/// The client's headers that go on to the owner.
+fn forwarded_headers(headers: &HeaderMap) -> Vec<(HeaderName, HeaderValue)> {
+    headers
+        .iter()
+        .filter(|(name, _)| {
+            let n = name.as_str();
+            !NOT_FORWARDED.contains(&n) && !n.starts_with(HEADER_PREFIX)
+        })
+        .map(|(n, v)| (n.clone(), v.clone()))
+        .collect()
+}
+
+/// Whether a request asks to become a WebSocket.
+pub fn is_upgrade(headers: &HeaderMap) -> bool {
+    let has = |name: header::HeaderName, token: &str| {
+        headers.get_all(name).iter().any(|v| {
+            v.to_str()
+                .is_ok_and(|v| v.split(',').any(|t| t.trim().eq_ignore_ascii_case(token)))
+        })
+    };
+    has(header::CONNECTION, "upgrade") && has(header::UPGRADE, "websocket")
+}
+
+/// Removes every internal header from a client's request (the entry node does this first,
+/// so that a client cannot pass for a forwarding node).
+pub fn strip_internal(headers: &mut HeaderMap) {
+    let internal: Vec<HeaderName> = headers
+        .keys()
+        .filter(|n| n.as_str().starts_with(HEADER_PREFIX))
+        .cloned()
+        .collect();
+    for name in internal {
+        headers.remove(&name);
+    }
+}
+
+impl Forwarder {
+    pub fn new(
+        signer: Arc<Signer>,
+        node_id: &str,
+        tracker: TaskTracker,
+        cancel: CancellationToken,
+    ) -> Result<Forwarder, reqwest::Error> {
+        let http = reqwest::Client::builder()
+            .connect_timeout(CONNECT_TIMEOUT)
+            .redirect(reqwest::redirect::Policy::none())
+            .build()?;
+        Ok(Forwarder {
+            http,
+            signer,
+            node_id: node_id.to_owned(),
+            tracker,
+            cancel,
+        })
+    }
+
+    /// Sends `req` to the node at `base` (`http://host:port`), on behalf of the client key
+    /// `key`; the owner's answer, streamed.
+    pub async fn forward(
+        &self,
+        base: &str,
+        key: &str,
+        request_id: &str,
+        req: Request,
+    ) -> Result<Response<Body>, ForwardError> {
+        let path = forwarded_path(&req);
+        let who = Forwarded {
+            key: key.to_owned(),
+            entry: self.node_id.clone(),
+            request_id: request_id.to_owned(),
+            timestamp: chrono::Utc::now().timestamp(),
+        };
+        let signed = self.signer.sign(req.method().as_str(), &path, &who);
+        if is_upgrade(req.headers()) {
+            return self.upgrade(base, &path, signed, req).await;
+        }
+        let unreachable = |e: reqwest::Error| ForwardError::Unreachable {
+            node: base.to_owned(),
+            reason: e.to_string(),
+        };
+        let method = reqwest::Method::from_bytes(req.method().as_str().as_bytes())
+            .unwrap_or(reqwest::Method::GET);
+        let mut request = self.http.request(method, format!("{base}{path}"));
+        for (name, value) in forwarded_headers(req.headers()) {
+            request = request.header(name.as_str(), value.as_bytes());
+        }
+        for (name, value) in signed {
+            request = request.header(name, value);
+        }
+        let body = req.into_body().into_data_stream();
+        let response = request
+            .body(reqwest::Body::wrap_stream(body))
+            .send()
+            .await
+            .map_err(unreachable)?;
+        let mut answer = Response::builder().status(response.status().as_u16());
+        for (name, value) in response.headers() {
+            if !NOT_FORWARDED.contains(&name.as_str()) {
+                answer = answer.header(name.as_str(), value.as_bytes());
+            }
+        }
+        // Streamed as it comes (NDJSON runs); dropping it, as a client that hangs up does,
+        // drops the connection to the owner, who sees its caller gone.
+        let body = Body::from_stream(response.bytes_stream().map_err(std::io::Error::other));
+        answer.body(body).map_err(|_| ForwardError::BadAnswer {
+            node: base.to_owned(),
+        })
+    }
+
+    /// A WebSocket upgrade: the request goes to the owner on a connection of its own; if the
+    /// owner answers `101`, that answer goes to the client and the two connections are
+    /// spliced; any other answer goes to the client as it is.
+    async fn upgrade(
+        &self,
+        base: &str,
+        path: &str,
+        signed: Vec<(&'static str, String)>,
+        mut req: Request,
+    ) -> Result<Response<Body>, ForwardError> {
+        let unreachable = |reason: String| ForwardError::Unreachable {
+            node: base.to_owned(),
+            reason,
+        };
+        let authority = base
+            .strip_prefix("http://")
+            .ok_or_else(|| unreachable("only http:// node addresses can carry a WebSocket".into()))?
+            .trim_end_matches('/');
+        let mut owner = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(authority))
+            .await
+            .map_err(|_| unreachable("connect timed out".into()))?
+            .map_err(|e| unreachable(e.to_string()))?;
+        let mut head = format!("{} {path} HTTP/1.1\r\nhost: {authority}\r\n", req.method());
+        head.push_str("connection: Upgrade\r\nupgrade: websocket\r\n");
+        for (name, value) in forwarded_headers(req.headers()) {
+            if let Ok(v) = value.to_str() {
+                head.push_str(&format!("{name}: {v}\r\n"));
+            }
+        }
+        for (name, value) in signed {
+            head.push_str(&format!("{name}: {value}\r\n"));
+        }
+        head.push_str("\r\n");
+        owner
+            .write_all(head.as_bytes())
+            .await
+            .map_err(|e| unreachable(e.to_string()))?;
+
+        // The owner's answer head, and whatever came after it in the same reads.
+        let mut buf = Vec::with_capacity(4096);
+        let (status, headers, head_len) = loop {
+            let mut chunk = [0u8; 4096];
+            let n = owner
+                .read(&mut chunk)
+                .await
+                .map_err(|e| unreachable(e.to_string()))?;
+            if n == 0 {
+                return Err(unreachable("closed before answering".into()));
+            }
+            buf.extend_from_slice(&chunk[..n]);
+            let mut parsed = [httparse::EMPTY_HEADER; 64];
+            let mut answer = httparse::Response::new(&mut parsed);
+            match answer.parse(&buf) {
+                Ok(httparse::Status::Complete(len)) => {
+                    let headers: Vec<(String, Vec<u8>)> = answer
+                        .headers
+                        .iter()
+                        .map(|h| (h.name.to_ascii_lowercase(), h.value.to_vec()))
+                        .collect();
+                    break (answer.code.unwrap_or(502), headers, len);
+                }
+                Ok(httparse::Status::Partial) if buf.len() < MAX_HEAD => continue,
+                _ => {
+                    return Err(ForwardError::BadAnswer {
+                        node: base.to_owned(),
+                    })
+                }
+            }
+        };
+        let rest = buf.split_off(head_len);
+        let mut answer = Response::builder().status(status);
+        for (name, value) in &headers {
+            let hop = NOT_FORWARDED.contains(&name.as_str()) && status != 101;
+            if !hop && name != "content-length" {
+                answer = answer.header(name.as_str(), value.as_slice());
+            }
+        }
+        if status != 101 {
+            // A refusal (404, 403, ...): its body, as far as its length says.
+            let length = headers
+                .iter()
+                .find(|(n, _)| n == "content-length")
+                .and_then(|(_, v)| std::str::from_utf8(v).ok()?.trim().parse::<usize>().ok())
+                .unwrap_or(0)
+                .min(MAX_HEAD);
+            let mut body = rest;
+            while body.len() < length {
+                let mut chunk = [0u8; 4096];
+                match owner.read(&mut chunk).await {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => body.extend_from_slice(&chunk[..n]),
+                }
+            }
+            body.truncate(length);
+            return answer
+                .body(Body::from(body))
+                .map_err(|_| ForwardError::BadAnswer {
+                    node: base.to_owned(),
+                });
+        }
+        let Some(on_upgrade) = req.extensions_mut().remove::<hyper::upgrade::OnUpgrade>() else {
+            return Err(ForwardError::BadAnswer {
+                node: base.to_owned(),
+            });
+        };
+        let cancel = self.cancel.clone();
+        self.tracker.spawn(async move {
+            let Ok(upgraded) = on_upgrade.await else {
+                return;
+            };
+            let mut client = TokioIo::new(upgraded);
+            if !rest.is_empty() && client.write_all(&rest).await.is_err() {
+                return;
+            }
+            tokio::select! {
+                _ = cancel.cancelled() => {}
+                _ = tokio::io::copy_bidirectional(&mut client, &mut owner) => {}
+            }
+        });
+        answer
+            .body(Body::empty())
+            .map_err(|_| ForwardError::BadAnswer {
+                node: base.to_owned(),
+            })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cluster::signing::{KEY_HEADER, SIGNATURE_HEADER};
+    use axum::extract::ws::{Message as WsFrame, WebSocketUpgrade};
+    use axum::routing::{any, get, post};
+    use axum::Router;
+    use futures::{SinkExt, StreamExt};
+    use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+    use tokio_tungstenite::tungstenite::Message as ClientFrame;
+
+    const SUBPROTOCOL: &str = "v1.kernel.websocket.jupyter.org";
+
+    async fn serve(router: Router) -> String {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        tokio::spawn(async move { axum::serve(listener, router).await });
+        format!("http://{addr}")
+    }
+
+    /// An owner that echoes what it got: headers, a streamed body, WebSocket frames (only
+    /// with a signature, choosing the v1 subprotocol when offered, as the gateway does).
+    async fn owner(signer: Arc<Signer>) -> String {
+        let headers = get(|h: HeaderMap| async move {
+            let mut names: Vec<String> = h.keys().map(|k| k.to_string()).collect();
+            names.sort();
+            axum::Json(serde_json::json!({
+                "names": names, "key": h.get(KEY_HEADER).and_then(|v| v.to_str().ok()),
+            }))
+        });
+        let stream = post(|body: Body| async move {
+            let lines = body.into_data_stream().map_ok(|chunk| {
+                let mut line = chunk.to_vec();
+                line.push(b'\n');
+                bytes::Bytes::from(line)
+            });
+            Body::from_stream(lines)
+        });
+        let ws = any(move |h: HeaderMap, req: Request| {
+            let signer = signer.clone();
+            async move {
+                let path = req.uri().path().to_owned();
+                if signer
+                    .verify("GET", &path, &h, chrono::Utc::now().timestamp())
+                    .is_err()
+                {
+                    return axum::http::StatusCode::FORBIDDEN.into_response();
+                }
+                let (mut parts, _) = req.into_parts();
+                let Ok(upgrade) = WebSocketUpgrade::from_request_parts(&mut parts, &()).await
+                else {
+                    return axum::http::StatusCode::BAD_REQUEST.into_response();
+                };
+                upgrade
+                    .protocols([SUBPROTOCOL])
+                    .on_upgrade(|mut socket| async move {
+                        while let Some(Ok(frame)) = socket.recv().await {
+                            if matches!(frame, WsFrame::Close(_))
+                                || socket.send(frame).await.is_err()
+                            {
+                                break;
+                            }
+                        }
+                    })
+            }
+        });
+        serve(
+            Router::new()
+                .route("/headers", headers)
+                .route("/stream", stream)
+                .route("/ws", ws),
+        )
+        .await
+    }
+
+    use axum::extract::FromRequestParts;
+    use axum::response::IntoResponse;
+
+    /// An entry node that forwards everything to `owner` as key `alice`.
+    async fn entry(signer: Arc<Signer>, owner: String) -> String {
+        let forwarder = Arc::new(
+            Forwarder::new(
+                signer,
+                "entry-1",
+                TaskTracker::new(),
+                CancellationToken::new(),
+            )
+            .expect("forwarder"),
+        );
+        let router = Router::new().fallback(move |mut req: Request| {
+            let (forwarder, owner) = (forwarder.clone(), owner.clone());
+            async move {
+                strip_internal(req.headers_mut());
+                match forwarder.forward(&owner, "alice", "req-1", req).await {
+                    Ok(r) => r.into_response(),
+                    Err(e) => {
+                        (axum::http::StatusCode::SERVICE_UNAVAILABLE, e.to_string()).into_response()
+                    }
+                }
+            }
+        });
+        serve(router).await
+    }
+
+    #[tokio::test]
+    async fn requests_and_websockets_reach_the_owner_signed_and_without_credentials() {
+        let signer = Arc::new(Signer::new(b"secret"));
+        let owner_url = owner(signer.clone()).await;
+        let entry_url = entry(signer.clone(), owner_url).await;
+        let http = reqwest::Client::new();
+
+        // Credentials and forged internal headers stay at the entry; the signed ones arrive.
+        let seen: serde_json::Value = http
+            .get(format!("{entry_url}/headers?token=t0ken&x=1"))
+            .header("Authorization", "token t0ken")
+            .header(KEY_HEADER, "admin")
+            .header(SIGNATURE_HEADER, "forged")
+            .send()
+            .await
+            .expect("forwarded")
+            .json()
+            .await
+            .expect("json");
+        assert_eq!(seen["key"], "alice", "{seen}");
+        let names = seen["names"].to_string();
+        assert!(!names.contains("authorization"), "{names}");
+        assert!(names.contains("x-kernelgate-signature"), "{names}");
+
+        // A streamed body goes through in both directions.
+        let body = http
+            .post(format!("{entry_url}/stream"))
+            .body("line one")
+            .send()
+            .await
+            .expect("forwarded")
+            .text()
+            .await
+            .expect("text");
+        assert_eq!(body, "line one\n");
+
+        // A WebSocket: the owner's 101 with its subprotocol; text and binary frames intact.
+        let mut request = format!("{}/ws", entry_url.replace("http://", "ws://"))
+            .into_client_request()
+            .expect("request");
+        request.headers_mut().insert(
+            "sec-websocket-protocol",
+            HeaderValue::from_static(SUBPROTOCOL),
+        );
+        let (mut ws, response) = tokio_tungstenite::connect_async(request)
+            .await
+            .expect("the upgrade goes through");
+        assert_eq!(
+            response
+                .headers()
+                .get("sec-websocket-protocol")
+                .map(|v| v.as_bytes()),
+            Some(SUBPROTOCOL.as_bytes())
+        );
+        let binary = vec![0u8, 159, 146, 150, 255];
+        ws.send(ClientFrame::text("héllo")).await.expect("send");
+        ws.send(ClientFrame::binary(binary.clone()))
+            .await
+            .expect("send");
+        let first = ws.next().await.expect("echo").expect("frame");
+        let second = ws.next().await.expect("echo").expect("frame");
+        assert_eq!(first, ClientFrame::text("héllo"));
+        assert_eq!(second, ClientFrame::binary(binary));
+    }
+
+    #[tokio::test]
+    async fn an_owner_that_refuses_the_upgrade_is_answered_as_it_is_and_a_dead_one_is_unreachable()
+    {
+        let signer = Arc::new(Signer::new(b"secret"));
+        let owner_url = owner(Arc::new(Signer::new(b"another secret"))).await;
+        let entry_url = entry(signer, owner_url).await;
+        let request = format!("{}/ws", entry_url.replace("http://", "ws://"))
+            .into_client_request()
+            .expect("request");
+        match tokio_tungstenite::connect_async(request).await {
+            Err(tokio_tungstenite::tungstenite::Error::Http(r)) => {
+                assert_eq!(r.status().as_u16(), 403, "the owner's refusal")
+            }
+            other => panic!("expected the owner's 403, got {other:?}"),
+        }
+        // Nothing listens on the owner's address any more.
+        let port = {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+            l.local_addr().expect("addr").port()
+        };
+        let entry_url = entry(
+            Arc::new(Signer::new(b"s")),
+            format!("http://127.0.0.1:{port}"),
+        )
+        .await;
+        let r = reqwest::get(format!("{entry_url}/headers"))
+            .await
+            .expect("answer");
+        assert_eq!(r.status().as_u16(), 503);
+    }
+}
