@@ -104,7 +104,7 @@ pub async fn run(
         .to_vec();
     let out = kernels
         .backend()
-        .exec(live.handle(), argv, body, max_bytes)
+        .exec(&live.handle(), argv, body, max_bytes)
         .await?;
     let reason = match out.stderr.trim() {
         "" => "file operation failed".to_owned(),
