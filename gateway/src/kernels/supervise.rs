@@ -112,6 +112,9 @@ impl Kernels {
                     // What was sent to the process that failed (held during the restart)
                     // went down with it.
                     live.kernel.lost_executions("KernelDied", &cause_of(&e));
+                    // The failed process may have reported a state of its own: messages
+                    // sent from now on wait for the next try.
+                    live.kernel.set_state(ExecutionState::Restarting, false);
                     tracing::warn!(kernel = %live.id(), tries, error = %e, "a restart try failed");
                     if tries >= RESTART_TRIES || !retryable(&e) {
                         break e;
