@@ -331,7 +331,7 @@ async fn after_a_kill_9_the_warm_kernel_is_pooled_again_or_removed_never_listed(
     let gw = Gateway::start(&["--runtime-dir", &dir, "--pool-size", "0"]).await?;
     let (_, listed) = gw.get_json("/api/kernels").await?;
     let ids: Vec<String> = listed.as_array().into_iter().flatten().map(id_of).collect();
-    assert_eq!(ids, [id.clone()]);
+    assert_eq!(ids, vec![id]);
     assert_eq!(containers(&runtime_dir, None)?, warm);
     assert_eq!(
         containers(&runtime_dir, Some("org.kernelgate.pool=true"))?,

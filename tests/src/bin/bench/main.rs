@@ -168,7 +168,11 @@ async fn main() -> Result<()> {
     } else {
         std::env::current_dir()?.join(&opts.venv)
     };
-    if !opts.mcp_only && !opts.audit_only && !opts.restart_only && !venv.join("bin/jupyter-kernelgateway").exists() {
+    if !opts.mcp_only
+        && !opts.audit_only
+        && !opts.restart_only
+        && !venv.join("bin/jupyter-kernelgateway").exists()
+    {
         bail!(
             "{} has no jupyter-kernelgateway: `make bench` creates it",
             venv.display()

@@ -271,7 +271,8 @@ pub fn markdown(doc: &Value) -> String {
 
 /// Restarts with a warm kernel ready and without (the container restarted), by runtime.
 fn restart_table(m: &Value) -> String {
-    let get = |runtime: &str, way: &str| num(&m["restart_ms"][format!("{runtime}_{way}")]["median"]);
+    let get =
+        |runtime: &str, way: &str| num(&m["restart_ms"][format!("{runtime}_{way}")]["median"]);
     let mut out = String::from(
         "\n| restart, to the kernel answering (ms, median) | runc | runsc (gVisor) |\n|---|---:|---:|\n",
     );
