@@ -29,6 +29,7 @@ pub const RUNTIME_LATENCY: Duration = Duration::from_millis(20);
 #[derive(Debug, Default, Clone)]
 pub struct Record {
     pub kernel_id: String,
+    pub kernel_name: String,
     pub image: String,
     pub preload: bool,
     pub env: BTreeMap<String, String>,
@@ -239,6 +240,7 @@ impl KernelBackend for FakeBackend {
             let running = Running {
                 record: Record {
                     kernel_id: req.kernel_id.clone(),
+                    kernel_name: req.kernel_name.clone(),
                     image: req.image.clone(),
                     preload: req.preload,
                     env: req.env.clone(),
@@ -312,8 +314,34 @@ impl KernelBackend for FakeBackend {
         })
     }
 
+    /// What a restarted gateway on the same backend finds: every kernel not removed, as
+    /// the Docker backend reports them (its owner and the kernel it serves as recorded;
+    /// warm kernels always fit the configuration).
     fn list(&self) -> BoxFuture<'_, Result<Vec<Found>, BackendError>> {
-        Box::pin(async { Ok(Vec::new()) })
+        Box::pin(async move {
+            Ok(self
+                .kernels
+                .lock()
+                .iter()
+                .filter(|(_, r)| !r.record.removed)
+                .map(|(handle, r)| Found {
+                    handle: handle.clone(),
+                    kernel_id: r
+                        .record
+                        .serves
+                        .clone()
+                        .unwrap_or(r.record.kernel_id.clone()),
+                    moved: r.record.serves.is_some(),
+                    pooled: r.record.preload && r.record.owner.is_none(),
+                    current: true,
+                    image: r.record.image.clone(),
+                    kernel_name: r.record.kernel_name.clone(),
+                    running: r.exit.borrow().is_none(),
+                    owner: r.record.owner.clone(),
+                    connection: Some(r.connection.clone()),
+                })
+                .collect())
+        })
     }
 
     fn set_owner<'a>(

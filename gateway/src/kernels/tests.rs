@@ -557,3 +557,71 @@ async fn a_restart_moves_the_kernel_into_a_warm_one_when_one_fits() {
     assert_eq!(fake.records()[&handle].restarts, 1);
     assert_eq!(kernels.pooled(), 1, "the pool was not touched");
 }
+
+#[tokio::test]
+async fn a_restarted_gateway_finds_moved_kernels_and_pools_warm_ones_again() {
+    let settings = || Settings {
+        specs: specs(&[], &["1"]),
+        ..settings()
+    };
+    let (first, fake) = table(settings()).await;
+    eventually("the pool filled", || async { first.pooled() == 1 }).await;
+    let live = first
+        .create(None, &BTreeMap::new(), &admin())
+        .await
+        .expect("created");
+    eventually("the pool refilled", || async { first.pooled() == 1 }).await;
+    first
+        .restart(&live)
+        .await
+        .expect("restarted into the warm kernel");
+    let moved_to = live.handle();
+    eventually("the pool refilled again", || async {
+        first.pooled() == 1 && fake.records().values().filter(|r| r.removed).count() == 1
+    })
+    .await;
+    let warm = first.lock().pool[DEFAULT_SPEC][0].handle();
+    let launched = fake.records().len();
+    // A crash: the gateway's tasks stop, its kernels stay.
+    first.cancel.cancel();
+
+    let second = Kernels::new(
+        fake.clone(),
+        settings(),
+        TaskTracker::new(),
+        CancellationToken::new(),
+    );
+    second.start().await;
+    let listed: Vec<(String, String)> = second
+        .list()
+        .iter()
+        .map(|l| (l.id().to_owned(), l.handle()))
+        .collect();
+    assert_eq!(
+        listed,
+        [(live.id().to_owned(), moved_to)],
+        "the kernel, in the container it moved into; the warm kernel is not listed"
+    );
+    assert_eq!(second.list()[0].owner(), "admin");
+    assert_eq!(second.pooled(), 1);
+    assert_eq!(second.lock().pool[DEFAULT_SPEC][0].handle(), warm);
+    assert_eq!(fake.records().len(), launched, "nothing new started");
+    second.cancel.cancel();
+
+    // Without a pool the warm kernel is removed.
+    let third = Kernels::new(
+        fake.clone(),
+        Settings {
+            specs: specs(&[], &["0"]),
+            ..settings()
+        },
+        TaskTracker::new(),
+        CancellationToken::new(),
+    );
+    third.start().await;
+    assert_eq!(third.list().len(), 1);
+    assert_eq!(third.pooled(), 0);
+    assert!(fake.records()[&warm].removed);
+    third.shutdown().await;
+    assert_eq!(fake.running(), 0);
+}
