@@ -648,7 +648,9 @@ impl KernelBackend for DockerBackend {
                         && image_ids.get(&image).cloned().flatten() == c.image_id;
                     Some(Found {
                         handle,
-                        pooled: labels.contains_key(spec::LABEL_POOL) && owner.is_none(),
+                        pooled: labels.contains_key(spec::LABEL_POOL)
+                            && owner.is_none()
+                            && served.is_none(),
                         current,
                         image,
                         owner,

@@ -659,8 +659,9 @@ impl Kernels {
             r = &mut connect => r.map(drop).map_err(CreateError::from),
             exit = self.backend.wait_exit(handle) => match exit {
                 Ok(exit) => Err(CreateError::Backend(BackendError::Died(format!(
-                    "{} while it started",
-                    exit.cause()
+                    "{}{}",
+                    exit.cause(),
+                    supervise::WHILE_STARTING
                 )))),
                 // Cannot be watched: the connect alone decides.
                 Err(e) => {
