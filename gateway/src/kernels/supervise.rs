@@ -142,7 +142,11 @@ impl Kernels {
                                "why": failure.to_string()}),
         );
         live.kernel.set_dead(why.clone());
-        Err(CreateError::Backend(BackendError::Died(why)))
+        match failure {
+            // Its own status (504) for one that did not answer in time.
+            e @ CreateError::Kernel(crate::kernel::KernelError::NotReady(_)) => Err(e),
+            _ => Err(CreateError::Backend(BackendError::Died(why))),
+        }
     }
 
     /// One try: into a warm kernel when one fits, else the kernel's container restarted.
