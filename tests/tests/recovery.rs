@@ -1,7 +1,7 @@
 //! End to end: kernels that die recover, and say why. A cell that runs out of memory fails
 //! naming the memory limit (agent API and WebSocket); a kernel that dies again while it
 //! restarts is tried again, and one that cannot be restarted fails within seconds saying
-//! what brings it back; a restart with a warm kernel ready moves the kernel into it (same
+//! what brings it back; a create whose kernel dies while it starts fails at once; a restart with a warm kernel ready moves the kernel into it (same
 //! id, same WebSocket, fresh state); after a `kill -9` of the gateway its warm kernel goes
 //! back into the pool, or is removed, and is never listed.
 
@@ -341,5 +341,44 @@ async fn after_a_kill_9_the_warm_kernel_is_pooled_again_or_removed_never_listed(
     assert_eq!(gw.stop().await?.code(), Some(0));
     assert_eq!(containers(&runtime_dir, None)?, Vec::<String>::new());
     let _ = std::fs::remove_dir(&dir);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kernel_that_dies_while_it_starts_fails_its_create_at_once() -> Result<()> {
+    let gw = Gateway::start(&[]).await?;
+    // Every container of this gateway is killed as soon as it shows up.
+    let stop = tokio_util::sync::CancellationToken::new();
+    let killer = {
+        let (stop, dir) = (stop.clone(), gw.runtime_dir.clone());
+        tokio::spawn(async move {
+            while !stop.is_cancelled() {
+                for id in containers(&dir, None).unwrap_or_default() {
+                    let _ = std::process::Command::new("docker")
+                        .args(["kill", &id])
+                        .output();
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        })
+    };
+    let started = Instant::now();
+    let answer = gw.post_json("/api/kernels", json!({})).await;
+    let took = started.elapsed();
+    stop.cancel();
+    killer.await?;
+    let (status, body) = answer?;
+    assert_eq!(status, 503, "{body}");
+    assert_eq!(
+        body["message"],
+        "the kernel was killed by signal 9 (SIGKILL) while it started"
+    );
+    assert!(
+        took < Duration::from_secs(10),
+        "not the 30 s startup timeout: {took:?}"
+    );
+    let (_, listed) = gw.get_json("/api/kernels").await?;
+    assert_eq!(listed, json!([]));
+    assert_eq!(containers(&gw.runtime_dir, None)?, Vec::<String>::new());
     Ok(())
 }

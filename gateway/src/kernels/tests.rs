@@ -625,3 +625,27 @@ async fn a_restarted_gateway_finds_moved_kernels_and_pools_warm_ones_again() {
     third.shutdown().await;
     assert_eq!(fake.running(), 0);
 }
+
+#[tokio::test]
+async fn a_kernel_that_dies_while_it_starts_fails_its_create_at_once() {
+    let (kernels, fake) = table(settings()).await;
+    fake.doom_next_starts(1);
+    let started = std::time::Instant::now();
+    let refused = kernels
+        .create(None, &BTreeMap::new(), &admin())
+        .await
+        .expect_err("died while it started");
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "not the 10 s startup timeout"
+    );
+    assert_eq!(
+        refused.to_string(),
+        "the kernel ran out of memory (limit 64 MiB) while it started"
+    );
+    eventually("its container removed and its slot given back", || async {
+        fake.running() == 0 && kernels.reserved() == 0
+    })
+    .await;
+    assert!(kernels.list().is_empty());
+}
