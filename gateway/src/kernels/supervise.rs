@@ -27,6 +27,7 @@ pub(super) const RESTART_TRIES: u32 = 3;
 /// What [`Kernels::connect_watched`] adds to the cause of a process that exited while it
 /// started.
 pub(super) const WHILE_STARTING: &str = " while it started";
+
 /// Heartbeat probing, for a kernel that hangs without exiting: one that misses `misses`
 /// probes in a row is restarted (or declared dead). Death by exit is noticed at once
 /// through the backend instead.
@@ -65,7 +66,7 @@ fn retryable(e: &CreateError) -> bool {
 fn cause_of(e: &CreateError) -> String {
     match e {
         CreateError::Backend(BackendError::Died(text)) => {
-            text.trim_end_matches(WHILE_STARTING).to_owned()
+            text.strip_suffix(WHILE_STARTING).unwrap_or(text).to_owned()
         }
         e => format!("the kernel did not come back ({e})"),
     }
