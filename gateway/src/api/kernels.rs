@@ -239,8 +239,10 @@ pub async fn interrupt(
     params(KernelPath),
     responses(
         (status = 200, description = "Restarted", body = KernelModel),
-        (status = 404, description = "No such kernel, or its container is gone", body = ErrorBody),
-        (status = 503, description = "Docker could not restart it, or the gateway is shutting down", body = ErrorBody),
+        (status = 404, description = "No such kernel", body = ErrorBody),
+        (status = 503, description = "It could not be restarted in 3 tries (Docker refused, its \
+            container is gone, or each new process died while it started: the message says why \
+            and what to do), or the gateway is shutting down", body = ErrorBody),
         (status = 504, description = "The restarted kernel did not answer within `--startup-timeout`", body = ErrorBody),
     ),
 )]

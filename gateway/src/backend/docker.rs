@@ -7,15 +7,17 @@ pub mod lock;
 mod socket_dir;
 mod spec;
 
-use super::{BackendError, ExecOutput, Found, ImageFacts, KernelBackend, LaunchRequest, Launched};
+use super::{
+    BackendError, ExecOutput, Exit, Found, ImageFacts, KernelBackend, LaunchRequest, Launched,
+};
 use crate::config::{Config, RuntimeChoice};
 use crate::metrics;
 use bollard::errors::Error as DockerError;
 use bollard::models::ContainerSummaryStateEnum;
 use bollard::query_parameters::{
     CreateContainerOptionsBuilder, InspectContainerOptions, KillContainerOptionsBuilder,
-    ListContainersOptionsBuilder, RemoveContainerOptionsBuilder, RestartContainerOptionsBuilder,
-    WaitContainerOptionsBuilder,
+    ListContainersOptionsBuilder, RemoveContainerOptionsBuilder, RenameContainerOptions,
+    RestartContainerOptionsBuilder, WaitContainerOptionsBuilder,
 };
 use bollard::Docker;
 use futures::future::BoxFuture;
@@ -473,6 +475,7 @@ impl KernelBackend for DockerBackend {
             }
             if let Some(dir) = dir {
                 let _ = std::fs::remove_file(owner_file(&dir));
+                let _ = std::fs::remove_file(kernel_file(&dir));
                 socket_dir::remove(&dir).map_err(|source| BackendError::SocketDir {
                     path: dir.display().to_string(),
                     source,
@@ -483,21 +486,44 @@ impl KernelBackend for DockerBackend {
         })
     }
 
-    fn wait_exit<'a>(&'a self, handle: &'a str) -> BoxFuture<'a, Result<i64, BackendError>> {
+    fn wait_exit<'a>(&'a self, handle: &'a str) -> BoxFuture<'a, Result<Exit, BackendError>> {
         counted("wait_exit", async move {
             let options = WaitContainerOptionsBuilder::default()
                 .condition("not-running")
                 .build();
             let mut waits = self.docker.wait_container(handle, Some(options));
-            match waits.next().await {
-                Some(Ok(exit)) => Ok(exit.status_code),
+            let code = match waits.next().await {
+                Some(Ok(exit)) => exit.status_code,
                 // bollard reports a non-zero exit code as an error.
-                Some(Err(DockerError::DockerContainerWaitError { code, .. })) => Ok(code),
-                Some(Err(e)) => Err(map_handle_error(handle, e)),
-                None => Err(BackendError::Runtime(format!(
-                    "waiting for container {handle} ended without an exit code"
-                ))),
+                Some(Err(DockerError::DockerContainerWaitError { code, .. })) => code,
+                Some(Err(e)) => return Err(map_handle_error(handle, e)),
+                None => {
+                    return Err(BackendError::Runtime(format!(
+                        "waiting for container {handle} ended without an exit code"
+                    )))
+                }
+            };
+            // Why it ended: the engine knows whether the memory limit did it.
+            let mut exit = Exit {
+                code,
+                ..Exit::default()
+            };
+            if let Ok(info) = self
+                .docker
+                .inspect_container(handle, None::<InspectContainerOptions>)
+                .await
+            {
+                let state = info.state.unwrap_or_default();
+                exit.oom_killed = state.oom_killed.unwrap_or(false);
+                exit.code = state.exit_code.unwrap_or(code);
+                exit.memory_mb = info
+                    .host_config
+                    .and_then(|h| h.memory)
+                    .and_then(|m| u64::try_from(m).ok())
+                    .filter(|m| *m > 0)
+                    .map(|m| m >> 20);
             }
+            Ok(exit)
         })
     }
 
@@ -517,23 +543,39 @@ impl KernelBackend for DockerBackend {
         owner: &'a str,
     ) -> BoxFuture<'a, Result<(), BackendError>> {
         Box::pin(async move {
-            use std::io::Write;
-            use std::os::unix::fs::OpenOptionsExt;
-            let Some(dir) = socket_dir::path(&self.settings.runtime_dir, kernel_id) else {
-                return Ok(());
+            match socket_dir::path(&self.settings.runtime_dir, kernel_id) {
+                Some(dir) => write_record(&owner_file(&dir), owner),
+                None => Ok(()),
+            }
+        })
+    }
+
+    fn set_kernel_id<'a>(
+        &'a self,
+        container_id: &'a str,
+        kernel_id: &'a str,
+    ) -> BoxFuture<'a, Result<(), BackendError>> {
+        Box::pin(async move {
+            match socket_dir::path(&self.settings.runtime_dir, container_id) {
+                Some(dir) => write_record(&kernel_file(&dir), kernel_id),
+                None => Ok(()),
+            }
+        })
+    }
+
+    fn rename<'a>(
+        &'a self,
+        handle: &'a str,
+        kernel_id: &'a str,
+    ) -> BoxFuture<'a, Result<(), BackendError>> {
+        counted("rename", async move {
+            let options = RenameContainerOptions {
+                name: spec::container_name(kernel_id),
             };
-            let path = owner_file(&dir);
-            let written = std::fs::OpenOptions::new()
-                .write(true)
-                .create(true)
-                .truncate(true)
-                .mode(0o600)
-                .open(&path)
-                .and_then(|mut f| f.write_all(owner.as_bytes()));
-            written.map_err(|source| BackendError::SocketDir {
-                path: path.display().to_string(),
-                source,
-            })
+            self.docker
+                .rename_container(handle, options)
+                .await
+                .map_err(|e| map_handle_error(handle, e))
         })
     }
 
@@ -556,33 +598,97 @@ impl KernelBackend for DockerBackend {
                 .list_containers(Some(options))
                 .await
                 .map_err(|e| runtime("list", e))?;
-            Ok(containers
-                    .into_iter()
-                    .filter_map(|c| {
-                        let handle = c.id?;
-                        let mut labels = c.labels.unwrap_or_default();
-                        let Some(kernel_id) = labels.remove(LABEL_KERNEL_ID) else {
-                            tracing::warn!(container = %handle, "managed container without a kernel id label");
-                            return None;
-                        };
-                        let connection = self.host_connection(&kernel_id);
-                        let owner = labels.remove(spec::LABEL_OWNER).or_else(|| {
-                            let dir = socket_dir::path(&self.settings.runtime_dir, &kernel_id)?;
-                            let text = std::fs::read_to_string(owner_file(&dir)).ok()?;
-                            Some(text.trim().to_owned()).filter(|o| !o.is_empty())
-                        });
-                        Some(Found {
-                            handle,
-                            owner,
-                            kernel_name: labels.remove(spec::LABEL_KERNEL_NAME).unwrap_or_default(),
-                            kernel_id,
-                            running: c.state == Some(ContainerSummaryStateEnum::RUNNING),
-                            connection,
-                        })
+            // What the images are now: a warm kernel of a tag rebuilt since is stale.
+            let mut image_ids = HashMap::new();
+            for c in &containers {
+                if let Some(image) = c.image.as_deref() {
+                    if !image_ids.contains_key(image) {
+                        let id = self
+                            .docker
+                            .inspect_image(image)
+                            .await
+                            .ok()
+                            .and_then(|i| i.id);
+                        image_ids.insert(image.to_owned(), id);
+                    }
+                }
+            }
+            let limits = spec::limits_label(
+                self.settings.memory_mb,
+                self.settings.cpus,
+                self.settings.pids,
+                self.settings.disk_mb,
+            );
+            let record = |kernel_id: &str, file: fn(&std::path::Path) -> PathBuf| {
+                let dir = socket_dir::path(&self.settings.runtime_dir, kernel_id)?;
+                let text = std::fs::read_to_string(file(&dir)).ok()?;
+                Some(text.trim().to_owned()).filter(|t| !t.is_empty())
+            };
+            let found: Vec<Found> = containers
+                .into_iter()
+                .filter_map(|c| {
+                    let handle = c.id?;
+                    let mut labels = c.labels.unwrap_or_default();
+                    let Some(label_id) = labels.remove(LABEL_KERNEL_ID) else {
+                        tracing::warn!(container = %handle, "managed container without a kernel id label");
+                        return None;
+                    };
+                    // Its sockets live under the id it was started for, whatever it serves.
+                    let connection = self.host_connection(&label_id);
+                    let owner = labels
+                        .remove(spec::LABEL_OWNER)
+                        .or_else(|| record(&label_id, owner_file));
+                    let served = record(&label_id, kernel_file)
+                        .filter(|id| socket_dir::path(&self.settings.runtime_dir, id).is_some());
+                    let image = c.image.unwrap_or_default();
+                    let current = labels.get(spec::LABEL_LIMITS) == Some(&limits)
+                        && labels.get(spec::LABEL_RUNTIME).map(String::as_str)
+                            == Some(self.runtime.name())
+                        && c.image_id.is_some()
+                        && image_ids.get(&image).cloned().flatten() == c.image_id;
+                    Some(Found {
+                        handle,
+                        pooled: labels.contains_key(spec::LABEL_POOL)
+                            && owner.is_none()
+                            && served.is_none(),
+                        current,
+                        image,
+                        owner,
+                        kernel_name: labels.remove(spec::LABEL_KERNEL_NAME).unwrap_or_default(),
+                        moved: served.is_some(),
+                        kernel_id: served.unwrap_or(label_id),
+                        running: c.state == Some(ContainerSummaryStateEnum::RUNNING),
+                        connection,
                     })
-                    .collect())
+                })
+                .collect();
+            Ok(found)
         })
     }
+}
+
+/// Writes a small record beside a socket directory, in the gateway's runtime directory,
+/// out of the kernel's reach.
+fn write_record(path: &std::path::Path, text: &str) -> Result<(), BackendError> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let written = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)
+        .and_then(|mut f| f.write_all(text.as_bytes()));
+    written.map_err(|source| BackendError::SocketDir {
+        path: path.display().to_string(),
+        source,
+    })
+}
+
+/// Which kernel a container started for the warm pool serves since a restart moved one
+/// into it, beside its socket directory.
+fn kernel_file(socket_dir: &std::path::Path) -> PathBuf {
+    socket_dir.with_extension("kernel")
 }
 
 /// Where the owner of a kernel handed out from the warm pool is recorded: beside its socket

@@ -49,7 +49,19 @@ pub struct Launched {
 #[derive(Debug, Clone)]
 pub struct Found {
     pub handle: String,
+    /// The kernel it serves: the one it was started for, or the one a restart moved into
+    /// it (see [`KernelBackend::set_kernel_id`]).
     pub kernel_id: String,
+    /// A restart moved `kernel_id` into this container: another container still labelled
+    /// with that id is the kernel's old one.
+    pub moved: bool,
+    /// Started for the warm pool and never handed out: no client knows it.
+    pub pooled: bool,
+    /// Made with what this backend would use for a warm kernel now (image, limits,
+    /// runtime).
+    pub current: bool,
+    /// The image it was created from, as named then.
+    pub image: String,
     pub kernel_name: String,
     pub running: bool,
     /// The tenant that owns it, as recorded by the gateway.
@@ -57,6 +69,47 @@ pub struct Found {
     /// Host-side connection info, when the kernel's connection file is still readable:
     /// what a restarted gateway needs to re-adopt the kernel.
     pub connection: Option<ConnectionInfo>,
+}
+
+/// How a kernel's process ended, as the backend saw it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Exit {
+    pub code: i64,
+    /// Stopped by its memory limit (the OOM killer).
+    pub oom_killed: bool,
+    /// Its memory limit, when known.
+    pub memory_mb: Option<u64>,
+}
+
+impl Exit {
+    /// Why it ended, as people read it: "the kernel ran out of memory (limit 1024 MiB)".
+    pub fn cause(&self) -> String {
+        if self.oom_killed {
+            return match self.memory_mb {
+                Some(mb) => format!("the kernel ran out of memory (limit {mb} MiB)"),
+                None => "the kernel ran out of memory".to_owned(),
+            };
+        }
+        // A process killed by signal N exits (through tini) with 128 + N.
+        match self.code - 128 {
+            n @ 1..=64 => match signal_name(n) {
+                Some(name) => format!("the kernel was killed by signal {n} ({name})"),
+                None => format!("the kernel was killed by signal {n}"),
+            },
+            _ => format!("the kernel exited with code {}", self.code),
+        }
+    }
+}
+
+fn signal_name(n: i64) -> Option<&'static str> {
+    const NAMES: [&str; 15] = [
+        "SIGHUP", "SIGINT", "SIGQUIT", "SIGILL", "SIGTRAP", "SIGABRT", "SIGBUS", "SIGFPE",
+        "SIGKILL", "SIGUSR1", "SIGSEGV", "SIGUSR2", "SIGPIPE", "SIGALRM", "SIGTERM",
+    ];
+    usize::try_from(n - 1)
+        .ok()
+        .and_then(|i| NAMES.get(i))
+        .copied()
 }
 
 /// What a command run inside a kernel's sandbox printed, and how it ended.
@@ -81,6 +134,10 @@ pub enum BackendError {
     Gone { handle: String },
     #[error("container runtime error: {0}")]
     Runtime(String),
+    /// The kernel's process stopped while it started, or could not be brought back; the
+    /// text says why and what to do.
+    #[error("{0}")]
+    Died(String),
     #[error("cannot prepare the kernel's socket directory {path}: {source}")]
     SocketDir {
         path: String,
@@ -114,8 +171,9 @@ pub trait KernelBackend: Send + Sync + 'static {
     /// Stops the kernel and removes everything it had (container, socket directory).
     fn remove<'a>(&'a self, handle: &'a str) -> BoxFuture<'a, Result<(), BackendError>>;
 
-    /// Resolves when the kernel's process exits, with its exit code.
-    fn wait_exit<'a>(&'a self, handle: &'a str) -> BoxFuture<'a, Result<i64, BackendError>>;
+    /// Resolves when the kernel's process exits (at once if it is not running), with how
+    /// it ended.
+    fn wait_exit<'a>(&'a self, handle: &'a str) -> BoxFuture<'a, Result<Exit, BackendError>>;
 
     /// Runs `argv` inside the kernel's sandbox as the kernel's user, in its working
     /// directory, with `stdin` as input; keeps at most `max_stdout` bytes of output.
@@ -140,10 +198,72 @@ pub trait KernelBackend: Send + Sync + 'static {
         let _ = (kernel_id, owner);
         Box::pin(async { Ok(()) })
     }
+
+    /// Gives `handle` the container name of kernel `kernel_id`, once the kernel's earlier
+    /// container is gone (a restart moved the kernel into a warm one). Cosmetic: operators
+    /// find a kernel's container by its name.
+    fn rename<'a>(
+        &'a self,
+        handle: &'a str,
+        kernel_id: &'a str,
+    ) -> BoxFuture<'a, Result<(), BackendError>> {
+        let _ = (handle, kernel_id);
+        Box::pin(async { Ok(()) })
+    }
+
+    /// Records that the container started for `container_id` (a warm one) now serves
+    /// kernel `kernel_id`: a restart moved the kernel there. Labels cannot change, so this
+    /// is what makes [`Self::list`] report it under that id after a restart of the gateway.
+    fn set_kernel_id<'a>(
+        &'a self,
+        container_id: &'a str,
+        kernel_id: &'a str,
+    ) -> BoxFuture<'a, Result<(), BackendError>> {
+        let _ = (container_id, kernel_id);
+        Box::pin(async { Ok(()) })
+    }
 }
 
 impl std::fmt::Debug for dyn KernelBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("KernelBackend")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Exit;
+
+    #[test]
+    fn an_exit_names_its_cause() {
+        let exit = |code, oom_killed, memory_mb| Exit {
+            code,
+            oom_killed,
+            memory_mb,
+        };
+        assert_eq!(
+            exit(137, true, Some(1024)).cause(),
+            "the kernel ran out of memory (limit 1024 MiB)"
+        );
+        assert_eq!(
+            exit(137, true, None).cause(),
+            "the kernel ran out of memory"
+        );
+        assert_eq!(
+            exit(137, false, Some(1024)).cause(),
+            "the kernel was killed by signal 9 (SIGKILL)"
+        );
+        assert_eq!(
+            exit(139, false, None).cause(),
+            "the kernel was killed by signal 11 (SIGSEGV)"
+        );
+        assert_eq!(
+            exit(1, false, None).cause(),
+            "the kernel exited with code 1"
+        );
+        assert_eq!(
+            exit(0, false, None).cause(),
+            "the kernel exited with code 0"
+        );
     }
 }

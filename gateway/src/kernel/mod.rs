@@ -37,6 +37,9 @@ pub enum KernelError {
     KernelGone,
     #[error("the kernel did not answer kernel_info within {0:?}")]
     NotReady(Duration),
+    /// Dead for good: the text says why and what brings it back.
+    #[error("{0}")]
+    Dead(String),
 }
 
 pub use crate::time::{iso, now_iso};
@@ -56,10 +59,18 @@ struct State {
     held: VecDeque<Held>,
     /// A task is sending the held messages whose turn came ([`Kernel::release`]).
     releasing: bool,
+    /// Execute requests sent to the current process and not replied to, oldest first (the
+    /// one running, then those queued behind it): answered by the gateway if it dies.
+    in_flight: VecDeque<Header>,
+    /// Why the kernel is dead for good and what brings it back: set when it could not be
+    /// restarted. Execute requests are answered with it in the kernel's place.
+    dead: Option<String>,
 }
 
 /// Most client messages held while a kernel restarts; past this, sends fail.
 const MAX_BACKLOG: usize = 1024;
+/// Most execute requests followed for an answer in the kernel's place.
+const MAX_IN_FLIGHT: usize = 1024;
 
 /// A kernel's messaging side.
 #[derive(Debug)]
@@ -100,6 +111,8 @@ impl Kernel {
                 executions: Executions::new(limits.output_bytes),
                 held: VecDeque::new(),
                 releasing: false,
+                in_flight: VecDeque::new(),
+                dead: None,
             }),
         })
     }
@@ -155,7 +168,15 @@ impl Kernel {
         let backlog = {
             let mut st = self.lock();
             st.link = Some(link.clone());
-            std::mem::take(&mut st.backlog)
+            // Whatever the previous process was asked is answered or lost by now.
+            st.in_flight.clear();
+            let backlog = std::mem::take(&mut st.backlog);
+            for (_, message) in &backlog {
+                if message.msg_type() == "execute_request" {
+                    track(&mut st.in_flight, &message.header);
+                }
+            }
+            backlog
         };
         for (channel, message) in backlog {
             link.send(channel, message).await?;
@@ -164,6 +185,7 @@ impl Kernel {
         let mut st = self.lock();
         st.execution_state = ExecutionState::Idle;
         st.last_activity = Utc::now();
+        st.dead = None;
         Ok(reply)
     }
 
@@ -227,6 +249,73 @@ impl Kernel {
             let message = Message::new(self.header("status"), None, content);
             st.clients.broadcast(Outbound::new(Channel::IoPub, message));
         }
+    }
+
+    /// The kernel's process is gone (`cause` says how, e.g. "the kernel ran out of memory
+    /// (limit 1024 MiB)"): every execution sent to it and not answered is answered in its
+    /// place, as a failed cell whose error names the cause, with an `execution_finished`
+    /// audit record. Call before clients are told `restarting` or `dead`: JupyterLab
+    /// forgets a cell's request when it sees either.
+    pub fn lost_executions(&self, ename: &'static str, cause: &str) {
+        let mut st = self.lock();
+        let lost: Vec<Header> = st.in_flight.drain(..).collect();
+        for (i, header) in lost.iter().enumerate() {
+            let evalue = if i == 0 {
+                format!("{cause} while running this code; its variables are lost")
+            } else {
+                format!("{cause} before this code ran; its variables are lost")
+            };
+            let why = Refusal { ename, evalue };
+            let finished = st.executions.replied(&header.msg_id);
+            let (key, sha, took, bytes, preview, truncated) = match finished {
+                Some(f) => (
+                    f.key,
+                    f.code_sha256,
+                    f.took.as_millis() as u64,
+                    f.output_bytes,
+                    f.output_preview,
+                    f.truncated,
+                ),
+                None => Default::default(),
+            };
+            self.audit.record(
+                "execution_finished",
+                serde_json::json!({
+                    "key": key, "kernel": self.id, "msg_id": header.msg_id,
+                    "session": header.session, "code_sha256": sha, "status": "error",
+                    "ename": ename, "reason": why.evalue, "duration_ms": took,
+                    "output_bytes": bytes, "output": preview, "truncated": truncated,
+                    "ran": i == 0,
+                }),
+            );
+            for out in gate::refusal(header, &self.session, &why) {
+                st.clients.route(out);
+            }
+        }
+    }
+
+    /// The kernel is dead for good; `why` says why and what brings it back. Clients are told
+    /// `dead`, execute requests held for the restart are answered with `why`, and so is
+    /// every later one, until a restart brings the kernel back.
+    pub fn set_dead(&self, why: String) {
+        let link = {
+            let mut st = self.lock();
+            let refusal = Refusal {
+                ename: "KernelUnavailable",
+                evalue: why.clone(),
+            };
+            for (channel, message) in std::mem::take(&mut st.backlog) {
+                if channel == Channel::Shell && message.msg_type() == "execute_request" {
+                    self.answer_in_place(&mut st, &message.header, "", None, &refusal);
+                }
+            }
+            st.dead = Some(why);
+            st.link.take()
+        };
+        if let Some(link) = link {
+            link.close();
+        }
+        self.set_state(ExecutionState::Dead, true);
     }
 
     /// Marks the kernel as just used (a pooled kernel handed to a client).
@@ -327,23 +416,53 @@ impl Kernel {
         key: &str,
         code_sha256: Option<String>,
     ) -> Result<Option<(Arc<Link>, Message)>, KernelError> {
-        if message.msg_type() == "execute_request" {
+        let execute = message.msg_type() == "execute_request";
+        let queue = st.link.is_none()
+            && matches!(
+                st.execution_state,
+                ExecutionState::Starting | ExecutionState::Restarting
+            )
+            && st.backlog.len() < MAX_BACKLOG;
+        if st.link.is_none() && !queue {
+            return match st.dead.clone() {
+                // A cell sent to a dead kernel fails at once, saying what brings it back.
+                Some(why) if execute => {
+                    let refusal = Refusal {
+                        ename: "KernelUnavailable",
+                        evalue: why,
+                    };
+                    self.answer_in_place(st, &message.header, key, code_sha256, &refusal);
+                    Ok(None)
+                }
+                Some(why) => Err(KernelError::Dead(why)),
+                None => Err(KernelError::KernelGone),
+            };
+        }
+        if execute {
             st.executions
                 .started(&message.header, key, code_sha256.unwrap_or_default());
         }
         match st.link.clone() {
-            Some(link) => Ok(Some((link, message))),
-            None if matches!(
-                st.execution_state,
-                ExecutionState::Starting | ExecutionState::Restarting
-            ) && st.backlog.len() < MAX_BACKLOG =>
-            {
+            Some(link) => {
+                if execute {
+                    track(&mut st.in_flight, &message.header);
+                }
+                Ok(Some((link, message)))
+            }
+            None => {
                 st.backlog.push((channel, message));
                 Ok(None)
             }
-            None => Err(KernelError::KernelGone),
         }
     }
+}
+
+/// Follows an execute request sent to the kernel until its reply.
+fn track(in_flight: &mut VecDeque<Header>, request: &Header) {
+    if in_flight.len() >= MAX_IN_FLIGHT {
+        in_flight.pop_front();
+    }
+    in_flight.push_back(request.clone());
 }
 
 /// The execution policy's side of the relay: what is checked, held, refused and released.
@@ -407,12 +526,24 @@ impl Kernel {
 
     /// Answers a refused execution in the kernel's place (its audit record first).
     fn refuse(&self, st: &mut State, held: &Held, why: &Refusal) {
-        let h = &held.message.header;
+        let sha = held.code_sha256.clone();
+        self.answer_in_place(st, &held.message.header, &held.key, sha, why);
+    }
+
+    /// Answers an execution that never reaches the kernel, as a failed cell.
+    fn answer_in_place(
+        &self,
+        st: &mut State,
+        h: &Header,
+        key: &str,
+        code_sha256: Option<String>,
+        why: &Refusal,
+    ) {
         self.audit.record(
             "execution_finished",
             serde_json::json!({
-                "key": held.key, "kernel": self.id, "msg_id": h.msg_id, "session": h.session,
-                "code_sha256": held.code_sha256, "status": "error", "ename": why.ename,
+                "key": key, "kernel": self.id, "msg_id": h.msg_id, "session": h.session,
+                "code_sha256": code_sha256, "status": "error", "ename": why.ename,
                 "duration_ms": 0, "output_bytes": 0, "output": "", "truncated": false,
                 "ran": false,
             }),
@@ -598,6 +729,9 @@ impl Dispatch for Kernel {
             }
         }
         if channel == Channel::Shell && message.msg_type() == "execute_reply" {
+            if let Some(id) = message.parent_msg_id() {
+                st.in_flight.retain(|h| h.msg_id != id);
+            }
             let finished = message
                 .parent_msg_id()
                 .and_then(|id| st.executions.replied(id));

@@ -7,7 +7,7 @@
 //! calls take time: a caller that goes away can leave them half done.
 
 use crate::backend::{
-    BackendError, ExecOutput, Found, ImageFacts, KernelBackend, LaunchRequest, Launched,
+    BackendError, ExecOutput, Exit, Found, ImageFacts, KernelBackend, LaunchRequest, Launched,
 };
 use bytes::Bytes;
 use futures::future::BoxFuture;
@@ -15,6 +15,7 @@ use kernelgate_protocol::{wire, Channel, ConnectionInfo, Header, Message, RawJso
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 use tokio::sync::watch;
@@ -28,6 +29,7 @@ pub const RUNTIME_LATENCY: Duration = Duration::from_millis(20);
 #[derive(Debug, Default, Clone)]
 pub struct Record {
     pub kernel_id: String,
+    pub kernel_name: String,
     pub image: String,
     pub preload: bool,
     pub env: BTreeMap<String, String>,
@@ -36,15 +38,22 @@ pub struct Record {
     pub restarts: u32,
     pub interrupts: u32,
     pub removed: bool,
+    /// The kernel a restart moved into this one (a warm kernel), as recorded.
+    pub serves: Option<String>,
+    pub owner: Option<String>,
+    pub renamed_to: Option<String>,
 }
+
+/// The memory limit the fake reports for its kernels.
+pub const MEMORY_MB: u64 = 64;
 
 struct Running {
     record: Record,
     connection: ConnectionInfo,
     /// Stops the current mock process.
     stop: CancellationToken,
-    /// `Some(code)` once the current process exited.
-    exit: watch::Sender<Option<i64>>,
+    /// `Some(exit)` once the current process exited.
+    exit: watch::Sender<Option<Exit>>,
     process: Option<tokio::task::JoinHandle<()>>,
 }
 
@@ -60,6 +69,8 @@ impl Kernels {
 pub struct FakeBackend {
     kernels: Arc<Kernels>,
     dir: PathBuf,
+    /// This many of the next processes started run out of memory before they answer.
+    doomed: AtomicU32,
 }
 
 impl Drop for FakeBackend {
@@ -79,6 +90,7 @@ impl FakeBackend {
         Arc::new(FakeBackend {
             kernels: Arc::default(),
             dir,
+            doomed: AtomicU32::new(0),
         })
     }
 
@@ -110,9 +122,24 @@ impl FakeBackend {
 
     /// The kernel's process dies with exit code 1, as a crash would.
     pub fn kill(&self, handle: &str) {
+        self.end(handle, exited(1));
+    }
+
+    /// The kernel's process is killed by its memory limit.
+    pub fn oom(&self, handle: &str) {
+        self.end(handle, out_of_memory());
+    }
+
+    /// The next `n` processes started (by a launch or a restart) run out of memory before
+    /// they answer.
+    pub fn doom_next_starts(&self, n: u32) {
+        self.doomed.store(n, Ordering::SeqCst);
+    }
+
+    fn end(&self, handle: &str, exit: Exit) {
         if let Some(r) = self.kernels.lock().get(handle) {
             r.stop.cancel();
-            r.exit.send_replace(Some(1));
+            r.exit.send_replace(Some(exit));
         }
     }
 
@@ -147,9 +174,18 @@ impl FakeBackend {
                 let _ = std::fs::remove_file(endpoint.trim_start_matches("ipc://"));
             }
         }
+        let doomed = self
+            .doomed
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok();
         let mut kernels = self.kernels.lock();
         let r = kernels.get_mut(handle).ok_or_else(gone)?;
         r.stop = CancellationToken::new();
+        if doomed {
+            // Never binds its sockets: dies while it starts.
+            r.exit.send_replace(Some(out_of_memory()));
+            return Ok(());
+        }
         r.exit.send_replace(None);
         let mock = Mock {
             kernels: self.kernels.clone(),
@@ -204,6 +240,7 @@ impl KernelBackend for FakeBackend {
             let running = Running {
                 record: Record {
                     kernel_id: req.kernel_id.clone(),
+                    kernel_name: req.kernel_name.clone(),
                     image: req.image.clone(),
                     preload: req.preload,
                     env: req.env.clone(),
@@ -238,12 +275,12 @@ impl KernelBackend for FakeBackend {
             self.update(handle, |r| {
                 r.record.removed = true;
                 r.stop.cancel();
-                r.exit.send_replace(Some(137));
+                r.exit.send_replace(Some(exited(137)));
             })
         })
     }
 
-    fn wait_exit<'a>(&'a self, handle: &'a str) -> BoxFuture<'a, Result<i64, BackendError>> {
+    fn wait_exit<'a>(&'a self, handle: &'a str) -> BoxFuture<'a, Result<Exit, BackendError>> {
         Box::pin(async move {
             let mut exit = self
                 .kernels
@@ -253,13 +290,13 @@ impl KernelBackend for FakeBackend {
                 .ok_or_else(|| BackendError::Gone {
                     handle: handle.to_owned(),
                 })?;
-            let code = exit
+            let exit = exit
                 .wait_for(Option::is_some)
                 .await
                 .map_err(|_| BackendError::Gone {
                     handle: handle.to_owned(),
                 })?;
-            Ok(code.unwrap_or_default())
+            Ok(exit.clone().unwrap_or_default())
         })
     }
 
@@ -277,8 +314,90 @@ impl KernelBackend for FakeBackend {
         })
     }
 
+    /// What a restarted gateway on the same backend finds: every kernel not removed, as
+    /// the Docker backend reports them (its owner and the kernel it serves as recorded;
+    /// warm kernels always fit the configuration).
     fn list(&self) -> BoxFuture<'_, Result<Vec<Found>, BackendError>> {
-        Box::pin(async { Ok(Vec::new()) })
+        Box::pin(async move {
+            Ok(self
+                .kernels
+                .lock()
+                .iter()
+                .filter(|(_, r)| !r.record.removed)
+                .map(|(handle, r)| Found {
+                    handle: handle.clone(),
+                    kernel_id: r
+                        .record
+                        .serves
+                        .clone()
+                        .unwrap_or(r.record.kernel_id.clone()),
+                    moved: r.record.serves.is_some(),
+                    pooled: r.record.preload && r.record.owner.is_none(),
+                    current: true,
+                    image: r.record.image.clone(),
+                    kernel_name: r.record.kernel_name.clone(),
+                    running: r.exit.borrow().is_none(),
+                    owner: r.record.owner.clone(),
+                    connection: Some(r.connection.clone()),
+                })
+                .collect())
+        })
+    }
+
+    fn set_owner<'a>(
+        &'a self,
+        kernel_id: &'a str,
+        owner: &'a str,
+    ) -> BoxFuture<'a, Result<(), BackendError>> {
+        Box::pin(async move {
+            for r in self.kernels.lock().values_mut() {
+                if r.record.kernel_id == kernel_id {
+                    r.record.owner = Some(owner.to_owned());
+                }
+            }
+            Ok(())
+        })
+    }
+
+    fn set_kernel_id<'a>(
+        &'a self,
+        container_id: &'a str,
+        kernel_id: &'a str,
+    ) -> BoxFuture<'a, Result<(), BackendError>> {
+        Box::pin(async move {
+            for r in self.kernels.lock().values_mut() {
+                if r.record.kernel_id == container_id {
+                    r.record.serves = Some(kernel_id.to_owned());
+                }
+            }
+            Ok(())
+        })
+    }
+
+    fn rename<'a>(
+        &'a self,
+        handle: &'a str,
+        kernel_id: &'a str,
+    ) -> BoxFuture<'a, Result<(), BackendError>> {
+        Box::pin(async move {
+            self.update(handle, |r| r.record.renamed_to = Some(kernel_id.to_owned()))
+        })
+    }
+}
+
+fn exited(code: i64) -> Exit {
+    Exit {
+        code,
+        oom_killed: false,
+        memory_mb: Some(MEMORY_MB),
+    }
+}
+
+fn out_of_memory() -> Exit {
+    Exit {
+        code: 137,
+        oom_killed: true,
+        memory_mb: Some(MEMORY_MB),
     }
 }
 

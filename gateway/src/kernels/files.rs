@@ -149,7 +149,7 @@ async fn script(
         .collect();
     let out = kernels
         .backend()
-        .exec(live.handle(), argv, body, max_bytes)
+        .exec(&live.handle(), argv, body, max_bytes)
         .await?;
     let reason = match out.stderr.trim() {
         "" => "file operation failed".to_owned(),

@@ -61,23 +61,37 @@ pub struct Settings {
     pub guard: Option<Arc<crate::policy::Guard>>,
 }
 
+/// The kernel process a [`LiveKernel`] runs in now: a restart may move it into a warm
+/// kernel's container.
+#[derive(Debug, Clone)]
+struct Process {
+    /// The backend's handle (container id).
+    handle: String,
+    connection: ConnectionInfo,
+}
+
 /// One kernel of the table.
 #[derive(Debug)]
 pub struct LiveKernel {
     pub kernel: Arc<Kernel>,
     pub name: String,
-    handle: String,
-    connection: ConnectionInfo,
+    process: Mutex<Process>,
     /// Serializes restarts with the death watcher.
     ops: tokio::sync::Mutex<()>,
     /// Bumped by every intentional restart, so the watcher ignores the exit it causes.
     epoch: AtomicU64,
+    /// Wakes the watcher when the kernel moved into another process.
+    rearm: Notify,
     /// Queues the runs of [`run`] (agent API, MCP) so concurrent calls go one at a time,
     /// in the order they were made (tokio's mutex is fair).
     pub runs: Arc<tokio::sync::Mutex<()>>,
     cancel: CancellationToken,
     /// The tenant it belongs to; set once, when it is registered (warm kernels have none).
     owner: OnceLock<String>,
+    /// The environment a warm kernel must be given to take this kernel's place at a
+    /// restart; unset when none can (limits of its own, variables only a fresh process
+    /// reads, or unknown for a kernel re-adopted from an earlier run).
+    warm_env: OnceLock<BTreeMap<String, String>>,
 }
 
 impl LiveKernel {
@@ -90,9 +104,21 @@ impl LiveKernel {
         self.owner.get().map_or("", String::as_str)
     }
 
-    /// The backend's handle (container id).
-    pub fn handle(&self) -> &str {
-        &self.handle
+    /// The backend's handle (container id) of its process now.
+    pub fn handle(&self) -> String {
+        self.process().handle
+    }
+
+    fn process(&self) -> Process {
+        // Plain data: a panic elsewhere cannot leave it inconsistent.
+        self.process
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    fn set_process(&self, process: Process) {
+        *self.process.lock().unwrap_or_else(|e| e.into_inner()) = process;
     }
 }
 
@@ -253,30 +279,82 @@ impl Kernels {
     }
 
     /// Kernels of an earlier run of this gateway (same runtime directory) that still run
-    /// are adopted again with their state; the rest are removed.
+    /// are adopted again with their state; warm kernels nobody took go back into their
+    /// pool while they fit the configuration (same spec, image and limits, room in the
+    /// pool); the rest are removed. Warm kernels are never listed.
     async fn remove_leftovers(self: &Arc<Self>) {
-        let found = match self.backend.list().await {
+        let mut found = match self.backend.list().await {
             Ok(found) => found,
             Err(e) => {
                 tracing::warn!(error = %e, "cannot list kernel containers");
                 return;
             }
         };
+        // A container a restart moved a kernel into wins over the kernel's old one.
+        found.sort_by_key(|f| !f.moved);
+        let mut seen = std::collections::HashSet::new();
         for f in found {
-            if let (true, Some(connection)) = (f.running, f.connection.clone()) {
-                match self.adopt(&f, connection).await {
+            let first = seen.insert(f.kernel_id.clone());
+            let kept = match (first, f.running, f.connection.clone()) {
+                (true, true, Some(connection)) if f.pooled => self.repool(&f, connection).await,
+                (true, true, Some(connection)) => match self.adopt(&f, connection).await {
                     Ok(()) => {
                         tracing::info!(kernel = %f.kernel_id, "re-adopted kernel left by an earlier run");
-                        continue;
+                        true
                     }
                     Err(e) => {
-                        tracing::warn!(kernel = %f.kernel_id, error = %e, "cannot re-adopt kernel")
+                        tracing::warn!(kernel = %f.kernel_id, error = %e, "cannot re-adopt kernel");
+                        false
                     }
-                }
+                },
+                _ => false,
+            };
+            if kept {
+                continue;
             }
-            tracing::info!(kernel = %f.kernel_id, "removing kernel container left by an earlier run");
+            tracing::info!(kernel = %f.kernel_id, container = %f.handle, "removing kernel container left by an earlier run");
             if let Err(e) = self.backend.remove(&f.handle).await {
                 tracing::warn!(kernel = %f.kernel_id, error = %e, "cannot remove leftover container");
+            }
+        }
+    }
+
+    /// Puts a warm kernel of an earlier run back into its pool, if it fits: its spec still
+    /// has a pool with room, runs the same image, and the kernel was made with the limits
+    /// in force.
+    async fn repool(self: &Arc<Self>, found: &Found, connection: ConnectionInfo) -> bool {
+        let spec = match self.settings.specs.get(&found.kernel_name) {
+            Some(spec) if spec.pool_size > 0 => spec,
+            _ => return false,
+        };
+        let room = self.lock().pool.get(&spec.name).map_or(0, VecDeque::len) < spec.pool_size;
+        if !(room && found.current && found.image == spec.image) {
+            tracing::info!(kernel = %found.kernel_id, "a warm kernel of an earlier run does not fit the configuration");
+            return false;
+        }
+        let name = spec.name.clone();
+        match self
+            .connect_kernel(
+                &found.kernel_id,
+                &name,
+                found.handle.clone(),
+                connection,
+                Duration::from_secs(10),
+            )
+            .await
+        {
+            Ok(live) if self.pool_add(&name, &live) => {
+                tracing::info!(kernel = %found.kernel_id, "a warm kernel of an earlier run is back in the pool");
+                true
+            }
+            Ok(live) => {
+                live.cancel.cancel();
+                live.kernel.disconnect();
+                false
+            }
+            Err(e) => {
+                tracing::warn!(kernel = %found.kernel_id, error = %e, "cannot take back a warm kernel");
+                false
             }
         }
     }
@@ -344,7 +422,7 @@ impl Kernels {
         self.tracker.spawn(
             async move {
                 let started = std::time::Instant::now();
-                let result = me.obtain(&name, env, &owner, limits).await;
+                let result = me.obtain(&name, env.clone(), &owner, limits).await;
                 let (live, source) = match result {
                     Ok((live, source)) => {
                         metrics::kernel_created(source, started.elapsed());
@@ -363,6 +441,9 @@ impl Kernels {
                         return;
                     }
                 };
+                if limits == Limits::default() && pool::warm_can_take(&env) {
+                    let _ = live.warm_env.set(env);
+                }
                 if tx.is_closed() || !slot.fill(&live) {
                     me.abandon(&live).await;
                     return;
@@ -537,9 +618,7 @@ impl Kernels {
         // Shutdown may come while this kernel starts: it must not outlive the gateway.
         let connected = tokio::select! {
             // A child token: closing this process's link must not cancel the watcher.
-            r = kernel.connect(&connection, &self.tracker, cancel.child_token(), timeout) => {
-                r.map_err(CreateError::from)
-            }
+            r = self.connect_watched(&kernel, &handle, &connection, cancel.child_token(), timeout) => r,
             _ = self.cancel.cancelled() => Err(CreateError::ShuttingDown),
         };
         if let Err(e) = connected {
@@ -550,23 +629,60 @@ impl Kernels {
         let live = Arc::new(LiveKernel {
             kernel,
             name: name.to_owned(),
-            handle,
-            connection,
+            process: Mutex::new(Process { handle, connection }),
             ops: tokio::sync::Mutex::new(()),
             epoch: AtomicU64::new(0),
+            rearm: Notify::new(),
             runs: Arc::default(),
             cancel,
             owner: OnceLock::new(),
+            warm_env: OnceLock::new(),
         });
         self.watch(&live);
         Ok(live)
+    }
+
+    /// Connects `kernel` to a process just started (or restarted) and waits until it
+    /// answers, while watching the process: one that exits meanwhile fails the connect at
+    /// once, saying why, instead of after the whole timeout.
+    async fn connect_watched(
+        &self,
+        kernel: &Arc<Kernel>,
+        handle: &str,
+        connection: &ConnectionInfo,
+        cancel: CancellationToken,
+        timeout: Duration,
+    ) -> Result<(), CreateError> {
+        let connect = kernel.connect(connection, &self.tracker, cancel.clone(), timeout);
+        tokio::pin!(connect);
+        let result = tokio::select! {
+            r = &mut connect => r.map(drop).map_err(CreateError::from),
+            exit = self.backend.wait_exit(handle) => match exit {
+                Ok(exit) => Err(CreateError::Backend(BackendError::Died(format!(
+                    "{}{}",
+                    exit.cause(),
+                    supervise::WHILE_STARTING
+                )))),
+                // Cannot be watched: the connect alone decides.
+                Err(e) => {
+                    tracing::debug!(kernel = %kernel.id(), error = %e, "cannot watch a starting kernel");
+                    connect.await.map(drop).map_err(CreateError::from)
+                }
+            },
+        };
+        if result.is_err() {
+            // The link of a connect cut short must not linger.
+            cancel.cancel();
+            kernel.disconnect();
+        }
+        result
     }
 
     /// Interrupts the kernel's process (SIGINT); executions still waiting for approval are
     /// cancelled.
     pub async fn interrupt(&self, live: &LiveKernel) -> Result<(), BackendError> {
         live.kernel.cancel_waiting();
-        self.backend.interrupt(&live.handle).await
+        self.backend.interrupt(&live.handle()).await
     }
 
     /// Shuts a kernel down: gone from the table at once, clients told `dead` and
@@ -591,7 +707,7 @@ impl Kernels {
         live.kernel.set_state(ExecutionState::Dead, true);
         live.kernel.disconnect();
         live.kernel.close_clients();
-        self.backend.remove(&live.handle).await
+        self.backend.remove(&live.handle()).await
     }
 
     /// Removes every kernel, pooled ones included (graceful shutdown).

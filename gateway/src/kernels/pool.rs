@@ -18,6 +18,12 @@ pub(super) const GATEWAY_HINTS: [&str; 3] = [
     "KERNEL_USERNAME",
 ];
 
+/// Whether a warm kernel can be given `env` (only the gateway hints can be: other
+/// variables may be read while Python starts, so their kernels start cold).
+pub(super) fn warm_can_take(env: &BTreeMap<String, String>) -> bool {
+    env.keys().all(|k| GATEWAY_HINTS.contains(&k.as_str()))
+}
+
 /// How long a pooled kernel may take to set its environment.
 const SET_ENV_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -30,7 +36,7 @@ impl Kernels {
         spec: &str,
         env: &BTreeMap<String, String>,
     ) -> Option<Arc<LiveKernel>> {
-        if !env.keys().all(|k| GATEWAY_HINTS.contains(&k.as_str())) {
+        if !warm_can_take(env) {
             return None;
         }
         let pooled = self.lock().pool.get_mut(spec).and_then(VecDeque::pop_front);

@@ -1,16 +1,32 @@
 //! Supervision of running kernels: restarts (asked for, or automatic after a death),
 //! the death watch (process exit, or a heartbeat that stops answering), and culling of
 //! idle kernels.
+//!
+//! A restart moves the kernel into a warm kernel of its spec's pool when one fits (the
+//! configured limits, an environment a warm kernel can be given): same id, same clients,
+//! a fresh process in a fresh container, in milliseconds; the old container is removed.
+//! Otherwise the kernel's own container is restarted. Either way the new process is
+//! watched while it starts, so one that dies is seen at once; a restart is tried
+//! [`RESTART_TRIES`] times with back-off before the kernel is declared dead, with why and
+//! what brings it back.
 
-use super::{CreateError, Kernels, LiveKernel};
+use super::{CreateError, Kernels, LiveKernel, Process};
+use crate::backend::BackendError;
 use crate::kernel::heartbeat;
 use chrono::Utc;
 use kernelgate_protocol::content::ExecutionState;
 use kernelgate_protocol::ConnectionInfo;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tracing::Instrument;
+
+/// Tries of one restart before the kernel is declared dead.
+pub(super) const RESTART_TRIES: u32 = 3;
+
+/// What [`Kernels::connect_watched`] adds to the cause of a process that exited while it
+/// started.
+pub(super) const WHILE_STARTING: &str = " while it started";
 
 /// Heartbeat probing, for a kernel that hangs without exiting: one that misses `misses`
 /// probes in a row is restarted (or declared dead). Death by exit is noticed at once
@@ -32,15 +48,41 @@ impl Default for HeartbeatCheck {
     }
 }
 
+/// The wait after failed try `n` (from 1) of a restart: 1 s, 3 s, 9 s, never more than 10 s.
+pub(super) fn backoff(n: u32) -> Duration {
+    Duration::from_secs(3u64.saturating_pow(n.saturating_sub(1)).min(10))
+}
+
+/// Whether another try may succeed where `e` failed. A kernel that did not answer within
+/// the startup timeout already had its time.
+fn retryable(e: &CreateError) -> bool {
+    !matches!(
+        e,
+        CreateError::ShuttingDown | CreateError::Kernel(crate::kernel::KernelError::NotReady(_))
+    )
+}
+
+/// What happened to a process a failed try started, as the executions sent to it are told.
+fn cause_of(e: &CreateError) -> String {
+    match e {
+        CreateError::Backend(BackendError::Died(text)) => {
+            text.strip_suffix(WHILE_STARTING).unwrap_or(text).to_owned()
+        }
+        e => format!("the kernel did not come back ({e})"),
+    }
+}
+
 impl Kernels {
-    /// Restarts a kernel's process: state is cleared, the id and connections stay.
-    /// Finishes even when the caller goes away.
+    /// Restarts a kernel: a fresh process (variables and files gone), the id and
+    /// connections stay. Finishes even when the caller goes away.
     pub async fn restart(self: &Arc<Self>, live: &Arc<LiveKernel>) -> Result<(), CreateError> {
         let (me, live) = (self.clone(), live.clone());
         let restart = self.tracker.spawn(
             async move {
                 let _ops = live.ops.lock().await;
                 live.epoch.fetch_add(1, Ordering::SeqCst);
+                live.kernel
+                    .lost_executions("KernelRestarted", "the kernel was restarted");
                 me.restart_locked(&live, false).await
             }
             .in_current_span(),
@@ -51,27 +93,142 @@ impl Kernels {
     /// `announce`: tell clients `restarting`. Jupyter Server sends that status only for
     /// restarts it does on its own (a kernel died); JupyterLab shows "the kernel appears to
     /// have died" when it sees one after a restart the user asked for.
-    async fn restart_locked(&self, live: &LiveKernel, announce: bool) -> Result<(), CreateError> {
+    async fn restart_locked(
+        self: &Arc<Self>,
+        live: &Arc<LiveKernel>,
+        announce: bool,
+    ) -> Result<(), CreateError> {
         live.kernel.set_state(ExecutionState::Restarting, announce);
         live.kernel.disconnect();
-        let result = async {
-            self.backend.restart(&live.handle).await?;
-            live.kernel
-                .connect(
-                    &live.connection,
-                    &self.tracker,
-                    live.cancel.child_token(),
-                    self.settings.startup_timeout,
-                )
-                .await?;
-            Ok::<_, CreateError>(())
+        let started = Instant::now();
+        let mut tries = 0;
+        let failure = loop {
+            tries += 1;
+            match self.restart_once(live).await {
+                Ok(way) => {
+                    tracing::info!(kernel = %live.id(), way, tries, took = ?started.elapsed(), "kernel restarted");
+                    return Ok(());
+                }
+                Err(e) => {
+                    // What was sent to the process that failed (held during the restart)
+                    // went down with it.
+                    live.kernel.lost_executions("KernelDied", &cause_of(&e));
+                    // The failed process may have reported a state of its own: messages
+                    // sent from now on wait for the next try.
+                    live.kernel.set_state(ExecutionState::Restarting, false);
+                    tracing::warn!(kernel = %live.id(), tries, error = %e, "a restart try failed");
+                    if tries >= RESTART_TRIES || !retryable(&e) {
+                        break e;
+                    }
+                    tokio::select! {
+                        _ = self.cancel.cancelled() => break CreateError::ShuttingDown,
+                        _ = tokio::time::sleep(backoff(tries)) => {}
+                    }
+                }
+            }
+        };
+        if matches!(failure, CreateError::ShuttingDown) {
+            live.kernel.set_state(ExecutionState::Dead, true);
+            return Err(failure);
         }
-        .await;
-        match &result {
-            Ok(()) => tracing::info!(kernel = %live.id(), "kernel restarted"),
-            Err(_) => live.kernel.set_state(ExecutionState::Dead, true),
+        let why = format!(
+            "the kernel could not be restarted ({failure}; {tries} tries); restart it with \
+             POST /api/kernels/{}/restart or delete it",
+            live.id()
+        );
+        tracing::warn!(kernel = %live.id(), "{why}");
+        self.settings.audit.record(
+            "kernel_restart_failed",
+            serde_json::json!({"kernel": live.id(), "owner": live.owner(), "tries": tries,
+                               "why": failure.to_string()}),
+        );
+        live.kernel.set_dead(why.clone());
+        match failure {
+            // Its own status (504) for one that did not answer in time.
+            e @ CreateError::Kernel(crate::kernel::KernelError::NotReady(_)) => Err(e),
+            _ => Err(CreateError::Backend(BackendError::Died(why))),
         }
-        result
+    }
+
+    /// One try: into a warm kernel when one fits, else the kernel's container restarted.
+    async fn restart_once(
+        self: &Arc<Self>,
+        live: &Arc<LiveKernel>,
+    ) -> Result<&'static str, CreateError> {
+        if let Some(env) = live.warm_env.get() {
+            if let Some(warm) = self.take_pooled(&live.name, env).await {
+                self.move_into(live, &warm).await?;
+                return Ok("warm kernel from the pool");
+            }
+        }
+        let Process { handle, connection } = live.process();
+        self.backend.restart(&handle).await?;
+        self.connect_watched(
+            &live.kernel,
+            &handle,
+            &connection,
+            live.cancel.child_token(),
+            self.settings.startup_timeout,
+        )
+        .await?;
+        Ok("container restarted")
+    }
+
+    /// Moves `live` into the process of `warm`, a kernel taken from the pool: `live`'s
+    /// clients stay attached, its old container is removed.
+    async fn move_into(
+        self: &Arc<Self>,
+        live: &Arc<LiveKernel>,
+        warm: &Arc<LiveKernel>,
+    ) -> Result<(), CreateError> {
+        // The warm kernel's own watcher and link go; its process serves `live` now.
+        warm.cancel.cancel();
+        warm.kernel.disconnect();
+        let (old, new) = (live.process(), warm.process());
+        live.set_process(new.clone());
+        let connected = self
+            .connect_watched(
+                &live.kernel,
+                &new.handle,
+                &new.connection,
+                live.cancel.child_token(),
+                self.settings.startup_timeout,
+            )
+            .await;
+        if let Err(e) = connected {
+            live.set_process(old);
+            if let Err(re) = self.backend.remove(&new.handle).await {
+                tracing::warn!(kernel = %warm.id(), error = %re, "cannot remove a warm kernel that failed");
+            }
+            return Err(e);
+        }
+        // Labels cannot change: what the container serves now is recorded beside it, for
+        // a restarted gateway.
+        let recorded = async {
+            self.backend.set_kernel_id(warm.id(), live.id()).await?;
+            self.backend.set_owner(warm.id(), live.owner()).await
+        };
+        if let Err(e) = recorded.await {
+            tracing::warn!(kernel = %live.id(), error = %e, "cannot record the kernel's new container");
+        }
+        live.rearm.notify_one();
+        let (me, id) = (self.clone(), live.id().to_owned());
+        self.tracker.spawn(
+            async move {
+                match me.backend.remove(&old.handle).await {
+                    Ok(()) => {
+                        if let Err(e) = me.backend.rename(&new.handle, &id).await {
+                            tracing::debug!(kernel = %id, error = %e, "cannot rename the kernel's new container");
+                        }
+                    }
+                    Err(e) => {
+                        tracing::warn!(kernel = %id, error = %e, "cannot remove the kernel's old container")
+                    }
+                }
+            }
+            .in_current_span(),
+        );
+        Ok(())
     }
 
     /// Watches one kernel for death: process exit (noticed at once) or a heartbeat that
@@ -92,35 +249,41 @@ impl Kernels {
         );
     }
 
-    async fn watch_loop(&self, live: &LiveKernel) {
+    async fn watch_loop(self: &Arc<Self>, live: &Arc<LiveKernel>) {
         loop {
             let epoch = live.epoch.load(Ordering::SeqCst);
-            let why = tokio::select! {
-                exit = self.backend.wait_exit(&live.handle) => match exit {
-                    Ok(code) => format!("exited with code {code}"),
-                    Err(e) => format!("cannot be watched: {e}"),
+            let Process { handle, connection } = live.process();
+            let cause = tokio::select! {
+                exit = self.backend.wait_exit(&handle) => match exit {
+                    Ok(exit) => exit.cause(),
+                    Err(BackendError::Gone { .. }) => "the kernel's container was removed".to_owned(),
+                    Err(e) => format!("the kernel cannot be watched ({e})"),
                 },
-                () = self.heartbeat_lost(&live.connection) => "stopped answering its heartbeat".to_owned(),
+                () = self.heartbeat_lost(&connection) => "the kernel stopped answering its heartbeat".to_owned(),
+                // It moved into another process: watch that one.
+                () = live.rearm.notified() => continue,
             };
             let _ops = live.ops.lock().await;
             if live.epoch.load(Ordering::SeqCst) != epoch {
                 continue; // the exit of an intentional restart
             }
-            tracing::warn!(kernel = %live.id(), "kernel {why}");
+            tracing::warn!(kernel = %live.id(), "{cause}");
             self.settings.audit.record(
                 "kernel_died",
-                serde_json::json!({"kernel": live.id(), "owner": live.owner(), "why": why,
+                serde_json::json!({"kernel": live.id(), "owner": live.owner(), "why": cause,
                                    "restarting": self.settings.autorestart}),
             );
+            live.kernel.lost_executions("KernelDied", &cause);
             if !self.settings.autorestart {
-                live.kernel.set_state(ExecutionState::Dead, true);
-                live.kernel.disconnect();
+                live.kernel.set_dead(format!(
+                    "{cause}; restart it with POST /api/kernels/{}/restart or delete it",
+                    live.id()
+                ));
                 return;
             }
             live.epoch.fetch_add(1, Ordering::SeqCst);
-            if let Err(e) = self.restart_locked(live, true).await {
-                tracing::warn!(kernel = %live.id(), error = %e, "automatic restart failed; kernel is dead");
-                return;
+            if self.restart_locked(live, true).await.is_err() {
+                return; // dead, and clients were told why
             }
         }
     }

@@ -384,3 +384,268 @@ async fn a_key_limit_holds_under_concurrent_creates_and_owners_are_kept() {
         .await
         .expect("room for alice again");
 }
+
+/// Runs `code` on the kernel as a client would; the reply's status, ename and evalue.
+async fn run_code(live: &LiveKernel, code: &str) -> (String, String, String) {
+    use kernelgate_protocol::content::ExecuteRequest;
+    use kernelgate_protocol::{Channel, Execution, RawJson};
+    let me = live.kernel.attach("test-client", true, "admin");
+    let message = live.kernel.request(
+        "execute_request",
+        RawJson::from_value(&ExecuteRequest::new(code)),
+    );
+    let mut execution = Execution::new(message.msg_id());
+    me.send(Channel::Shell, message).await.expect("sent");
+    while !execution.is_done() {
+        let batch = tokio::time::timeout(Duration::from_secs(10), me.recv())
+            .await
+            .expect("an answer within 10 s")
+            .expect("session open");
+        for out in batch {
+            execution.feed(out.channel, &out.message);
+        }
+    }
+    let reply = execution.reply().expect("a reply");
+    (
+        reply.status.clone(),
+        reply.ename.clone(),
+        reply.evalue.clone(),
+    )
+}
+
+#[test]
+fn restarts_back_off_boundedly() {
+    let waits: Vec<u64> = (1..=4).map(|n| supervise::backoff(n).as_secs()).collect();
+    assert_eq!(waits, [1, 3, 9, 10]);
+    assert_eq!(supervise::RESTART_TRIES, 3);
+}
+
+#[tokio::test]
+async fn a_kernel_that_dies_again_while_it_restarts_is_tried_again() {
+    let (kernels, fake) = table(settings()).await;
+    let (live, handle) = one_kernel(&kernels, &fake).await;
+    let started = std::time::Instant::now();
+    // Out of memory, then again while its restart starts.
+    fake.doom_next_starts(1);
+    fake.oom(&handle);
+    eventually("back after a second try", || async {
+        fake.records()[&handle].restarts == 2
+            && live.kernel.execution_state() == ExecutionState::Idle
+    })
+    .await;
+    let took = started.elapsed();
+    assert!(
+        took >= supervise::backoff(1) && took < Duration::from_secs(5),
+        "one back-off, not the startup timeout: {took:?}"
+    );
+    assert_eq!(run_code(&live, "1").await.0, "ok");
+}
+
+#[tokio::test]
+async fn a_restart_that_keeps_failing_gives_up_fast_and_says_what_to_do() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let log = dir.path().join("audit.log");
+    let (kernels, fake) = table(Settings {
+        audit: crate::audit::Audit::open(&log, false).expect("audit log"),
+        ..settings()
+    })
+    .await;
+    let (live, handle) = one_kernel(&kernels, &fake).await;
+    let started = std::time::Instant::now();
+    fake.doom_next_starts(supervise::RESTART_TRIES);
+    fake.oom(&handle);
+    eventually("declared dead", || async {
+        live.kernel.execution_state() == ExecutionState::Dead
+    })
+    .await;
+    let took = started.elapsed();
+    let backoffs = supervise::backoff(1) + supervise::backoff(2);
+    assert!(
+        took >= backoffs && took < Duration::from_secs(8),
+        "{} tries with back-off, well under the 10 s startup timeout: {took:?}",
+        supervise::RESTART_TRIES
+    );
+    assert_eq!(fake.records()[&handle].restarts, 3);
+
+    // Later calls fail at once, saying why and what brings the kernel back.
+    let (status, ename, evalue) = run_code(&live, "1").await;
+    assert_eq!(
+        (status.as_str(), ename.as_str()),
+        ("error", "KernelUnavailable")
+    );
+    assert!(
+        evalue.contains("ran out of memory (limit 64 MiB)")
+            && evalue.contains(&format!("POST /api/kernels/{}/restart", live.id()))
+            && evalue.contains("delete it"),
+        "{evalue}"
+    );
+    let trail = std::fs::read_to_string(&log).expect("audit");
+    let failed: Vec<serde_json::Value> = trail
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .filter(|r: &serde_json::Value| r["event"] == "kernel_restart_failed")
+        .collect();
+    assert_eq!(failed.len(), 1, "{trail}");
+    assert_eq!(failed[0]["kernel"], live.id());
+    assert_eq!(failed[0]["tries"], 3);
+    assert!(failed[0]["why"]
+        .as_str()
+        .is_some_and(|w| w.contains("ran out of memory")));
+
+    // What the message says works.
+    kernels.restart(&live).await.expect("restarted by hand");
+    assert_eq!(run_code(&live, "1").await.0, "ok");
+}
+
+#[tokio::test]
+async fn a_restart_moves_the_kernel_into_a_warm_one_when_one_fits() {
+    let (kernels, fake) = table(Settings {
+        specs: specs(&[], &["1"]),
+        ..settings()
+    })
+    .await;
+    eventually("the pool filled", || async { kernels.pooled() == 1 }).await;
+    let live = kernels
+        .create(None, &env(&[("KERNEL_USERNAME", "alice")]), &admin())
+        .await
+        .expect("created");
+    eventually("the pool refilled", || async { kernels.pooled() == 1 }).await;
+    let before = live.handle();
+    let warm = kernels.lock().pool[DEFAULT_SPEC][0].handle();
+
+    kernels.restart(&live).await.expect("restarted");
+    assert_eq!(live.handle(), warm, "moved into the warm kernel's process");
+    assert_eq!(
+        kernels.get(live.id()).map(|l| l.handle()),
+        Some(warm.clone())
+    );
+    let records = fake.records();
+    assert_eq!(
+        records[&before].restarts, 0,
+        "its container was not restarted"
+    );
+    assert_eq!(records[&warm].serves.as_deref(), Some(live.id()));
+    assert_eq!(records[&warm].owner.as_deref(), Some("admin"));
+    assert!(
+        records[&warm].executed.iter().any(|c| c.contains("alice")),
+        "the warm kernel got the kernel's environment"
+    );
+    eventually("the old container removed, the new one renamed", || async {
+        let r = fake.records();
+        r[&before].removed && r[&warm].renamed_to.as_deref() == Some(live.id())
+    })
+    .await;
+    assert_eq!(run_code(&live, "1").await.0, "ok");
+    eventually("the pool refilled", || async { kernels.pooled() == 1 }).await;
+
+    // Its death is watched in its new process.
+    fake.kill(&warm);
+    eventually("restarted again", || async {
+        live.handle() != warm && live.kernel.execution_state() == ExecutionState::Idle
+    })
+    .await;
+
+    // A kernel with variables a warm kernel cannot be given restarts its own container.
+    let cold = kernels
+        .create(None, &env(&[("KERNEL_LANG", "de")]), &admin())
+        .await
+        .expect("created");
+    eventually("the pool refilled", || async { kernels.pooled() == 1 }).await;
+    let handle = cold.handle();
+    kernels.restart(&cold).await.expect("restarted");
+    assert_eq!(cold.handle(), handle);
+    assert_eq!(fake.records()[&handle].restarts, 1);
+    assert_eq!(kernels.pooled(), 1, "the pool was not touched");
+}
+
+#[tokio::test]
+async fn a_restarted_gateway_finds_moved_kernels_and_pools_warm_ones_again() {
+    let settings = || Settings {
+        specs: specs(&[], &["1"]),
+        ..settings()
+    };
+    let (first, fake) = table(settings()).await;
+    eventually("the pool filled", || async { first.pooled() == 1 }).await;
+    let live = first
+        .create(None, &BTreeMap::new(), &admin())
+        .await
+        .expect("created");
+    eventually("the pool refilled", || async { first.pooled() == 1 }).await;
+    first
+        .restart(&live)
+        .await
+        .expect("restarted into the warm kernel");
+    let moved_to = live.handle();
+    eventually("the pool refilled again", || async {
+        first.pooled() == 1 && fake.records().values().filter(|r| r.removed).count() == 1
+    })
+    .await;
+    let warm = first.lock().pool[DEFAULT_SPEC][0].handle();
+    let launched = fake.records().len();
+    // A crash: the gateway's tasks stop, its kernels stay.
+    first.cancel.cancel();
+
+    let second = Kernels::new(
+        fake.clone(),
+        settings(),
+        TaskTracker::new(),
+        CancellationToken::new(),
+    );
+    second.start().await;
+    let listed: Vec<(String, String)> = second
+        .list()
+        .iter()
+        .map(|l| (l.id().to_owned(), l.handle()))
+        .collect();
+    assert_eq!(
+        listed,
+        [(live.id().to_owned(), moved_to)],
+        "the kernel, in the container it moved into; the warm kernel is not listed"
+    );
+    assert_eq!(second.list()[0].owner(), "admin");
+    assert_eq!(second.pooled(), 1);
+    assert_eq!(second.lock().pool[DEFAULT_SPEC][0].handle(), warm);
+    assert_eq!(fake.records().len(), launched, "nothing new started");
+    second.cancel.cancel();
+
+    // Without a pool the warm kernel is removed.
+    let third = Kernels::new(
+        fake.clone(),
+        Settings {
+            specs: specs(&[], &["0"]),
+            ..settings()
+        },
+        TaskTracker::new(),
+        CancellationToken::new(),
+    );
+    third.start().await;
+    assert_eq!(third.list().len(), 1);
+    assert_eq!(third.pooled(), 0);
+    assert!(fake.records()[&warm].removed);
+    third.shutdown().await;
+    assert_eq!(fake.running(), 0);
+}
+
+#[tokio::test]
+async fn a_kernel_that_dies_while_it_starts_fails_its_create_at_once() {
+    let (kernels, fake) = table(settings()).await;
+    fake.doom_next_starts(1);
+    let started = std::time::Instant::now();
+    let refused = kernels
+        .create(None, &BTreeMap::new(), &admin())
+        .await
+        .expect_err("died while it started");
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "not the 10 s startup timeout"
+    );
+    assert_eq!(
+        refused.to_string(),
+        "the kernel ran out of memory (limit 64 MiB) while it started"
+    );
+    eventually("its container removed and its slot given back", || async {
+        fake.running() == 0 && kernels.reserved() == 0
+    })
+    .await;
+    assert!(kernels.list().is_empty());
+}

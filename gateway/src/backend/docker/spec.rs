@@ -28,6 +28,17 @@ pub const LABEL_RUNTIME: &str = "org.kernelgate.runtime";
 /// The tenant a kernel was started for (warm kernels get theirs when handed out, recorded
 /// beside their socket directory: labels cannot change).
 pub const LABEL_OWNER: &str = "org.kernelgate.owner";
+/// Started for the warm pool: `true`. Whether it was handed out since is recorded beside
+/// its socket directory (its owner), as labels cannot change.
+pub const LABEL_POOL: &str = "org.kernelgate.pool";
+/// The limits it runs with ([`limits_label`]), so a restarted gateway can tell whether a
+/// warm kernel left by an earlier run still fits its configuration.
+pub const LABEL_LIMITS: &str = "org.kernelgate.limits";
+
+/// The value of [`LABEL_LIMITS`].
+pub fn limits_label(memory_mb: u64, cpus: f64, pids: i64, disk_mb: u64) -> String {
+    format!("memory_mb={memory_mb},cpus={cpus},pids={pids},disk_mb={disk_mb}")
+}
 
 /// Container name of a kernel.
 pub fn container_name(kernel_id: &str) -> String {
@@ -71,7 +82,14 @@ impl ContainerSpec<'_> {
             (LABEL_MANAGED.to_owned(), "true".to_owned()),
             (LABEL_RUNTIME_DIR.to_owned(), self.runtime_dir.to_owned()),
             (LABEL_RUNTIME.to_owned(), self.runtime_label.to_owned()),
+            (
+                LABEL_LIMITS.to_owned(),
+                limits_label(self.memory_mb, self.cpus, self.pids, self.disk_mb),
+            ),
         ]);
+        if self.preload {
+            labels.insert(LABEL_POOL.to_owned(), "true".to_owned());
+        }
         if let Some(owner) = self.owner {
             labels.insert(LABEL_OWNER.to_owned(), owner.to_owned());
         }
@@ -259,6 +277,11 @@ mod tests {
         assert_eq!(labels[LABEL_MANAGED], "true");
         assert_eq!(labels[LABEL_RUNTIME_DIR], "/run/kernelgate");
         assert_eq!(labels[LABEL_RUNTIME], "runsc");
+        assert_eq!(labels[LABEL_POOL], "true", "started for the warm pool");
+        assert_eq!(
+            labels[LABEL_LIMITS],
+            "memory_mb=1024,cpus=1.5,pids=256,disk_mb=512"
+        );
         assert_eq!(container_name("k1"), "kernelgate-k1");
     }
 

@@ -3,7 +3,7 @@
 //! markdown table and writes it, with every sample, to JSON and markdown files.
 //!
 //! Usage: bench [--out FILE.json] [--md FILE.md] [--venv DIR] [--rounds N] [--pool-size N]
-//!              [--idle-kernels N] [--quick] [--mcp-only] [--audit-only]
+//!              [--idle-kernels N] [--quick] [--mcp-only] [--audit-only] [--restart-only]
 //!
 //! Kernelgate runs each kernel in a Docker container under runc (ipc sockets
 //! bind-mounted), then, in a table of its own, under runc and gVisor side by side; JKG and
@@ -15,6 +15,7 @@ mod conn;
 mod mcp;
 mod procs;
 mod report;
+mod restart;
 mod runtimes;
 mod stats;
 
@@ -50,6 +51,8 @@ struct Opts {
     mcp_only: bool,
     /// Only the audit trail and execution policy comparison.
     audit_only: bool,
+    /// Only restarts, with and without a warm kernel ready.
+    restart_only: bool,
 }
 
 impl Opts {
@@ -70,6 +73,7 @@ impl Opts {
             soak: None,
             mcp_only: false,
             audit_only: false,
+            restart_only: false,
         };
         let mut args = std::env::args().skip(1);
         while let Some(a) = args.next() {
@@ -84,6 +88,7 @@ impl Opts {
                 "--soak" => o.soak = Some(Duration::from_secs(val()?.parse()?)),
                 "--mcp-only" => o.mcp_only = true,
                 "--audit-only" => o.audit_only = true,
+                "--restart-only" => o.restart_only = true,
                 "--quick" => {
                     // For trying the bench out, not for numbers.
                     o.rounds = 1;
@@ -110,7 +115,8 @@ impl Opts {
 }
 
 const USAGE: &str = "usage: bench [--out FILE.json] [--md FILE.md] [--venv DIR] [--rounds N] \
-                     [--pool-size N] [--idle-kernels N] [--quick] [--mcp-only] [--audit-only]";
+                     [--pool-size N] [--idle-kernels N] [--quick] [--mcp-only] [--audit-only] \
+                     [--restart-only]";
 
 /// One target's kernels and client connections during the run.
 #[derive(Debug)]
@@ -162,7 +168,11 @@ async fn main() -> Result<()> {
     } else {
         std::env::current_dir()?.join(&opts.venv)
     };
-    if !opts.mcp_only && !opts.audit_only && !venv.join("bin/jupyter-kernelgateway").exists() {
+    if !opts.mcp_only
+        && !opts.audit_only
+        && !opts.restart_only
+        && !venv.join("bin/jupyter-kernelgateway").exists()
+    {
         bail!(
             "{} has no jupyter-kernelgateway: `make bench` creates it",
             venv.display()
@@ -198,6 +208,7 @@ async fn main() -> Result<()> {
             "idle_kernels": opts.idle_kernels,
             "mcp_only": opts.mcp_only,
             "audit_only": opts.audit_only,
+            "restart_only": opts.restart_only,
         },
         "metrics": results.metrics,
     });
@@ -220,6 +231,9 @@ async fn run(opts: &Opts, paths: &Paths, results: &mut Results) -> Result<()> {
     }
     if opts.audit_only {
         return audit::compare(opts, paths, results).await;
+    }
+    if opts.restart_only {
+        return restart::compare(opts, paths, results).await;
     }
     log(format!(
         "starting Kernelgate (warm pool {}) and JKG",
@@ -268,7 +282,8 @@ async fn run(opts: &Opts, paths: &Paths, results: &mut Results) -> Result<()> {
     memory(opts, paths, results).await?;
     audit::compare(opts, paths, results).await?;
     mcp::compare(opts, paths, results).await?;
-    runtimes::compare(opts, paths, results).await
+    runtimes::compare(opts, paths, results).await?;
+    restart::compare(opts, paths, results).await
 }
 
 async fn measure(

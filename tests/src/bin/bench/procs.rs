@@ -175,6 +175,16 @@ impl Server {
             .context("kernel model without id")
     }
 
+    /// `POST /api/kernels/{id}/restart`; returns the status once it answered.
+    pub async fn restart_kernel(&self, id: &str) -> Result<u16> {
+        let r = self
+            .request(reqwest::Method::POST, &format!("/api/kernels/{id}/restart"))
+            .timeout(Duration::from_secs(120))
+            .send()
+            .await?;
+        Ok(r.status().as_u16())
+    }
+
     pub async fn delete_kernel(&self, id: &str) -> Result<()> {
         let r = self
             .request(reqwest::Method::DELETE, &format!("/api/kernels/{id}"))

@@ -191,6 +191,9 @@ pub fn markdown(doc: &Value) -> String {
     if doc["settings"]["audit_only"] == Value::Bool(true) {
         return audit_table(m);
     }
+    if doc["settings"]["restart_only"] == Value::Bool(true) {
+        return restart_table(m);
+    }
     let mut out = String::new();
     out.push_str("| metric | Kernelgate | JKG | direct ZMQ | ratio vs direct | target | met? |\n");
     out.push_str("|---|---:|---:|---:|---:|---|---|\n");
@@ -262,6 +265,33 @@ pub fn markdown(doc: &Value) -> String {
     out.push_str(&audit_table(m));
     out.push_str(&tool_call_table(m));
     out.push_str(&runtimes_table(m));
+    out.push_str(&restart_table(m));
+    out
+}
+
+/// Restarts with a warm kernel ready and without (the container restarted), by runtime.
+fn restart_table(m: &Value) -> String {
+    let get =
+        |runtime: &str, way: &str| num(&m["restart_ms"][format!("{runtime}_{way}")]["median"]);
+    let mut out = String::from(
+        "\n| restart, to the kernel answering (ms, median) | runc | runsc (gVisor) |\n|---|---:|---:|\n",
+    );
+    for (way, label) in [
+        ("warm", "a warm kernel ready: the kernel moves into it"),
+        ("container", "no warm kernel fits: its container restarts"),
+    ] {
+        out.push_str(&format!(
+            "| {label} | {} | {} |\n",
+            fmt(get("runc", way), 0),
+            fmt(get("runsc", way), 0)
+        ));
+    }
+    out.push_str(
+        "\nOne gateway per runtime (release build, pool of 1); `POST /api/kernels/{id}/restart` \
+         then a WebSocket's `kernel_info` answered, each time with the pool full and quiet; \
+         the container restart is measured on a kernel created with a `KERNEL_*` variable, \
+         which a warm kernel cannot be given.\n",
+    );
     out
 }
 

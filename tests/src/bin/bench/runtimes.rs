@@ -16,7 +16,7 @@ pub const RUNTIMES: [&str; 2] = ["runc", "runsc"];
 const IMPORTS: &str = "import numpy, pandas, matplotlib.pyplot";
 
 /// Whether the Docker engine has gVisor registered (`make gvisor`).
-fn gvisor_registered() -> bool {
+pub fn gvisor_registered() -> bool {
     std::process::Command::new("docker")
         .args(["info", "--format", "{{json .Runtimes}}"])
         .output()

@@ -1,0 +1,377 @@
+//! End to end: kernels that die recover, and say why. A cell that runs out of memory fails
+//! naming the memory limit (agent API and WebSocket); a kernel that dies again while it
+//! restarts is tried again, and one that cannot be restarted fails within seconds saying
+//! what brings it back; a create whose kernel dies while it starts fails at once; a restart with a warm kernel ready moves the kernel into it (same
+//! id, same WebSocket, fresh state); after a `kill -9` of the gateway its warm kernel goes
+//! back into the pool, or is removed, and is never listed.
+
+use anyhow::{bail, Context, Result};
+use kernelgate_tests::{inspect, Gateway};
+use serde_json::{json, Value};
+use std::time::{Duration, Instant};
+
+/// Memory limit of the kernels here, and a cell that needs twice as much.
+const MEMORY_MB: u64 = 256;
+const OOM_CELL: &str = "import time\nblob = bytearray(512 << 20)\ntime.sleep(30)";
+
+fn id_of(model: &Value) -> String {
+    model["id"].as_str().unwrap_or_default().to_owned()
+}
+
+/// Ids of the running containers of a gateway's runtime directory, with `label` too.
+fn containers(gw_dir: &std::path::Path, label: Option<&str>) -> Result<Vec<String>> {
+    let mut cmd = std::process::Command::new("docker");
+    cmd.args(["ps", "-q", "--no-trunc", "--filter"])
+        .arg(format!(
+            "label=org.kernelgate.runtime_dir={}",
+            gw_dir.display()
+        ));
+    if let Some(label) = label {
+        cmd.args(["--filter", &format!("label={label}")]);
+    }
+    let out = cmd.output()?;
+    if !out.status.success() {
+        bail!("docker ps: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    let mut ids: Vec<String> = String::from_utf8(out.stdout)?
+        .lines()
+        .map(str::to_owned)
+        .collect();
+    ids.sort();
+    Ok(ids)
+}
+
+fn container_of(kernel_id: &str) -> Result<String> {
+    Ok(inspect(kernel_id)?["Id"]
+        .as_str()
+        .context("container id")?
+        .to_owned())
+}
+
+/// The agent API's answer for `code`.
+async fn run(gw: &Gateway, id: &str, code: &str) -> Result<Value> {
+    let (status, body) = gw
+        .post_json(
+            &format!("/api/kernels/{id}/execute"),
+            json!({"code": code, "timeout": 60}),
+        )
+        .await?;
+    anyhow::ensure!(status == 200, "execute answered {status}: {body}");
+    Ok(body)
+}
+
+async fn state_of(gw: &Gateway, id: &str) -> Result<String> {
+    let (_, model) = gw.get_json(&format!("/api/kernels/{id}")).await?;
+    Ok(model["execution_state"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned())
+}
+
+/// Polls the kernel's model until its state is `state` (within `within`).
+async fn until_state(gw: &Gateway, id: &str, state: &str, within: Duration) -> Result<()> {
+    let deadline = Instant::now() + within;
+    loop {
+        let now = state_of(gw, id).await?;
+        if now == state {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            bail!("kernel {id} is {now}, not {state}, after {within:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn audit_records(gw: &Gateway, event: &str) -> Result<Vec<Value>> {
+    let text = std::fs::read_to_string(&gw.audit_log)?;
+    Ok(text
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|r| r["event"] == event)
+        .collect())
+}
+
+fn assert_names_the_limit(error: &Value) {
+    let evalue = error["evalue"].as_str().unwrap_or_default();
+    assert_eq!(error["ename"], "KernelDied", "{error}");
+    assert!(
+        evalue.contains(&format!("ran out of memory (limit {MEMORY_MB} MiB)"))
+            && evalue.contains("its variables are lost"),
+        "{error}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_out_of_memory_kernel_says_so_and_survives_a_second_death_while_it_restarts(
+) -> Result<()> {
+    let memory = MEMORY_MB.to_string();
+    let gw = Gateway::start(&["--kernel-memory-mb", &memory]).await?;
+    let id = id_of(&gw.create_kernel().await?);
+
+    // Over the WebSocket: the cell fails with an error naming the limit.
+    let mut c = gw.channels(&id, "notebook").await?;
+    c.execute("x = 41").await?;
+    let r = c.execute(OOM_CELL).await?;
+    assert_eq!(r.status, "error", "{r:?}");
+    let error = r.error.clone().context("an error output")?;
+    assert_names_the_limit(&error);
+    assert!(
+        error["evalue"]
+            .as_str()
+            .is_some_and(|e| e.contains("while running this code")),
+        "{error}"
+    );
+    until_state(&gw, &id, "idle", Duration::from_secs(60)).await?;
+    let r = c.execute("x").await?;
+    assert_eq!(r.ename().as_deref(), Some("NameError"), "state is gone");
+
+    // Through the agent API, as an agent retrying at once: the retry reaches the kernel
+    // while it restarts and kills it again.
+    let started = Instant::now();
+    let first = run(&gw, &id, OOM_CELL).await?;
+    let retry = run(&gw, &id, OOM_CELL).await?;
+    let took = started.elapsed();
+    for answer in [&first, &retry] {
+        assert_eq!(answer["status"], "error", "{answer}");
+        assert_names_the_limit(&answer["error"]);
+    }
+    let back = run(&gw, &id, "21 * 2").await?;
+    assert_eq!(back["status"], "ok", "{back}");
+    assert_eq!(back["results"][0]["data"]["text/plain"], "42");
+    assert!(
+        took < Duration::from_secs(25),
+        "both answers well under the 30 s startup timeout: {took:?}"
+    );
+    let tried = gw
+        .logs
+        .lock()
+        .map(|l| l.iter().any(|l| l.contains("a restart try failed")))
+        .unwrap_or(false);
+    assert!(tried, "the retry killed the kernel while it restarted");
+
+    // The audit trail says which executions killed their kernel, and why.
+    let died: Vec<Value> = audit_records(&gw, "execution_finished")?
+        .into_iter()
+        .filter(|r| r["ename"] == "KernelDied")
+        .collect();
+    assert_eq!(died.len(), 3, "{died:?}");
+    for r in &died {
+        assert!(
+            r["reason"]
+                .as_str()
+                .is_some_and(|w| w.contains("ran out of memory")),
+            "{r}"
+        );
+        assert_eq!(r["kernel"], id.as_str());
+    }
+    let deaths = audit_records(&gw, "kernel_died")?;
+    assert!(
+        deaths.iter().all(|r| r["why"]
+            .as_str()
+            .is_some_and(|w| w.contains(&format!("limit {MEMORY_MB} MiB")))),
+        "{deaths:?}"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kernel_that_cannot_be_restarted_fails_fast_and_says_what_to_do() -> Result<()> {
+    let memory = MEMORY_MB.to_string();
+    let gw = Gateway::start(&["--kernel-memory-mb", &memory]).await?;
+    let id = id_of(&gw.create_kernel().await?);
+    let first = run(&gw, &id, OOM_CELL).await?;
+    assert_names_the_limit(&first["error"]);
+
+    // Every process the restart starts is killed before it answers.
+    let started = Instant::now();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let killer = {
+        let (stop, name) = (stop.clone(), format!("kernelgate-{id}"));
+        tokio::spawn(async move {
+            while !stop.is_cancelled() {
+                let _ = tokio::process::Command::new("docker")
+                    .args(["kill", &name])
+                    .stdout(std::process::Stdio::null())
+                    .stderr(std::process::Stdio::null())
+                    .status()
+                    .await;
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        })
+    };
+    let dead = until_state(&gw, &id, "dead", Duration::from_secs(25)).await;
+    stop.cancel();
+    killer.await?;
+    dead?;
+    let took = started.elapsed();
+    assert!(
+        took < Duration::from_secs(20),
+        "given up well under the 30 s startup timeout: {took:?}"
+    );
+
+    // Later calls fail at once and say what brings the kernel back.
+    let t0 = Instant::now();
+    let later = run(&gw, &id, "1 + 1").await?;
+    assert!(t0.elapsed() < Duration::from_secs(2));
+    assert_eq!(later["status"], "error", "{later}");
+    assert_eq!(later["error"]["ename"], "KernelUnavailable", "{later}");
+    let evalue = later["error"]["evalue"].as_str().unwrap_or_default();
+    assert!(
+        evalue.contains("could not be restarted")
+            && evalue.contains(&format!("POST /api/kernels/{id}/restart"))
+            && evalue.contains("delete it"),
+        "{evalue}"
+    );
+    let failed = audit_records(&gw, "kernel_restart_failed")?;
+    assert_eq!(failed.len(), 1, "{failed:?}");
+    assert_eq!(failed[0]["kernel"], id.as_str());
+    assert_eq!(failed[0]["tries"], 3);
+
+    // And it does.
+    let (status, model) = gw
+        .post_json(&format!("/api/kernels/{id}/restart"), json!({}))
+        .await?;
+    assert_eq!(status, 200, "{model}");
+    let back = run(&gw, &id, "1 + 1").await?;
+    assert_eq!(back["results"][0]["data"]["text/plain"], "2", "{back}");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_with_a_warm_kernel_ready_moves_the_kernel_into_it() -> Result<()> {
+    let gw = Gateway::start(&["--pool-size", "1"]).await?;
+    gw.wait_pool("filled").await?;
+    let id = id_of(&gw.create_kernel().await?);
+    gw.wait_pool("filled").await?;
+    let before = container_of(&id)?;
+    let warm: Vec<String> = containers(&gw.runtime_dir, None)?
+        .into_iter()
+        .filter(|c| *c != before)
+        .collect();
+    assert_eq!(
+        warm.len(),
+        1,
+        "one warm kernel besides the kernel: {warm:?}"
+    );
+
+    let mut c = gw.channels(&id, "notebook").await?;
+    c.execute("x = 41\nopen('notes.txt', 'w').write('kept?')")
+        .await?;
+    let t0 = Instant::now();
+    let (status, model) = gw
+        .post_json(&format!("/api/kernels/{id}/restart"), json!({}))
+        .await?;
+    let took = t0.elapsed();
+    assert_eq!(status, 200, "{model}");
+    assert_eq!(model["id"], id.as_str());
+    eprintln!("restart with a warm kernel ready: {took:?}");
+    assert!(took < Duration::from_secs(3), "{took:?}");
+
+    // The same WebSocket, a fresh interpreter and working directory.
+    let r = c.execute("x").await?;
+    assert_eq!(r.ename().as_deref(), Some("NameError"), "{r:?}");
+    let r = c.execute("import os\nos.path.exists('notes.txt')").await?;
+    assert_eq!(r.result_text().as_deref(), Some("False"));
+
+    // Served by the warm container, which now carries the kernel's name; the old one is
+    // gone and the pool fills again.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while container_of(&id).ok().as_deref() != Some(warm[0].as_str()) {
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "kernelgate-{id} is not the warm container"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(!containers(&gw.runtime_dir, None)?.contains(&before));
+    gw.wait_pool("filled").await?;
+    assert_eq!(containers(&gw.runtime_dir, None)?.len(), 2);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_kill_9_the_warm_kernel_is_pooled_again_or_removed_never_listed() -> Result<()> {
+    let dir = format!("/run/kg-warm-crash-{}", std::process::id());
+    let gw = Gateway::start(&["--runtime-dir", &dir, "--pool-size", "1"]).await?;
+    gw.wait_pool("filled").await?;
+    let runtime_dir = gw.runtime_dir.clone();
+    let warm = containers(&runtime_dir, Some("org.kernelgate.pool=true"))?;
+    assert_eq!(warm.len(), 1);
+    let crashed = gw.crash().await?;
+
+    // Same directory, same pool: the warm kernel is back in the pool, not a listed kernel,
+    // and not counted against --max-kernels.
+    let gw = crashed
+        .restart(&["--pool-size", "1", "--max-kernels", "1"])
+        .await?;
+    let (_, listed) = gw.get_json("/api/kernels").await?;
+    assert_eq!(listed, json!([]));
+    let ready = gw.wait_pool("filled").await?;
+    assert_eq!(ready["pool"]["ready"], 1, "{ready}");
+    assert_eq!(
+        containers(&runtime_dir, None)?,
+        warm,
+        "reused, not replaced"
+    );
+    let id = id_of(&gw.create_kernel().await?);
+    assert_eq!(container_of(&id)?, warm[0], "the create took it");
+    let (status, body) = gw.post_json("/api/kernels", json!({})).await?;
+    assert_eq!(status, 403, "{body}");
+    gw.wait_pool("filled").await?;
+    let crashed = gw.crash().await?;
+
+    // Without a pool: the kernel handed out is adopted, the new warm kernel removed.
+    let gw = crashed.restart(&["--pool-size", "0"]).await?;
+    let (_, listed) = gw.get_json("/api/kernels").await?;
+    let ids: Vec<String> = listed.as_array().into_iter().flatten().map(id_of).collect();
+    assert_eq!(ids, vec![id]);
+    assert_eq!(containers(&runtime_dir, None)?, warm);
+    assert_eq!(
+        containers(&runtime_dir, Some("org.kernelgate.pool=true"))?,
+        warm,
+        "the only container left is the kernel handed out"
+    );
+    assert_eq!(gw.stop().await?.code(), Some(0));
+    assert_eq!(containers(&runtime_dir, None)?, Vec::<String>::new());
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kernel_that_dies_while_it_starts_fails_its_create_at_once() -> Result<()> {
+    let gw = Gateway::start(&[]).await?;
+    // Every container of this gateway is killed as soon as it shows up.
+    let stop = tokio_util::sync::CancellationToken::new();
+    let killer = {
+        let (stop, dir) = (stop.clone(), gw.runtime_dir.clone());
+        tokio::spawn(async move {
+            while !stop.is_cancelled() {
+                for id in containers(&dir, None).unwrap_or_default() {
+                    let _ = std::process::Command::new("docker")
+                        .args(["kill", &id])
+                        .output();
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        })
+    };
+    let started = Instant::now();
+    let answer = gw.post_json("/api/kernels", json!({})).await;
+    let took = started.elapsed();
+    stop.cancel();
+    killer.await?;
+    let (status, body) = answer?;
+    assert_eq!(status, 503, "{body}");
+    assert_eq!(
+        body["message"],
+        "the kernel was killed by signal 9 (SIGKILL) while it started"
+    );
+    assert!(
+        took < Duration::from_secs(10),
+        "not the 30 s startup timeout: {took:?}"
+    );
+    let (_, listed) = gw.get_json("/api/kernels").await?;
+    assert_eq!(listed, json!([]));
+    assert_eq!(containers(&gw.runtime_dir, None)?, Vec::<String>::new());
+    Ok(())
+}
