@@ -9,6 +9,7 @@
 //! until an `fdatasync` covers its record (group commit: one sync serves every writer that
 //! came before it), for power-loss durability.
 
+use serde::Serialize;
 use serde_json::{Map, Value};
 use sha2::{Digest, Sha256};
 use std::io::Write;
@@ -18,6 +19,196 @@ use std::sync::{Arc, Condvar, Mutex};
 
 /// Characters of output kept in an execution's `finished` record.
 pub const OUTPUT_PREVIEW_CHARS: usize = 500;
+
+/// Who sent a client message: the start of every record about one.
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
+pub struct Sender {
+    /// The name of the key that sent it.
+    pub key: String,
+    /// The message header's `username`.
+    pub username: String,
+    /// The header's `agent_id` (the agent API sets it from its `agent_id` field).
+    pub agent_id: Option<Value>,
+    pub kernel: String,
+    pub session: String,
+    pub msg_id: String,
+}
+
+/// How a created kernel came to be.
+#[derive(Debug, Clone, Copy, Serialize, utoipa::ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum Source {
+    /// Handed out from the warm pool.
+    Pool,
+    /// Started for this create.
+    Cold,
+}
+
+/// What happened to a file of a kernel's working directory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FileEvent {
+    Listed,
+    Read,
+    Written,
+    Deleted,
+}
+
+/// One audit record: every event the trail knows, with its fields, written here once. A
+/// record is one JSON object per line: `time`, `event` (the variant's name in snake case),
+/// then the fields; optional fields are left out when empty. `docs/audit.md` lists them and
+/// a unit test keeps it in step with this enum.
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
+#[serde(tag = "event", rename_all = "snake_case")]
+pub enum Record {
+    /// A kernel was created for a key.
+    KernelCreated {
+        kernel: String,
+        key: String,
+        spec: String,
+        source: Source,
+    },
+    /// A kernel was deleted: asked for by `key`, or by the gateway for `reason` (a revoked
+    /// key, an ended MCP session).
+    KernelDeleted {
+        kernel: String,
+        owner: String,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        key: Option<String>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        reason: Option<String>,
+    },
+    /// A kernel was restarted as `key` asked (REST, MCP).
+    KernelRestarted {
+        kernel: String,
+        owner: String,
+        key: String,
+    },
+    /// A restart gave up after its tries; `why` is the last try's failure.
+    KernelRestartFailed {
+        kernel: String,
+        owner: String,
+        tries: u32,
+        why: String,
+    },
+    /// A kernel's process ended on its own: `why` names the cause (out of memory and the
+    /// limit, a signal, an exit code, a silent heartbeat).
+    KernelDied {
+        kernel: String,
+        owner: String,
+        why: String,
+        restarting: bool,
+    },
+    /// An idle kernel was removed (`--cull-idle-timeout`).
+    KernelCulled { kernel: String },
+    /// Code is on its way to the kernel (written before it is sent).
+    ExecutionRequested {
+        #[serde(flatten)]
+        sender: Sender,
+        code: String,
+        code_sha256: String,
+        user_expressions: Map<String, Value>,
+        silent: bool,
+    },
+    /// An execution ended: its reply (written before it is forwarded), or the gateway's
+    /// answer in its place (`ran` false: refused, or its kernel died or gave up first;
+    /// `reason` says why).
+    ExecutionFinished {
+        key: String,
+        kernel: String,
+        msg_id: Option<String>,
+        session: Option<String>,
+        code_sha256: Option<String>,
+        status: String,
+        ename: Option<String>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        reason: Option<String>,
+        duration_ms: u64,
+        output_bytes: usize,
+        output: String,
+        truncated: bool,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        ran: Option<bool>,
+    },
+    /// Output an execution produced after its reply, in total, at its `idle`.
+    ExecutionOutput {
+        key: String,
+        kernel: String,
+        msg_id: String,
+        output_bytes: usize,
+        output: String,
+        truncated: bool,
+    },
+    /// A `debug_request` (control channel) went to the kernel.
+    DebugRequest {
+        #[serde(flatten)]
+        sender: Sender,
+        request: Value,
+    },
+    /// A comm message went to the kernel (its data only as a hash).
+    Comm {
+        #[serde(flatten)]
+        sender: Sender,
+        msg_type: String,
+        comm_id: Option<Value>,
+        target_name: Option<Value>,
+        data_sha256: String,
+    },
+    /// The execution policy decided on a message: `deny` or `ask` (with the rule), then for
+    /// an asked one `approved`, `denied` (`by` whom), `timed_out` or `cancelled`.
+    PolicyDecision {
+        #[serde(flatten)]
+        sender: Sender,
+        msg_type: String,
+        decision: String,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        rule: Option<usize>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        reason: Option<String>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        matched: Option<String>,
+        approval_id: Option<String>,
+        by: Option<String>,
+    },
+    /// The working directory was listed.
+    FileListed(FileAccess),
+    /// A file was read (`offset` and `length` for a part).
+    FileRead(FileAccess),
+    /// A file was written.
+    FileWritten(FileAccess),
+    /// A file was deleted.
+    FileDeleted(FileAccess),
+    /// A request without a valid key was refused.
+    AuthRefused {
+        client: Option<String>,
+        path: String,
+    },
+}
+
+/// Who touched which file of a kernel's working directory.
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
+pub struct FileAccess {
+    pub key: String,
+    pub kernel: String,
+    pub path: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bytes: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub offset: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub length: Option<usize>,
+}
+
+impl Record {
+    /// The record of a file access.
+    pub fn file(event: FileEvent, access: FileAccess) -> Record {
+        match event {
+            FileEvent::Listed => Record::FileListed(access),
+            FileEvent::Read => Record::FileRead(access),
+            FileEvent::Written => Record::FileWritten(access),
+            FileEvent::Deleted => Record::FileDeleted(access),
+        }
+    }
+}
 
 #[derive(Debug)]
 enum Sink {
@@ -91,18 +282,11 @@ impl Audit {
         Ok(())
     }
 
-    /// Writes one record: `event` plus the fields given, and the time. Returns once the
-    /// line is in the file (and synced, with `--audit-fsync`). A failed write is logged;
-    /// the gateway keeps serving.
-    pub fn record(&self, event: &str, fields: Value) {
+    /// Writes one record, with the time. Returns once the line is in the file (and synced,
+    /// with `--audit-fsync`). A failed write is logged; the gateway keeps serving.
+    pub fn record(&self, record: &Record) {
         let Some(inner) = &self.inner else { return };
-        let mut record = Map::new();
-        record.insert("time".into(), Value::String(crate::time::now_iso()));
-        record.insert("event".into(), Value::String(event.to_owned()));
-        if let Value::Object(fields) = fields {
-            record.extend(fields);
-        }
-        let mut line = Value::Object(record).to_string();
+        let mut line = line(record);
         line.push('\n');
         let seq = {
             let mut sink = inner.sink.lock().unwrap_or_else(|e| e.into_inner());
@@ -114,7 +298,7 @@ impl Audit {
                 }
             };
             if let Err(e) = written {
-                tracing::error!(error = %e, %event, "cannot write the audit record");
+                tracing::error!(error = %e, event = %event_name(record), "cannot write the audit record");
                 return;
             }
             let mut p = inner.progress.lock().unwrap_or_else(|e| e.into_inner());
@@ -167,6 +351,28 @@ fn open_log(path: &Path) -> std::io::Result<std::fs::File> {
         .create(true)
         .mode(0o600)
         .open(path)
+}
+
+/// A record as its JSON line (without the newline): the time first, then the event.
+fn line(record: &Record) -> String {
+    let mut object = Map::new();
+    object.insert("time".into(), Value::String(crate::time::now_iso()));
+    if let Ok(Value::Object(fields)) = serde_json::to_value(record) {
+        object.extend(fields);
+    }
+    Value::Object(object).to_string()
+}
+
+/// A record's `event` name.
+fn event_name(record: &Record) -> String {
+    match serde_json::to_value(record) {
+        Ok(Value::Object(o)) => o
+            .get("event")
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_owned(),
+        _ => String::new(),
+    }
 }
 
 /// Hex SHA-256 of some code.
@@ -293,11 +499,16 @@ mod tests {
         let path = dir.path().join("sub/audit.log");
         for fsync in [false, true] {
             let audit = Audit::open(&path, fsync).expect("open");
-            audit.record(
-                "kernel_created",
-                serde_json::json!({"kernel": "k1", "key": "alice"}),
-            );
-            audit.record("auth_refused", serde_json::json!({"client": "127.0.0.1"}));
+            audit.record(&Record::KernelCreated {
+                kernel: "k1".into(),
+                key: "alice".into(),
+                spec: "python3".into(),
+                source: Source::Pool,
+            });
+            audit.record(&Record::AuthRefused {
+                client: Some("127.0.0.1".into()),
+                path: "/api/kernels".into(),
+            });
         }
         use std::os::unix::fs::PermissionsExt;
         let mode = std::fs::metadata(&path).expect("meta").permissions().mode();
@@ -310,6 +521,10 @@ mod tests {
         assert_eq!(lines.len(), 4);
         assert_eq!(lines[0]["event"], "kernel_created");
         assert_eq!(lines[0]["key"], "alice");
+        assert_eq!(lines[0]["source"], "pool");
+        let first = lines[0].as_object().expect("an object");
+        let keys: Vec<&str> = first.keys().map(String::as_str).collect();
+        assert_eq!(keys[..2], ["time", "event"], "time and event first");
         assert!(lines[0]["time"].as_str().is_some_and(|t| t.ends_with('Z')));
         assert_eq!(lines[3]["event"], "auth_refused");
 
@@ -318,9 +533,11 @@ mod tests {
         let rotated = dir.path().join("audit.log.1");
         std::fs::rename(&path, &rotated).expect("rename");
         audit.reopen().expect("reopen");
-        audit.record("after_rotation", serde_json::json!({}));
+        audit.record(&Record::KernelCulled {
+            kernel: "after-rotation".into(),
+        });
         let fresh = std::fs::read_to_string(&path).expect("read");
-        assert!(fresh.contains("after_rotation") && fresh.lines().count() == 1);
+        assert!(fresh.contains("after-rotation") && fresh.lines().count() == 1);
     }
 
     #[test]
@@ -333,7 +550,9 @@ mod tests {
                 let audit = audit.clone();
                 std::thread::spawn(move || {
                     for i in 0..50 {
-                        audit.record("x", serde_json::json!({"t": t, "i": i}));
+                        audit.record(&Record::KernelCulled {
+                            kernel: format!("{t}-{i}"),
+                        });
                     }
                 })
             })
@@ -346,6 +565,91 @@ mod tests {
         let inner = audit.inner.as_ref().expect("enabled");
         let p = inner.progress.lock().expect("lock");
         assert_eq!((p.written, p.synced), (400, 400));
+    }
+
+    /// The table of events and fields in docs/audit.md, rendered from [`Record`]'s schema
+    /// (its variants, fields and doc comments).
+    fn reference() -> String {
+        use utoipa::OpenApi;
+        #[derive(utoipa::OpenApi)]
+        #[openapi(components(schemas(Record)))]
+        struct Doc;
+        let doc = serde_json::to_value(Doc::openapi()).expect("the schema as JSON");
+        let schemas = &doc["components"]["schemas"];
+        // A part of a variant: its properties and which of them are required.
+        fn fields(part: &Value, schemas: &Value, out: &mut Vec<String>) {
+            if let Some(r) = part["$ref"].as_str() {
+                let name = r.rsplit('/').next().unwrap_or_default();
+                return fields(&schemas[name], schemas, out);
+            }
+            for p in part["allOf"].as_array().into_iter().flatten() {
+                fields(p, schemas, out);
+            }
+            let required: Vec<&str> = part["required"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(Value::as_str)
+                .collect();
+            for name in part["properties"]
+                .as_object()
+                .into_iter()
+                .flat_map(|o| o.keys())
+            {
+                if name != "event" {
+                    let optional = if required.contains(&name.as_str()) {
+                        ""
+                    } else {
+                        " (optional)"
+                    };
+                    out.push(format!("`{name}`{optional}"));
+                }
+            }
+        }
+        let mut table =
+            String::from("| event | when | fields (after `time` and `event`) |\n|---|---|---|\n");
+        for variant in schemas["Record"]["oneOf"].as_array().into_iter().flatten() {
+            let parts: Vec<&Value> = match variant["allOf"].as_array() {
+                Some(all) => all.iter().collect(),
+                None => vec![variant],
+            };
+            let event = parts
+                .iter()
+                .find_map(|p| p["properties"]["event"]["enum"][0].as_str())
+                .expect("every variant names its event");
+            let mut names = Vec::new();
+            fields(variant, schemas, &mut names);
+            let when = variant["description"]
+                .as_str()
+                .unwrap_or_default()
+                .replace('\n', " ");
+            table.push_str(&format!("| `{event}` | {when} | {} |\n", names.join(", ")));
+        }
+        table
+    }
+
+    /// docs/audit.md holds the table [`reference`] renders; with `KERNELGATE_WRITE_DOCS=1`
+    /// this test writes it there instead of comparing.
+    #[test]
+    fn the_documented_events_are_the_records() {
+        const BEGIN: &str = "<!-- records: generated from gateway/src/audit.rs -->\n";
+        const END: &str = "<!-- end of records -->";
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/audit.md");
+        let doc = std::fs::read_to_string(&path).expect("docs/audit.md");
+        let start = doc.find(BEGIN).expect("the begin marker") + BEGIN.len();
+        let end = doc.find(END).expect("the end marker");
+        let table = reference();
+        if std::env::var_os("KERNELGATE_WRITE_DOCS").is_some() {
+            let written = format!("{}{table}{}", &doc[..start], &doc[end..]);
+            std::fs::write(&path, written).expect("write docs/audit.md");
+            return;
+        }
+        assert_eq!(
+            doc[start..end],
+            table,
+            "docs/audit.md is out of step with audit::Record: run \
+             KERNELGATE_WRITE_DOCS=1 cargo test -p kernelgate --lib the_documented_events"
+        );
     }
 
     #[test]

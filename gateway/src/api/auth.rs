@@ -8,6 +8,7 @@
 
 use super::error::ApiError;
 use super::AppState;
+use crate::audit::Record;
 use crate::tenants::Tenant;
 use axum::extract::{ConnectInfo, FromRequestParts, Request, State};
 use axum::http::request::Parts;
@@ -225,10 +226,10 @@ pub async fn require_token(
         return Err(response);
     }
     tracing::info!(client = ?addr, "authentication refused");
-    state.kernels.audit().record(
-        "auth_refused",
-        serde_json::json!({"client": addr.map(|a| a.to_string()), "path": req.uri().path()}),
-    );
+    state.kernels.audit().record(&Record::AuthRefused {
+        client: addr.map(|a| a.to_string()),
+        path: req.uri().path().to_owned(),
+    });
     Err(ApiError::new(
         StatusCode::FORBIDDEN,
         "Missing or wrong token: send `Authorization: token <token>` or add `?token=<token>` \

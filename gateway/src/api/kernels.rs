@@ -6,6 +6,7 @@ use super::extract::Path;
 use super::AppState;
 use crate::kernel::iso;
 use crate::kernels::LiveKernel;
+use crate::kernels::Removal;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
@@ -13,7 +14,7 @@ use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::{Deserialize, Serialize};
-use serde_json::{json, Value};
+use serde_json::Value;
 use std::collections::BTreeMap;
 use utoipa::{IntoParams, ToSchema};
 
@@ -200,12 +201,12 @@ pub async fn delete(
     caller: Caller,
     Path(KernelPath { id }): Path<KernelPath>,
 ) -> Result<StatusCode, ApiError> {
-    let live = find(&state, &caller, &id)?;
-    state.kernels.audit().record(
-        "kernel_deleted",
-        json!({"kernel": id, "key": caller.0.name, "owner": live.owner()}),
-    );
-    match state.kernels.delete(&id).await {
+    find(&state, &caller, &id)?;
+    match state
+        .kernels
+        .delete(&id, Removal::AskedBy(caller.0.name.clone()))
+        .await
+    {
         None => Err(ApiError::no_kernel(&id)),
         Some(Ok(())) => Ok(StatusCode::NO_CONTENT),
         // The kernel is gone from the table either way; say what went wrong with cleanup.
@@ -252,10 +253,6 @@ pub async fn restart(
     Path(KernelPath { id }): Path<KernelPath>,
 ) -> Result<Json<KernelModel>, ApiError> {
     let live = find(&state, &caller, &id)?;
-    state.kernels.audit().record(
-        "kernel_restarted",
-        json!({"kernel": id, "key": caller.0.name, "owner": live.owner()}),
-    );
-    state.kernels.restart(&live).await?;
+    state.kernels.restart(&live, &caller.0.name).await?;
     Ok(Json(KernelModel::of(&live)))
 }

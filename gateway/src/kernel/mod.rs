@@ -8,7 +8,7 @@ pub mod gate;
 pub mod heartbeat;
 pub mod link;
 
-use crate::audit::Audit;
+use crate::audit::{Audit, Record, Sender};
 use crate::metrics::{self, Direction, DropReason};
 use crate::policy::{Answer, Guard, Holder};
 use chrono::{DateTime, Utc};
@@ -278,16 +278,21 @@ impl Kernel {
                 ),
                 None => Default::default(),
             };
-            self.audit.record(
-                "execution_finished",
-                serde_json::json!({
-                    "key": key, "kernel": self.id, "msg_id": header.msg_id,
-                    "session": header.session, "code_sha256": sha, "status": "error",
-                    "ename": ename, "reason": why.evalue, "duration_ms": took,
-                    "output_bytes": bytes, "output": preview, "truncated": truncated,
-                    "ran": i == 0,
-                }),
-            );
+            self.audit.record(&Record::ExecutionFinished {
+                key,
+                kernel: self.id.clone(),
+                msg_id: Some(header.msg_id.clone()),
+                session: Some(header.session.clone()),
+                code_sha256: (!sha.is_empty()).then_some(sha),
+                status: "error".into(),
+                ename: Some(ename.to_string()),
+                reason: Some(why.evalue.clone()),
+                duration_ms: took,
+                output_bytes: bytes,
+                output: preview,
+                truncated,
+                ran: Some(i == 0),
+            });
             for out in gate::refusal(header, &self.session, &why) {
                 st.clients.route(out);
             }
@@ -539,15 +544,21 @@ impl Kernel {
         code_sha256: Option<String>,
         why: &Refusal,
     ) {
-        self.audit.record(
-            "execution_finished",
-            serde_json::json!({
-                "key": key, "kernel": self.id, "msg_id": h.msg_id, "session": h.session,
-                "code_sha256": code_sha256, "status": "error", "ename": why.ename,
-                "duration_ms": 0, "output_bytes": 0, "output": "", "truncated": false,
-                "ran": false,
-            }),
-        );
+        self.audit.record(&Record::ExecutionFinished {
+            key: key.to_owned(),
+            kernel: self.id.clone(),
+            msg_id: Some(h.msg_id.clone()),
+            session: Some(h.session.clone()),
+            code_sha256,
+            status: "error".into(),
+            ename: Some(why.ename.to_string()),
+            reason: None,
+            duration_ms: 0,
+            output_bytes: 0,
+            output: String::new(),
+            truncated: false,
+            ran: Some(false),
+        });
         for out in gate::refusal(h, &self.session, why) {
             st.clients.route(out);
         }
@@ -682,19 +693,16 @@ impl Kernel {
         approval: Option<&str>,
         by: Option<&str>,
     ) {
-        let mut record = self.who(key, message);
-        if let Some(o) = record.as_object_mut() {
-            o.insert("msg_type".into(), message.msg_type().into());
-            o.insert("decision".into(), decision.into());
-            if let Some(v) = verdict {
-                o.insert("rule".into(), v.rule.into());
-                o.insert("reason".into(), v.reason.clone().into());
-                o.insert("matched".into(), v.matched.clone().into());
-            }
-            o.insert("approval_id".into(), approval.into());
-            o.insert("by".into(), by.into());
-        }
-        self.audit.record("policy_decision", record);
+        self.audit.record(&Record::PolicyDecision {
+            sender: self.sender(key, message),
+            msg_type: message.msg_type().to_owned(),
+            decision: decision.to_owned(),
+            rule: verdict.map(|v| v.rule),
+            reason: verdict.map(|v| v.reason.clone()),
+            matched: verdict.map(|v| v.matched.clone()),
+            approval_id: approval.map(str::to_owned),
+            by: by.map(str::to_owned),
+        });
     }
 }
 
@@ -739,31 +747,35 @@ impl Dispatch for Kernel {
             if let Some(f) = finished {
                 metrics::execution_ended(&reply.status, f.took);
                 // Written before the reply is forwarded.
-                self.audit.record(
-                    "execution_finished",
-                    serde_json::json!({
-                        "key": f.key, "kernel": self.id, "msg_id": message.parent_msg_id(),
-                        "session": message.parent_header.as_ref().map(|h| h.session.as_str()),
-                        "code_sha256": f.code_sha256, "status": reply.status,
-                        "ename": reply.ename, "duration_ms": f.took.as_millis() as u64,
-                        "output_bytes": f.output_bytes, "output": f.output_preview,
-                        "truncated": f.truncated,
-                    }),
-                );
+                self.audit.record(&Record::ExecutionFinished {
+                    key: f.key,
+                    kernel: self.id.clone(),
+                    msg_id: message.parent_msg_id().map(str::to_owned),
+                    session: message.parent_header.as_ref().map(|h| h.session.clone()),
+                    code_sha256: Some(f.code_sha256),
+                    status: reply.status,
+                    ename: reply.ename,
+                    reason: None,
+                    duration_ms: f.took.as_millis() as u64,
+                    output_bytes: f.output_bytes,
+                    output: f.output_preview,
+                    truncated: f.truncated,
+                    ran: None,
+                });
             }
         }
         metrics::relayed(Direction::KernelToClient, wire_size(&message));
         if channel == Channel::IoPub {
             let verdict = st.executions.output(&message);
             for late in st.executions.take_late_output() {
-                self.audit.record(
-                    "execution_output",
-                    serde_json::json!({
-                        "key": late.key, "kernel": self.id, "msg_id": late.msg_id,
-                        "output_bytes": late.output_bytes, "output": late.output_preview,
-                        "truncated": late.truncated,
-                    }),
-                );
+                self.audit.record(&Record::ExecutionOutput {
+                    key: late.key,
+                    kernel: self.id.clone(),
+                    msg_id: late.msg_id,
+                    output_bytes: late.output_bytes,
+                    output: late.output_preview,
+                    truncated: late.truncated,
+                });
             }
             match verdict {
                 Verdict::Relay => {}
@@ -815,62 +827,57 @@ impl Kernel {
     /// requests (code and user expressions), debug requests and comm messages. Returns the
     /// code's SHA-256 for an execute request.
     /// Who sent a message, as every audit record about it starts.
-    fn who(&self, key: &str, message: &Message) -> serde_json::Value {
+    fn sender(&self, key: &str, message: &Message) -> Sender {
         let h = &message.header;
-        serde_json::json!({
-            "key": key, "username": h.username, "agent_id": h.extra.get("agent_id"),
-            "kernel": self.id, "session": h.session, "msg_id": h.msg_id,
-        })
+        Sender {
+            key: key.to_owned(),
+            username: h.username.clone(),
+            agent_id: h.extra.get("agent_id").cloned(),
+            kernel: self.id.clone(),
+            session: h.session.clone(),
+            msg_id: h.msg_id.clone(),
+        }
     }
 
     fn audit_request(&self, key: &str, message: &Message) -> Option<String> {
         if !self.audit.enabled() {
             return None;
         }
-        let who = self.who(key, message);
-        let with = |mut base: serde_json::Value, more: serde_json::Value| {
-            if let (Some(b), serde_json::Value::Object(m)) = (base.as_object_mut(), more) {
-                b.extend(m);
-            }
-            base
-        };
+        let sender = self.sender(key, message);
         match message.msg_type() {
             "execute_request" => {
                 let req: CodeRequest = message.content.parse().unwrap_or_default();
                 let sha = crate::audit::sha256(&req.code);
-                self.audit.record(
-                    "execution_requested",
-                    with(
-                        who,
-                        serde_json::json!({
-                            "code": req.code, "code_sha256": sha,
-                            "user_expressions": req.user_expressions, "silent": req.silent,
-                        }),
-                    ),
-                );
+                self.audit.record(&Record::ExecutionRequested {
+                    sender,
+                    code_sha256: sha.clone(),
+                    code: req.code,
+                    user_expressions: req.user_expressions,
+                    silent: req.silent,
+                });
                 Some(sha)
             }
             "debug_request" => {
                 let content: serde_json::Value = message.content.parse().unwrap_or_default();
-                self.audit.record(
-                    "debug_request",
-                    with(who, serde_json::json!({"request": content})),
-                );
+                self.audit.record(&Record::DebugRequest {
+                    sender,
+                    request: content,
+                });
                 None
             }
             t if t.starts_with("comm_") => {
                 let content: serde_json::Value = message.content.parse().unwrap_or_default();
-                self.audit.record(
-                    "comm",
-                    with(
-                        who,
-                        serde_json::json!({
-                            "msg_type": t, "comm_id": content.get("comm_id"),
-                            "target_name": content.get("target_name"),
-                            "data_sha256": crate::audit::sha256(&content.get("data").map(|d| d.to_string()).unwrap_or_default()),
-                        }),
-                    ),
-                );
+                let data = content
+                    .get("data")
+                    .map(|d| d.to_string())
+                    .unwrap_or_default();
+                self.audit.record(&Record::Comm {
+                    sender,
+                    msg_type: t.to_owned(),
+                    comm_id: content.get("comm_id").cloned(),
+                    target_name: content.get("target_name").cloned(),
+                    data_sha256: crate::audit::sha256(&data),
+                });
                 None
             }
             _ => None,

@@ -7,6 +7,7 @@
 //! so callers get a clear error rather than a surprise.
 
 use super::{Kernels, LiveKernel};
+use crate::audit::{FileAccess, FileEvent, Record};
 use crate::backend::BackendError;
 use bytes::Bytes;
 
@@ -44,12 +45,12 @@ impl FileOp {
         }
     }
 
-    fn audit_event(self) -> &'static str {
+    fn audit_event(self) -> FileEvent {
         match self {
-            FileOp::List => "file_listed",
-            FileOp::Get => "file_read",
-            FileOp::Put => "file_written",
-            FileOp::Delete => "file_deleted",
+            FileOp::List => FileEvent::Listed,
+            FileOp::Get => FileEvent::Read,
+            FileOp::Put => FileEvent::Written,
+            FileOp::Delete => FileEvent::Deleted,
         }
     }
 }
@@ -89,10 +90,17 @@ pub async fn run(
     body: Bytes,
     max_bytes: usize,
 ) -> Result<Vec<u8>, FileError> {
-    kernels.audit().record(
+    kernels.audit().record(&Record::file(
         op.audit_event(),
-        serde_json::json!({"key": key, "kernel": live.id(), "path": path, "bytes": body.len()}),
-    );
+        FileAccess {
+            key: key.to_owned(),
+            kernel: live.id().to_owned(),
+            path: path.to_owned(),
+            bytes: Some(body.len()),
+            offset: None,
+            length: None,
+        },
+    ));
     script(kernels, live, &[op.arg(), path], body, max_bytes).await
 }
 
@@ -106,10 +114,17 @@ pub async fn read_part(
     offset: u64,
     length: usize,
 ) -> Result<(Vec<u8>, u64), FileError> {
-    kernels.audit().record(
+    kernels.audit().record(&Record::file(
         FileOp::Get.audit_event(),
-        serde_json::json!({"key": key, "kernel": live.id(), "path": path, "offset": offset, "length": length}),
-    );
+        FileAccess {
+            key: key.to_owned(),
+            kernel: live.id().to_owned(),
+            path: path.to_owned(),
+            bytes: None,
+            offset: Some(offset),
+            length: Some(length),
+        },
+    ));
     let (offset_arg, length_arg) = (offset.to_string(), length.to_string());
     let args = ["read", path, &offset_arg, &length_arg];
     // The size line comes first: at most 20 digits and a newline.

@@ -12,7 +12,7 @@ pub mod files;
 mod pool;
 pub mod run;
 mod supervise;
-use crate::audit::Audit;
+use crate::audit::{self, Audit, Record};
 use crate::kernel::{Kernel, KernelError};
 use crate::tenants::{Tenant, TOKEN_KEY};
 use kernelgate_protocol::content::ExecutionState;
@@ -191,6 +191,17 @@ struct Limits {
     cpus: Option<f64>,
 }
 
+/// Why a kernel is removed, as its audit record says.
+#[derive(Debug, Clone)]
+pub enum Removal {
+    /// The key named asked for it.
+    AskedBy(String),
+    /// The gateway removes it for this reason (a revoked key, an ended MCP session).
+    Because(String),
+    /// It was idle past `--cull-idle-timeout`.
+    Culled,
+}
+
 /// All kernels of this gateway.
 #[derive(Debug)]
 pub struct Kernels {
@@ -251,11 +262,10 @@ impl Kernels {
             .map(|l| l.id().to_owned())
             .collect();
         for id in &ids {
-            self.settings.audit.record(
-                "kernel_deleted",
-                serde_json::json!({"kernel": id, "owner": owner, "reason": "key revoked"}),
-            );
-            if let Some(Err(e)) = self.delete(id).await {
+            if let Some(Err(e)) = self
+                .delete(id, Removal::Because("key revoked".into()))
+                .await
+            {
                 tracing::warn!(kernel = %id, error = %e, "cannot remove a revoked key's kernel");
             }
         }
@@ -448,11 +458,16 @@ impl Kernels {
                     me.abandon(&live).await;
                     return;
                 }
-                me.settings.audit.record(
-                    "kernel_created",
-                    serde_json::json!({"kernel": live.id(), "key": owner, "spec": name,
-                                       "source": if source == Source::Pool { "pool" } else { "cold" }}),
-                );
+                me.settings.audit.record(&Record::KernelCreated {
+                    kernel: live.id().to_owned(),
+                    key: owner.to_string(),
+                    spec: name.to_string(),
+                    source: if source == Source::Pool {
+                        audit::Source::Pool
+                    } else {
+                        audit::Source::Cold
+                    },
+                });
                 if let Err(Ok(live)) = tx.send(Ok(live)) {
                     // Gone between the check and the hand-over.
                     let taken = me.lock().live.remove(live.id());
@@ -686,10 +701,30 @@ impl Kernels {
     }
 
     /// Shuts a kernel down: gone from the table at once, clients told `dead` and
-    /// disconnected, container and sockets removed. The removal finishes even when the
-    /// caller goes away.
-    pub async fn delete(self: &Arc<Self>, id: &str) -> Option<Result<(), BackendError>> {
+    /// disconnected, container and sockets removed; the audit trail says `why`. The removal
+    /// finishes even when the caller goes away.
+    pub async fn delete(
+        self: &Arc<Self>,
+        id: &str,
+        why: Removal,
+    ) -> Option<Result<(), BackendError>> {
         let live = self.lock().live.remove(id)?;
+        let owner = live.owner().to_owned();
+        self.settings.audit.record(&match why {
+            Removal::Culled => Record::KernelCulled { kernel: id.into() },
+            Removal::AskedBy(key) => Record::KernelDeleted {
+                kernel: id.into(),
+                owner,
+                key: Some(key),
+                reason: None,
+            },
+            Removal::Because(reason) => Record::KernelDeleted {
+                kernel: id.into(),
+                owner,
+                key: None,
+                reason: Some(reason),
+            },
+        });
         self.pool_wanted.notify_waiters();
         let me = self.clone();
         let removal = self

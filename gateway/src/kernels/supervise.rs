@@ -10,7 +10,8 @@
 //! [`RESTART_TRIES`] times with back-off before the kernel is declared dead, with why and
 //! what brings it back.
 
-use super::{CreateError, Kernels, LiveKernel, Process};
+use super::{CreateError, Kernels, LiveKernel, Process, Removal};
+use crate::audit::Record;
 use crate::backend::BackendError;
 use crate::kernel::heartbeat;
 use chrono::Utc;
@@ -73,9 +74,18 @@ fn cause_of(e: &CreateError) -> String {
 }
 
 impl Kernels {
-    /// Restarts a kernel: a fresh process (variables and files gone), the id and
-    /// connections stay. Finishes even when the caller goes away.
-    pub async fn restart(self: &Arc<Self>, live: &Arc<LiveKernel>) -> Result<(), CreateError> {
+    /// Restarts a kernel as key `key` asked: a fresh process (variables and files gone), the
+    /// id and connections stay; audited. Finishes even when the caller goes away.
+    pub async fn restart(
+        self: &Arc<Self>,
+        live: &Arc<LiveKernel>,
+        key: &str,
+    ) -> Result<(), CreateError> {
+        self.settings.audit.record(&Record::KernelRestarted {
+            kernel: live.id().to_owned(),
+            owner: live.owner().to_owned(),
+            key: key.to_owned(),
+        });
         let (me, live) = (self.clone(), live.clone());
         let restart = self.tracker.spawn(
             async move {
@@ -137,11 +147,12 @@ impl Kernels {
             live.id()
         );
         tracing::warn!(kernel = %live.id(), "{why}");
-        self.settings.audit.record(
-            "kernel_restart_failed",
-            serde_json::json!({"kernel": live.id(), "owner": live.owner(), "tries": tries,
-                               "why": failure.to_string()}),
-        );
+        self.settings.audit.record(&Record::KernelRestartFailed {
+            kernel: live.id().to_owned(),
+            owner: live.owner().to_owned(),
+            tries,
+            why: failure.to_string(),
+        });
         live.kernel.set_dead(why.clone());
         match failure {
             // Its own status (504) for one that did not answer in time.
@@ -268,11 +279,12 @@ impl Kernels {
                 continue; // the exit of an intentional restart
             }
             tracing::warn!(kernel = %live.id(), "{cause}");
-            self.settings.audit.record(
-                "kernel_died",
-                serde_json::json!({"kernel": live.id(), "owner": live.owner(), "why": cause,
-                                   "restarting": self.settings.autorestart}),
-            );
+            self.settings.audit.record(&Record::KernelDied {
+                kernel: live.id().to_owned(),
+                owner: live.owner().to_owned(),
+                why: cause.to_string(),
+                restarting: self.settings.autorestart,
+            });
             live.kernel.lost_executions("KernelDied", &cause);
             if !self.settings.autorestart {
                 live.kernel.set_dead(format!(
@@ -324,10 +336,7 @@ impl Kernels {
                 .collect();
             for id in idle_ids {
                 tracing::info!(kernel = %id, "culling idle kernel");
-                self.settings
-                    .audit
-                    .record("kernel_culled", serde_json::json!({"kernel": id}));
-                if let Some(Err(e)) = self.delete(&id).await {
+                if let Some(Err(e)) = self.delete(&id, Removal::Culled).await {
                     tracing::warn!(kernel = %id, error = %e, "cannot remove culled kernel");
                 }
             }

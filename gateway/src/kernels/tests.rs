@@ -178,7 +178,7 @@ async fn the_limit_holds_and_abandoned_creates_give_their_slot_back() {
         Err(CreateError::TooMany { max: 2 })
     ));
     kernels
-        .delete(a.id())
+        .delete(a.id(), Removal::AskedBy("alice".into()))
         .await
         .expect("listed")
         .expect("removed");
@@ -265,7 +265,7 @@ async fn restart_keeps_the_id_and_answers_again() {
         .create(None, &BTreeMap::new(), &admin())
         .await
         .expect("created");
-    kernels.restart(&live).await.expect("restarted");
+    kernels.restart(&live, "alice").await.expect("restarted");
     let (_, record) = fake.record_of(live.id()).expect("launched");
     assert_eq!(record.restarts, 1);
     assert_eq!(live.kernel.execution_state(), ExecutionState::Idle);
@@ -281,8 +281,14 @@ async fn abandoned_deletes_and_restarts_complete() {
     let (restarted, restarted_handle) = one_kernel(&kernels, &fake).await;
     // Callers that go away right after asking: the backend has not answered yet.
     // Polled once, then dropped.
-    assert!(kernels.delete(deleted.id()).now_or_never().is_none());
-    assert!(kernels.restart(&restarted).now_or_never().is_none());
+    assert!(kernels
+        .delete(deleted.id(), Removal::AskedBy("alice".into()))
+        .now_or_never()
+        .is_none());
+    assert!(kernels
+        .restart(&restarted, "alice")
+        .now_or_never()
+        .is_none());
     assert!(
         kernels.get(deleted.id()).is_none(),
         "gone from the table at once"
@@ -493,7 +499,10 @@ async fn a_restart_that_keeps_failing_gives_up_fast_and_says_what_to_do() {
         .is_some_and(|w| w.contains("ran out of memory")));
 
     // What the message says works.
-    kernels.restart(&live).await.expect("restarted by hand");
+    kernels
+        .restart(&live, "alice")
+        .await
+        .expect("restarted by hand");
     assert_eq!(run_code(&live, "1").await.0, "ok");
 }
 
@@ -513,7 +522,7 @@ async fn a_restart_moves_the_kernel_into_a_warm_one_when_one_fits() {
     let before = live.handle();
     let warm = kernels.lock().pool[DEFAULT_SPEC][0].handle();
 
-    kernels.restart(&live).await.expect("restarted");
+    kernels.restart(&live, "alice").await.expect("restarted");
     assert_eq!(live.handle(), warm, "moved into the warm kernel's process");
     assert_eq!(
         kernels.get(live.id()).map(|l| l.handle()),
@@ -552,7 +561,7 @@ async fn a_restart_moves_the_kernel_into_a_warm_one_when_one_fits() {
         .expect("created");
     eventually("the pool refilled", || async { kernels.pooled() == 1 }).await;
     let handle = cold.handle();
-    kernels.restart(&cold).await.expect("restarted");
+    kernels.restart(&cold, "alice").await.expect("restarted");
     assert_eq!(cold.handle(), handle);
     assert_eq!(fake.records()[&handle].restarts, 1);
     assert_eq!(kernels.pooled(), 1, "the pool was not touched");
@@ -572,7 +581,7 @@ async fn a_restarted_gateway_finds_moved_kernels_and_pools_warm_ones_again() {
         .expect("created");
     eventually("the pool refilled", || async { first.pooled() == 1 }).await;
     first
-        .restart(&live)
+        .restart(&live, "alice")
         .await
         .expect("restarted into the warm kernel");
     let moved_to = live.handle();

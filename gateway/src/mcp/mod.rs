@@ -25,7 +25,7 @@ pub mod tools;
 
 use crate::kernels::files::{self, FileError, FileOp};
 use crate::kernels::run::{self, Progress, Run};
-use crate::kernels::{Kernels, LiveKernel};
+use crate::kernels::{Kernels, LiveKernel, Removal};
 use crate::tenants::Tenant;
 use budget::Budget;
 use kernelgate_protocol::content::ExecutionState;
@@ -61,7 +61,6 @@ const INSTRUCTIONS: &str = "Kernelgate runs Python for you in a persistent, sand
 /// A kernel handed out by `start_kernel`.
 #[derive(Debug)]
 struct Handle {
-    owner: String,
     last_used: Instant,
 }
 
@@ -195,9 +194,8 @@ impl Mcp {
                     .collect()
             };
             for id in due {
-                let owner = self.handles().remove(&id).map(|h| h.owner);
-                self.delete_kernel(&id, owner.as_deref().unwrap_or(""), "idle MCP kernel")
-                    .await;
+                self.handles().remove(&id);
+                self.delete_kernel(&id, "idle MCP kernel").await;
             }
         }
     }
@@ -205,24 +203,16 @@ impl Mcp {
     /// Deletes every `start_kernel` kernel still handed out (a `kernelgate mcp --url`
     /// process that ends; a local table is shut down whole instead).
     pub async fn release_handles(&self) {
-        let ids: Vec<(String, String)> = self
-            .handles()
-            .drain()
-            .map(|(id, h)| (id, h.owner))
-            .collect();
-        for (id, owner) in ids {
-            self.delete_kernel(&id, &owner, "MCP process ended").await;
+        let ids: Vec<String> = self.handles().drain().map(|(id, _)| id).collect();
+        for id in ids {
+            self.delete_kernel(&id, "MCP process ended").await;
         }
     }
 
-    async fn delete_kernel(&self, id: &str, owner: &str, reason: &str) {
+    async fn delete_kernel(&self, id: &str, reason: &str) {
         match &self.place {
             Place::Local(kernels) => {
-                kernels.audit().record(
-                    "kernel_deleted",
-                    json!({"kernel": id, "owner": owner, "reason": reason}),
-                );
-                if let Some(Err(e)) = kernels.delete(id).await {
+                if let Some(Err(e)) = kernels.delete(id, Removal::Because(reason.into())).await {
                     tracing::warn!(kernel = %id, error = %e, "cannot remove an MCP kernel");
                 }
             }
@@ -253,7 +243,6 @@ impl Mcp {
             self.handles().insert(
                 kernel.id().to_owned(),
                 Handle {
-                    owner: tenant.name.clone(),
                     last_used: Instant::now(),
                 },
             );
@@ -341,13 +330,10 @@ impl Mcp {
     async fn restart(&self, kernel: &KernelRef, tenant: &Tenant) -> Result<(), ToolError> {
         let failed = |e: &dyn std::fmt::Display| tools::error(format!("the restart failed: {e}"));
         match (&self.place, kernel) {
-            (Place::Local(kernels), KernelRef::Local(live)) => {
-                kernels.audit().record(
-                    "kernel_restarted",
-                    json!({"kernel": live.id(), "key": tenant.name, "owner": live.owner()}),
-                );
-                kernels.restart(live).await.map_err(|e| failed(&e))
-            }
+            (Place::Local(kernels), KernelRef::Local(live)) => kernels
+                .restart(live, &tenant.name)
+                .await
+                .map_err(|e| failed(&e)),
             (Place::Remote(gateway), _) => {
                 gateway.restart(kernel.id()).await.map_err(|e| failed(&e))
             }
@@ -407,12 +393,7 @@ impl Drop for SessionState {
         let mcp = self.mcp.clone();
         tracing::info!(kernel = %kernel.id(), "MCP session ended; deleting its kernel");
         self.mcp.tracker.spawn(async move {
-            let owner = match &kernel {
-                KernelRef::Local(live) => live.owner().to_owned(),
-                KernelRef::Remote(_) => String::new(),
-            };
-            mcp.delete_kernel(kernel.id(), &owner, "MCP session ended")
-                .await;
+            mcp.delete_kernel(kernel.id(), "MCP session ended").await;
         });
     }
 }
