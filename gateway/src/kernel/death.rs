@@ -1,0 +1,79 @@
+//! A kernel whose process is gone: the executions it owed an answer are answered in its
+//! place with the cause, and a kernel that could not be brought back says so to every
+//! later request.
+
+use super::*;
+
+impl Kernel {
+    /// The kernel's process is gone (`cause` says how, e.g. "the kernel ran out of memory
+    /// (limit 1024 MiB)"): every execution sent to it and not answered is answered in its
+    /// place, as a failed cell whose error names the cause, with an `execution_finished`
+    /// audit record. Call before clients are told `restarting` or `dead`: JupyterLab
+    /// forgets a cell's request when it sees either.
+    pub fn lost_executions(&self, ename: &'static str, cause: &str) {
+        let mut st = self.lock();
+        let lost: Vec<Header> = st.in_flight.drain(..).collect();
+        for (i, header) in lost.iter().enumerate() {
+            let evalue = if i == 0 {
+                format!("{cause} while running this code; its variables are lost")
+            } else {
+                format!("{cause} before this code ran; its variables are lost")
+            };
+            let why = Refusal { ename, evalue };
+            let finished = st.executions.replied(&header.msg_id);
+            let (key, sha, took, bytes, preview, truncated) = match finished {
+                Some(f) => (
+                    f.key,
+                    f.code_sha256,
+                    f.took.as_millis() as u64,
+                    f.output_bytes,
+                    f.output_preview,
+                    f.truncated,
+                ),
+                None => Default::default(),
+            };
+            self.audit.record(&Record::ExecutionFinished {
+                key,
+                kernel: self.id.clone(),
+                msg_id: Some(header.msg_id.clone()),
+                session: Some(header.session.clone()),
+                code_sha256: (!sha.is_empty()).then_some(sha),
+                status: "error".into(),
+                ename: Some(ename.to_string()),
+                reason: Some(why.evalue.clone()),
+                duration_ms: took,
+                output_bytes: bytes,
+                output: preview,
+                truncated,
+                ran: Some(i == 0),
+            });
+            for out in gate::refusal(header, &self.session, &why) {
+                st.clients.route(out);
+            }
+        }
+    }
+
+    /// The kernel is dead for good; `why` says why and what brings it back. Clients are told
+    /// `dead`, execute requests held for the restart are answered with `why`, and so is
+    /// every later one, until a restart brings the kernel back.
+    pub fn set_dead(&self, why: String) {
+        let link = {
+            let mut st = self.lock();
+            let refusal = Refusal {
+                ename: "KernelUnavailable",
+                evalue: why.clone(),
+            };
+            for (channel, message) in std::mem::take(&mut st.backlog) {
+                if channel == Channel::Shell && message.msg_type() == "execute_request" {
+                    self.answer_in_place(&mut st, &message.header, "", None, &refusal);
+                }
+            }
+            st.dead = Some(why);
+            st.link.take()
+        };
+        if let Some(link) = link {
+            link.close();
+        }
+        self.set_state(ExecutionState::Dead, true);
+    }
+}

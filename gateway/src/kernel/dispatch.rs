@@ -1,0 +1,89 @@
+//! Messages from the kernel: the execution state and activity they show, the audit record
+//! of a finished execution (written before its reply is forwarded), the output cap, and
+//! routing to the client sessions.
+
+use super::*;
+
+impl Dispatch for Kernel {
+    fn dispatch(&self, channel: Channel, message: Message) {
+        let mut st = self.lock();
+        st.last_activity = Utc::now();
+        if channel == Channel::IoPub && message.msg_type() == "status" {
+            if let Ok(s) = message.content_as::<kernelgate_protocol::content::Status>() {
+                st.execution_state = s.execution_state;
+            }
+        }
+        if channel == Channel::Shell && message.msg_type() == "execute_reply" {
+            if let Some(id) = message.parent_msg_id() {
+                st.in_flight.retain(|h| h.msg_id != id);
+            }
+            let finished = message
+                .parent_msg_id()
+                .and_then(|id| st.executions.replied(id));
+            let reply = message.content_as::<ReplyStatus>().unwrap_or_default();
+            if let Some(f) = finished {
+                metrics::execution_ended(&reply.status, f.took);
+                // Written before the reply is forwarded.
+                self.audit.record(&Record::ExecutionFinished {
+                    key: f.key,
+                    kernel: self.id.clone(),
+                    msg_id: message.parent_msg_id().map(str::to_owned),
+                    session: message.parent_header.as_ref().map(|h| h.session.clone()),
+                    code_sha256: Some(f.code_sha256),
+                    status: reply.status,
+                    ename: reply.ename,
+                    reason: None,
+                    duration_ms: f.took.as_millis() as u64,
+                    output_bytes: f.output_bytes,
+                    output: f.output_preview,
+                    truncated: f.truncated,
+                    ran: None,
+                });
+            }
+        }
+        metrics::relayed(Direction::KernelToClient, wire_size(&message));
+        if channel == Channel::IoPub {
+            let verdict = st.executions.output(&message);
+            for late in st.executions.take_late_output() {
+                self.audit.record(&Record::ExecutionOutput {
+                    key: late.key,
+                    kernel: self.id.clone(),
+                    msg_id: late.msg_id,
+                    output_bytes: late.output_bytes,
+                    output: late.output_preview,
+                    truncated: late.truncated,
+                });
+            }
+            match verdict {
+                Verdict::Relay => {}
+                Verdict::Drop => {
+                    metrics::dropped(DropReason::OutputLimit, 1);
+                    return;
+                }
+                Verdict::Truncate { kept, notice } => {
+                    tracing::info!(kernel = %self.id, "execution output over --max-output-mb; the rest of it is dropped");
+                    match kept {
+                        Some(head) => st.clients.route(Outbound::new(channel, *head)),
+                        None => metrics::dropped(DropReason::OutputLimit, 1),
+                    }
+                    st.clients.route(notice);
+                    return;
+                }
+            }
+        }
+        st.clients.route(Outbound::new(channel, message));
+    }
+
+    fn link_lost(&self, channel: Channel) {
+        tracing::debug!(kernel = %self.id, %channel, "kernel link lost");
+    }
+}
+
+/// The `status` and `ename` of a reply, without parsing the rest (a traceback may be long).
+#[derive(Default, serde::Deserialize)]
+struct ReplyStatus {
+    #[serde(default)]
+    status: String,
+    #[serde(default)]
+    ename: Option<String>,
+}
