@@ -141,7 +141,7 @@ mod tests {
 
     fn message(body: &str) -> String {
         json_body::<Body>(body.as_bytes(), "{\"code\": \"1\"}")
-            .unwrap_err()
+            .expect_err("refused")
             .message
     }
 

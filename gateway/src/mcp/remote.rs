@@ -403,15 +403,15 @@ mod tests {
 
     #[test]
     fn token_files_lose_their_trailing_newline_and_may_not_be_empty() {
-        let dir = tempfile::tempdir().unwrap();
+        let dir = tempfile::tempdir().expect("a temporary directory");
         let file = dir.path().join("token");
-        std::fs::write(&file, "s3cret\n").unwrap();
-        assert_eq!(read_token_file(&file).unwrap(), "s3cret");
-        std::fs::write(&file, "\r\n").unwrap();
-        let empty = read_token_file(&file).unwrap_err().to_string();
+        std::fs::write(&file, "s3cret\n").expect("written");
+        assert_eq!(read_token_file(&file).expect("read"), "s3cret");
+        std::fs::write(&file, "\r\n").expect("written");
+        let empty = read_token_file(&file).expect_err("empty").to_string();
         assert!(empty.contains("it is empty"), "{empty}");
         let missing = read_token_file(&dir.path().join("nope"))
-            .unwrap_err()
+            .expect_err("missing")
             .to_string();
         assert!(
             missing.starts_with(&format!(
