@@ -38,7 +38,7 @@ pub enum Command {
 #[command(mut_arg("pool_size", |a| a.default_value("1")))]
 // HTTP-only flags: nothing listens here.
 #[command(mut_arg("listen", |a| a.hide(true)))]
-#[command(mut_arg("token", |a| a.help("Token of the gateway given with --url")))]
+#[command(mut_arg("token", |a| a.help("Token of the gateway given with --url; a flag shows in the process list: prefer --token-file, or KERNELGATE_TOKEN")))]
 #[command(mut_arg("keys", |a| a.hide(true)))]
 #[command(mut_arg("no_auth", |a| a.hide(true)))]
 #[command(mut_arg("allow_origin", |a| a.hide(true)))]
@@ -52,6 +52,7 @@ pub struct McpArgs {
 
     /// A file holding the token of the gateway given with `--url` (a trailing newline is
     /// ignored): unlike `--token`, it stays out of the process list and the host's config.
+    /// Not with `--token` or `KERNELGATE_TOKEN`.
     #[arg(
         long,
         env = "KERNELGATE_TOKEN_FILE",
