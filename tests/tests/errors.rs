@@ -124,6 +124,20 @@ async fn every_error_is_json_that_says_what_to_do() -> Result<()> {
         );
     }
 
+    // Names are shown as written, not in Rust's quoted form.
+    let (status, message, _) = error_of(
+        gw.request(Method::POST, "/api/kernels")
+            .json(&serde_json::json!({"name": "nope"}))
+            .send()
+            .await?,
+    )
+    .await?;
+    assert_eq!(status, 404);
+    assert_eq!(
+        message,
+        "no kernel spec named `nope`; this gateway offers python3"
+    );
+
     // The channels WebSocket, asked without an upgrade.
     let id = gw.create_kernel().await?["id"]
         .as_str()

@@ -165,7 +165,14 @@ impl From<BackendError> for ApiError {
             _ => StatusCode::SERVICE_UNAVAILABLE,
         };
         tracing::warn!(error = %e, "backend error");
-        ApiError::new(status, e.to_string())
+        // Names as the user wrote them, not in Rust's quoted form (`\"x\"` once in JSON).
+        let message = match &e {
+            BackendError::ImageMissing { image, fix } => {
+                format!("kernel image `{image}` not found; {fix}")
+            }
+            _ => e.to_string(),
+        };
+        ApiError::new(status, message)
     }
 }
 
@@ -183,14 +190,23 @@ impl From<KernelError> for ApiError {
 impl From<CreateError> for ApiError {
     fn from(e: CreateError) -> Self {
         match e {
-            CreateError::NoSuchSpec { .. } => ApiError::new(StatusCode::NOT_FOUND, e.to_string()),
-            CreateError::TooMany { .. } | CreateError::TooManyForKey { .. } => {
-                ApiError::new(StatusCode::FORBIDDEN, e.to_string())
-            }
+            CreateError::NoSuchSpec { name, offered } => ApiError::new(
+                StatusCode::NOT_FOUND,
+                format!("no kernel spec named `{name}`; this gateway offers {offered}"),
+            ),
+            CreateError::TooManyForKey { key, max } => ApiError::new(
+                StatusCode::FORBIDDEN,
+                format!(
+                    "key `{key}` may run at most {max} kernels (max_kernels in the keys file); \
+                     shut one of yours down first"
+                ),
+            ),
+            CreateError::TooMany { .. } => ApiError::new(StatusCode::FORBIDDEN, e.to_string()),
             CreateError::BadEnv { .. } => ApiError::bad_request(e.to_string()),
-            CreateError::ShuttingDown => {
-                ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string())
-            }
+            CreateError::ShuttingDown => ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the gateway is shutting down; start the kernel once it (or another) runs",
+            ),
             CreateError::Backend(b) => b.into(),
             CreateError::Kernel(k) => k.into(),
         }
