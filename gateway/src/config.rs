@@ -27,7 +27,7 @@ pub enum Command {
     Audit(AuditArgs),
     /// Serve MCP (Model Context Protocol) over stdin/stdout, for hosts that launch a
     /// command: kernels run on the local Docker engine (every `serve` flag that applies
-    /// works here), or on a running gateway with `--url` and `--token`.
+    /// works here), or on a running gateway with `--url` (and its token).
     Mcp(Box<McpArgs>),
 }
 
@@ -38,7 +38,7 @@ pub enum Command {
 #[command(mut_arg("pool_size", |a| a.default_value("1")))]
 // HTTP-only flags: nothing listens here.
 #[command(mut_arg("listen", |a| a.hide(true)))]
-#[command(mut_arg("token", |a| a.help("Token of the gateway given with --url")))]
+#[command(mut_arg("token", |a| a.help("Token of the gateway given with --url; a flag shows in the process list: prefer --token-file, or KERNELGATE_TOKEN")))]
 #[command(mut_arg("keys", |a| a.hide(true)))]
 #[command(mut_arg("no_auth", |a| a.hide(true)))]
 #[command(mut_arg("allow_origin", |a| a.hide(true)))]
@@ -46,9 +46,21 @@ pub enum Command {
 #[command(mut_arg("metrics_token", |a| a.hide(true)))]
 pub struct McpArgs {
     /// Base URL of a running gateway (`http://host:port`) whose kernels to use instead of
-    /// the local Docker engine, with its token in `--token`.
+    /// the local Docker engine, with its token in `--token-file` or `KERNELGATE_TOKEN`.
     #[arg(long, env = "KERNELGATE_URL")]
     pub url: Option<String>,
+
+    /// A file holding the token of the gateway given with `--url` (a trailing newline is
+    /// ignored): unlike `--token`, it stays out of the process list and the host's config.
+    /// Not with `--token` or `KERNELGATE_TOKEN`.
+    #[arg(
+        long,
+        env = "KERNELGATE_TOKEN_FILE",
+        value_name = "PATH",
+        conflicts_with = "token",
+        requires = "url"
+    )]
+    pub token_file: Option<PathBuf>,
 
     #[command(flatten)]
     pub config: Config,

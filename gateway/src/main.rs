@@ -231,7 +231,11 @@ async fn serve(config: Config) -> anyhow::Result<()> {
 async fn mcp_stdio(args: McpArgs) -> anyhow::Result<()> {
     let mut config = args.config;
     if let Some(url) = &args.url {
-        return mcp_stdio_remote(url, config.token.clone(), &config).await;
+        let token = match &args.token_file {
+            Some(path) => Some(kernelgate::mcp::remote::read_token_file(path)?),
+            None => config.token.clone(),
+        };
+        return mcp_stdio_remote(url, token, &config).await;
     }
     if config.audit_log.as_deref() == Some(std::path::Path::new("-")) {
         bail!("--audit-log - would write into the MCP stream on stdout; give a file (or `off`)");
@@ -285,7 +289,9 @@ async fn mcp_stdio_remote(url: &str, token: Option<String>, config: &Config) -> 
     gateway
         .check()
         .await
-        .with_context(|| format!("cannot use the gateway at {url} (check --url and --token)"))?;
+        .with_context(|| {
+            format!("cannot use the gateway at {url} (check --url, and the token: --token-file or KERNELGATE_TOKEN)")
+        })?;
     let tracker = TaskTracker::new();
     let cancel = CancellationToken::new();
     let mcp = kernelgate::mcp::Mcp::remote(

@@ -73,13 +73,19 @@ def client(gw: Gateway, mode: str = "auto", token: str | None = None) -> Client:
 STDIO_BASE = Path(f"/run/kg-mcp-{secrets.token_hex(3)}")
 
 
-def stdio_client(mode: str = "auto", gateway: Gateway | None = None, token: str | None = None) -> Client:
+BINARY = Path(os.environ.get("KERNELGATE_BIN", REPO / "target" / "debug" / "kernelgate"))
+
+
+def stdio_client(mode: str = "auto", gateway: Gateway | None = None, token: str | None = None,
+                 token_file: Path | None = None) -> Client:
     """A client that launches `kernelgate mcp`: on the local Docker engine, or with
-    `--url` on `gateway`'s kernels."""
-    binary = Path(os.environ.get("KERNELGATE_BIN", REPO / "target" / "debug" / "kernelgate"))
+    `--url` on `gateway`'s kernels (the token given with `--token`, or in `token_file`)."""
+    binary = BINARY
     if gateway is None:
         args = ["mcp", "--runtime-dir", str(STDIO_BASE), "--audit-log", str(ARTIFACTS / "test_mcp" / "stdio-audit.log"),
                 "--policy", str(ARTIFACTS / "test_mcp" / "policy.toml")]
+    elif token_file is not None:
+        args = ["mcp", "--url", gateway.url, "--token-file", str(token_file)]
     else:
         args = ["mcp", "--url", gateway.url, "--token", token or gateway.token]
     params = StdioServerParameters(
@@ -391,6 +397,39 @@ def test_stdio_with_a_wrong_token_fails_to_start(gw: Gateway):
 
     with pytest.raises(BaseException):
         run(scenario())
+
+
+def test_stdio_with_url_reads_the_token_from_a_file(gw: Gateway, tmp_path: Path):
+    """The token stays out of the process list: `--token-file`, its trailing newline
+    ignored, as a host's config would give it."""
+    token_file = tmp_path / "token"
+    token_file.write_text(ALICE + "\n")
+    token_file.chmod(0o600)
+
+    async def scenario():
+        async with stdio_client("legacy", gateway=gw, token_file=token_file) as c:
+            return text(await c.call_tool("run_python", {"code": "6 * 7"}))
+
+    assert run(scenario()) == "42"
+
+
+def test_stdio_with_an_unusable_token_file_says_why_and_exits(gw: Gateway, tmp_path: Path):
+    def start(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([str(BINARY), "mcp", "--url", gw.url, *args], stdin=subprocess.DEVNULL,
+                              capture_output=True, text=True, timeout=30,
+                              env={"PATH": os.environ["PATH"], "NO_COLOR": "1", "RUST_BACKTRACE": "0"})
+
+    missing = tmp_path / "missing"
+    r = start("--token-file", str(missing))
+    assert r.returncode != 0 and r.stdout == ""
+    assert f"cannot read the token file {missing} (--token-file): No such file or directory" in r.stderr, r.stderr
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    r = start("--token-file", str(empty))
+    assert r.returncode != 0
+    assert f"cannot read the token file {empty} (--token-file): it is empty; write the gateway's token into it" in r.stderr, r.stderr
+    r = start("--token-file", str(empty), "--token", "t")
+    assert r.returncode != 0 and "cannot be used with" in r.stderr, r.stderr
 
 
 def test_restart_clears_state(gw: Gateway):

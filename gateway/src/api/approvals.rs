@@ -4,7 +4,7 @@
 
 use super::auth::Caller;
 use super::error::{body_refused, ApiError, ErrorBody};
-use super::extract::Path;
+use super::extract::{json_body, Path};
 use super::AppState;
 use crate::policy::{Answer, Approval};
 use axum::body::Bytes;
@@ -84,11 +84,7 @@ pub async fn answer(
         Ok(body) => body,
         Err(e) => return Ok(body_refused(e, state.max_message_bytes)),
     };
-    let body: AnswerBody = serde_json::from_slice(&body).map_err(|e| {
-        ApiError::bad_request(format!(
-            "body must be JSON like {{\"approve\": true}} or {{\"approve\": false}}: {e}"
-        ))
-    })?;
+    let body: AnswerBody = json_body(&body, r#"{"approve": true} or {"approve": false}"#)?;
     let by = caller.0.name.clone();
     let answer = if body.approve {
         Answer::Approved { by }

@@ -11,6 +11,8 @@ use super::kernels::find;
 use super::AppState;
 use crate::kernel::{now_iso, Attachment};
 use crate::metrics::{self, DropReason};
+use axum::extract::rejection::QueryRejection;
+use axum::extract::ws::rejection::WebSocketUpgradeRejection;
 use axum::extract::ws::{CloseFrame, Message as WsMessage, WebSocket, WebSocketUpgrade};
 use axum::extract::{Query, State};
 use axum::response::Response;
@@ -34,10 +36,27 @@ pub async fn connect(
     State(state): State<AppState>,
     caller: Caller,
     Path(id): Path<String>,
-    Query(query): Query<ChannelsQuery>,
-    ws: WebSocketUpgrade,
+    query: Result<Query<ChannelsQuery>, QueryRejection>,
+    ws: Result<WebSocketUpgrade, WebSocketUpgradeRejection>,
 ) -> Result<Response, ApiError> {
     let live = find(&state, &caller, &id)?;
+    let Query(query) = query.map_err(|e| {
+        ApiError::new(
+            e.status(),
+            format!("{}; the query takes ?session_id=S", e.body_text()),
+        )
+    })?;
+    let ws = ws.map_err(|e| {
+        ApiError::new(
+            e.status(),
+            format!(
+                "{}: this is the kernel's WebSocket; open it with a WebSocket client \
+                 (GET with Upgrade: websocket), or use the agent API \
+                 (POST /api/kernels/{id}/execute) for plain HTTP",
+                e.body_text()
+            ),
+        )
+    })?;
     let session = query
         .session_id
         .filter(|s| !s.is_empty())

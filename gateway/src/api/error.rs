@@ -6,7 +6,9 @@ use crate::kernel::KernelError;
 use crate::kernels::files::FileError;
 use crate::kernels::CreateError;
 use axum::extract::rejection::BytesRejection;
-use axum::http::StatusCode;
+use axum::extract::Request;
+use axum::http::{header, HeaderMap, Method, StatusCode};
+use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::Serialize;
@@ -59,6 +61,88 @@ impl IntoResponse for ApiError {
     }
 }
 
+/// Whether an answer's body is JSON already (ours, or a JSON-RPC message of `/mcp`).
+pub fn is_json(headers: &HeaderMap) -> bool {
+    headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split(';').next())
+        .is_some_and(|essence| {
+            let essence = essence.trim();
+            essence.eq_ignore_ascii_case("application/json") || essence.ends_with("+json")
+        })
+}
+
+/// Middleware: an error answer that is not JSON (axum's own: 405 with an empty body, an
+/// extractor's plain-text rejection) becomes `{"reason", "message"}` with the same status
+/// and headers (`Allow` stays). Handlers answer with [`ApiError`]; this is the net under
+/// what they do not see.
+pub async fn json_errors(req: Request, next: Next) -> Response {
+    let method = req.method().clone();
+    let path = req.uri().path().to_owned();
+    let response = next.run(req).await;
+    let status = response.status();
+    if !(status.is_client_error() || status.is_server_error()) || is_json(response.headers()) {
+        return response;
+    }
+    let (parts, body) = response.into_parts();
+    // Such answers are a line of text; a longer one is cut.
+    let text = axum::body::to_bytes(body, 4096).await.unwrap_or_default();
+    let text = String::from_utf8_lossy(&text);
+    let message = explain(status, &parts.headers, &method, &path, text.trim());
+    rewrap(parts, message)
+}
+
+/// The JSON answer of `message`, keeping the status and headers of `parts` but for the
+/// body's own.
+pub fn rewrap(mut parts: axum::http::response::Parts, message: String) -> Response {
+    parts.headers.remove(header::CONTENT_TYPE);
+    parts.headers.remove(header::CONTENT_LENGTH);
+    let mut response = ApiError::new(parts.status, message).into_response();
+    for (name, value) in &parts.headers {
+        response.headers_mut().append(name, value.clone());
+    }
+    response
+}
+
+/// The message of an answer axum made, saying what to do.
+fn explain(
+    status: StatusCode,
+    headers: &HeaderMap,
+    method: &Method,
+    path: &str,
+    text: &str,
+) -> String {
+    match status {
+        StatusCode::METHOD_NOT_ALLOWED => {
+            let allowed = allowed_methods(headers);
+            format!("{method} is not allowed on {path}; use {allowed} (see GET /api/openapi.json)")
+        }
+        _ if text.is_empty() => format!(
+            "{method} {path}: {}",
+            status.canonical_reason().unwrap_or("error")
+        ),
+        _ => text.to_owned(),
+    }
+}
+
+/// The `Allow` header's methods, as `GET, HEAD or POST`.
+pub fn allowed_methods(headers: &HeaderMap) -> String {
+    let methods: Vec<&str> = headers
+        .get_all(header::ALLOW)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .map(str::trim)
+        .filter(|m| !m.is_empty())
+        .collect();
+    match methods.as_slice() {
+        [] => "another method".to_owned(),
+        [one] => (*one).to_owned(),
+        [init @ .., last] => format!("{} or {last}", init.join(", ")),
+    }
+}
+
 /// The answer to a request body that could not be read: over `--max-message-mb` (413), or
 /// cut short. The rest of the body is not read, so the connection cannot be reused; saying
 /// so keeps clients from sending their next request on it.
@@ -81,7 +165,14 @@ impl From<BackendError> for ApiError {
             _ => StatusCode::SERVICE_UNAVAILABLE,
         };
         tracing::warn!(error = %e, "backend error");
-        ApiError::new(status, e.to_string())
+        // Names as the user wrote them, not in Rust's quoted form (`\"x\"` once in JSON).
+        let message = match &e {
+            BackendError::ImageMissing { image, fix } => {
+                format!("kernel image `{image}` not found; {fix}")
+            }
+            _ => e.to_string(),
+        };
+        ApiError::new(status, message)
     }
 }
 
@@ -99,14 +190,23 @@ impl From<KernelError> for ApiError {
 impl From<CreateError> for ApiError {
     fn from(e: CreateError) -> Self {
         match e {
-            CreateError::NoSuchSpec { .. } => ApiError::new(StatusCode::NOT_FOUND, e.to_string()),
-            CreateError::TooMany { .. } | CreateError::TooManyForKey { .. } => {
-                ApiError::new(StatusCode::FORBIDDEN, e.to_string())
-            }
+            CreateError::NoSuchSpec { name, offered } => ApiError::new(
+                StatusCode::NOT_FOUND,
+                format!("no kernel spec named `{name}`; this gateway offers {offered}"),
+            ),
+            CreateError::TooManyForKey { key, max } => ApiError::new(
+                StatusCode::FORBIDDEN,
+                format!(
+                    "key `{key}` may run at most {max} kernels (max_kernels in the keys file); \
+                     shut one of yours down first"
+                ),
+            ),
+            CreateError::TooMany { .. } => ApiError::new(StatusCode::FORBIDDEN, e.to_string()),
             CreateError::BadEnv { .. } => ApiError::bad_request(e.to_string()),
-            CreateError::ShuttingDown => {
-                ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string())
-            }
+            CreateError::ShuttingDown => ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the gateway is shutting down; start the kernel once it (or another) runs",
+            ),
             CreateError::Backend(b) => b.into(),
             CreateError::Kernel(k) => k.into(),
         }

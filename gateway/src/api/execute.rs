@@ -12,7 +12,7 @@
 
 use super::auth::Caller;
 use super::error::{body_refused, ApiError, ErrorBody};
-use super::extract::Path;
+use super::extract::{json_body, Path};
 use super::kernels::{find, KernelPath};
 use super::AppState;
 use crate::kernels::run::{self, End, Progress, Run};
@@ -28,15 +28,20 @@ use kernelgate_protocol::terminal::{plain_text, Terminal};
 use kernelgate_protocol::Outcome;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
 use utoipa::ToSchema;
 
 /// Used when a call gives no timeout.
 const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+/// The longest timeout a call may ask for, in seconds (a day).
+const MAX_TIMEOUT_SECS: f64 = 86_400.0;
 
-/// The body of `POST /api/kernels/{id}/execute`.
+/// The body of `POST /api/kernels/{id}/execute`. A field it does not have is refused (400,
+/// naming it) rather than ignored: a misspelt `timeout` would otherwise run for 300 s.
 #[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
 pub struct ExecuteBody {
     /// The cell's code (IPython syntax).
     #[schema(example = "x = 41\nx + 1")]
@@ -255,7 +260,7 @@ impl From<End> for EndLine {
             outputs stream as they come (`application/x-ndjson`, when the `Accept` header names \
             it: one `Line` object per line, the last of type `end`)",
          content((ExecuteResult = "application/json"), (Line = "application/x-ndjson"))),
-        (status = 400, description = "The body is not JSON of this shape, or the timeout is out of range", body = ErrorBody),
+        (status = 400, description = "The body is not JSON of this shape (a field it does not have is named), or the timeout is out of range", body = ErrorBody),
         (status = 404, description = "No such kernel", body = ErrorBody),
     ),
 )]
@@ -270,17 +275,15 @@ pub async fn execute(
         Ok(body) => body,
         Err(e) => return Ok(body_refused(e, state.max_message_bytes)),
     };
-    let body: ExecuteBody = serde_json::from_slice(&body).map_err(|e| {
-        ApiError::bad_request(format!(
-            "body must be JSON like {{\"code\": \"1+1\", \"timeout\": 30}}: {e}"
-        ))
-    })?;
+    let body: ExecuteBody = json_body(&body, r#"{"code": "1+1", "timeout": 30}"#)?;
     let timeout = match body.timeout {
         None => DEFAULT_TIMEOUT,
-        Some(t) if t.is_finite() && t > 0.0 && t <= 86_400.0 => Duration::from_secs_f64(t),
+        Some(t) if t.is_finite() && t > 0.0 && t <= MAX_TIMEOUT_SECS => Duration::from_secs_f64(t),
         Some(t) => {
             return Err(ApiError::bad_request(format!(
-                "timeout {t} must be between 0 and 86400 seconds"
+                "timeout must be more than 0 and at most {MAX_TIMEOUT_SECS} seconds, not {t}; \
+                 leave it out for {} seconds",
+                DEFAULT_TIMEOUT.as_secs()
             )))
         }
     };
@@ -297,6 +300,13 @@ pub async fn execute(
         },
     )
     .await;
+    let mut feed = Feed {
+        rx,
+        cancel: state.cancel.clone(),
+        started: Instant::now(),
+        end: None,
+        stopped: false,
+    };
 
     let streaming = headers
         .get(header::ACCEPT)
@@ -304,19 +314,19 @@ pub async fn execute(
         .is_some_and(|a| a.contains("application/x-ndjson"));
     if streaming {
         let plain = body.plain.then(PlainLines::default);
-        let state = (rx, plain, std::collections::VecDeque::new());
-        let lines = futures::stream::unfold(state, |(mut rx, mut plain, mut ready)| async move {
+        let state = (feed, plain, std::collections::VecDeque::new());
+        let lines = futures::stream::unfold(state, |(mut feed, mut plain, mut ready)| async move {
             loop {
                 if let Some(line) = ready.pop_front() {
                     // Serializing strings and maps cannot fail; a line that did is skipped.
                     if let Ok(mut line) = serde_json::to_string(&line) {
                         line.push('\n');
                         let out = Ok::<_, std::convert::Infallible>(line);
-                        return Some((out, (rx, plain, ready)));
+                        return Some((out, (feed, plain, ready)));
                     }
                     continue;
                 }
-                let progress = rx.recv().await?;
+                let progress = feed.next().await?;
                 match plain.as_mut() {
                     Some(plain) => ready.extend(plain.lines(progress)),
                     None => ready.extend(match progress {
@@ -332,11 +342,53 @@ pub async fn execute(
         )
             .into_response());
     }
-    Ok(Json(collect(rx, body.plain).await).into_response())
+    Ok(Json(collect(&mut feed, body.plain).await).into_response())
+}
+
+/// A run's progress, cut short when the gateway shuts down: the kernel's sockets close
+/// then, so the run could only end by its timeout, and the shutdown (which waits for open
+/// requests) would wait that long. The caller gets what was produced, a `GatewayShutdown`
+/// error and the end.
+struct Feed {
+    rx: mpsc::Receiver<Progress>,
+    cancel: CancellationToken,
+    started: Instant,
+    /// The end to send after the shutdown's error.
+    end: Option<End>,
+    stopped: bool,
+}
+
+impl Feed {
+    async fn next(&mut self) -> Option<Progress> {
+        if self.stopped {
+            return self.end.take().map(Progress::End);
+        }
+        tokio::select! {
+            biased;
+            progress = self.rx.recv() => progress,
+            () = self.cancel.cancelled() => {
+                self.stopped = true;
+                self.end = Some(End {
+                    status: Status::Error,
+                    execution_count: None,
+                    duration_ms: u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX),
+                    truncated: false,
+                });
+                Some(Progress::Event(Event::Error(ErrorContent {
+                    ename: "GatewayShutdown".into(),
+                    evalue: "the gateway is shutting down (SIGTERM or Ctrl-C) and removes its \
+                             kernels; run the code again on a kernel of a running gateway"
+                        .into(),
+                    traceback: Vec::new(),
+                    extra: Map::new(),
+                })))
+            }
+        }
+    }
 }
 
 /// Folds a run's events into the single JSON answer.
-async fn collect(mut rx: mpsc::Receiver<Progress>, plain: bool) -> ExecuteResult {
+async fn collect(feed: &mut Feed, plain: bool) -> ExecuteResult {
     let mut outcome = Outcome::default();
     let mut end = EndLine {
         status: Status::Error.as_str(),
@@ -344,7 +396,7 @@ async fn collect(mut rx: mpsc::Receiver<Progress>, plain: bool) -> ExecuteResult
         duration_ms: 0,
         truncated: false,
     };
-    while let Some(progress) = rx.recv().await {
+    while let Some(progress) = feed.next().await {
         match progress {
             Progress::Event(e) => outcome.apply(&e),
             Progress::End(e) => end = e.into(),

@@ -64,6 +64,12 @@ async fn run(
     body: Bytes,
 ) -> Result<Vec<u8>, ApiError> {
     let live = find(state, caller, id)?;
+    if path.chars().any(char::is_control) {
+        return Err(ApiError::bad_request(format!(
+            "{}: file paths may not contain NUL or other control characters",
+            as_written(path)
+        )));
+    }
     Ok(files::run(
         &state.kernels,
         &live,
@@ -74,6 +80,22 @@ async fn run(
         state.max_message_bytes,
     )
     .await?)
+}
+
+/// A path as it was written in the URL: control characters percent-encoded again.
+fn as_written(path: &str) -> String {
+    let mut out = String::with_capacity(path.len());
+    for c in path.chars() {
+        if c.is_control() {
+            let mut buf = [0; 4];
+            for b in c.encode_utf8(&mut buf).bytes() {
+                out.push_str(&format!("%{b:02X}"));
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
 }
 
 fn json(bytes: Vec<u8>) -> Response {
@@ -244,4 +266,13 @@ pub async fn delete(
 ) -> Result<StatusCode, ApiError> {
     run(&state, &caller, &id, FileOp::Delete, &path, Bytes::new()).await?;
     Ok(StatusCode::NO_CONTENT)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn paths_are_shown_as_written_in_the_url() {
+        assert_eq!(super::as_written("a\0b\n.csv"), "a%00b%0A.csv");
+        assert_eq!(super::as_written("data/é x.csv"), "data/é x.csv");
+    }
 }

@@ -2,7 +2,7 @@
 
 use super::auth::Caller;
 use super::error::{body_refused, ApiError, ErrorBody};
-use super::extract::Path;
+use super::extract::{json_body, Path};
 use super::AppState;
 use crate::kernel::iso;
 use crate::kernels::LiveKernel;
@@ -138,13 +138,9 @@ pub async fn create(
     // No body, or `null`: the default spec.
     let body: CreateBody = match body.as_ref() {
         [] => CreateBody::default(),
-        bytes => serde_json::from_slice::<Option<CreateBody>>(bytes)
-            .map_err(|e| {
-                ApiError::bad_request(format!(
-                    "body must be JSON like {{\"name\": \"python3\"}}: {e}"
-                ))
-            })?
-            .unwrap_or_default(),
+        bytes => {
+            json_body::<Option<CreateBody>>(bytes, r#"{"name": "python3"}"#)?.unwrap_or_default()
+        }
     };
     // Clients send numbers and booleans in env too (KERNEL_LAUNCH_TIMEOUT); keep them as text.
     let env: BTreeMap<String, String> = body

@@ -11,6 +11,7 @@ pub mod extract;
 pub mod files;
 pub mod kernels;
 pub mod kernelspecs;
+pub mod limits;
 pub mod mcp;
 pub mod openapi;
 pub mod ops;
@@ -126,13 +127,19 @@ pub fn router(state: AppState) -> Router {
         state.clone(),
         auth::require_token,
     ));
-    public
+    let api = public
         .merge(protected)
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(state.max_message_bytes))
         .layer(middleware::from_fn_with_state(state.clone(), origin::guard))
+        .with_state(state);
+    // axum adds `Allow` to a 405 on the way out of the router that routed it: the JSON
+    // net sees it from outside only.
+    Router::new()
+        .fallback_service(api)
+        .layer(middleware::from_fn(limits::guard))
+        .layer(middleware::from_fn(error::json_errors))
         .layer(middleware::from_fn(request_span))
-        .with_state(state)
 }
 
 /// Every request runs in a span with its id, so each log line about it carries the id;
@@ -219,6 +226,9 @@ async fn version(State(state): State<AppState>, req: Request) -> Json<Version> {
 async fn not_found(uri: axum::http::Uri) -> error::ApiError {
     error::ApiError::new(
         axum::http::StatusCode::NOT_FOUND,
-        format!("No such endpoint: {}", uri.path()),
+        format!(
+            "No such endpoint: {}; the routes are listed in GET /api/openapi.json",
+            uri.path()
+        ),
     )
 }

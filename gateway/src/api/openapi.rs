@@ -99,7 +99,11 @@ parameter `?token=T` (compared in constant time). A missing or wrong token answe
 not exist for a key that is not an admin (404).
 
 **Errors** are JSON `{\"reason\", \"message\"}` (`ErrorBody`): the HTTP reason phrase and a \
-message that says what to do.";
+message that says what to do. So are the answers to an unknown path (404) and to a method a \
+path does not take (405, with `Allow`). JSON bodies of this API's own operations (not Jupyter's) \
+refuse fields they do not have (400, naming the field). A URL over 16 KiB answers 414, headers \
+over 64 KiB together 431; a request the HTTP parser itself refuses (a URL over 64 KiB, more than \
+100 headers) gets its bare status with no body.";
 
 /// The document, built once.
 static DOCUMENT: LazyLock<String> = LazyLock::new(|| {
@@ -187,6 +191,13 @@ pub fn document() -> OpenApi {
         if op.request_body.is_some() {
             refuse(op, "413", "The body is larger than `--max-message-mb`");
         }
+        // limits::guard, around every route.
+        refuse(op, "414", "The URL is longer than 16 KiB");
+        refuse(
+            op,
+            "431",
+            "The request's headers are larger than 64 KiB together",
+        );
     }
     // axum's catch-all `{*path}` is OpenAPI's `{path}` (its values may hold `/`).
     doc.paths.paths = std::mem::take(&mut doc.paths.paths)

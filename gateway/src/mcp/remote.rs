@@ -18,6 +18,26 @@ pub enum RemoteError {
     Unreachable { url: String, detail: String },
     #[error("the gateway answered {status}: {message}")]
     Refused { status: StatusCode, message: String },
+    #[error("cannot read the token file {path} (--token-file): {detail}")]
+    TokenFile { path: String, detail: String },
+}
+
+/// The token in the file `--token-file` names: its text without the trailing newline.
+pub fn read_token_file(path: &std::path::Path) -> Result<String, RemoteError> {
+    let failed = |detail: String| RemoteError::TokenFile {
+        path: path.display().to_string(),
+        detail,
+    };
+    let text = std::fs::read_to_string(path).map_err(|e| failed(e.to_string()))?;
+    let token = text.trim_end_matches(['\n', '\r']);
+    if token.is_empty() {
+        return Err(failed(
+            "it is empty; write the gateway's token into it (the one `kernelgate serve` \
+             printed, set with --token, or a key of `kernelgate keys add`)"
+                .into(),
+        ));
+    }
+    Ok(token.to_owned())
 }
 
 /// A gateway's base URL and token.
@@ -336,33 +356,43 @@ impl Remote {
 
 /// A refusal of the files API as the file error it stands for.
 fn file_error(e: RemoteError, path: &str, max_bytes: usize) -> FileError {
-    let path = path.to_owned();
     match e {
-        RemoteError::Refused { status, message } => match status {
-            StatusCode::NOT_FOUND => FileError::NotFound {
-                path,
-                reason: message,
-            },
-            StatusCode::BAD_REQUEST => FileError::BadPath {
-                path,
-                reason: message,
-            },
-            StatusCode::CONFLICT => FileError::WrongKind {
-                path,
-                reason: message,
-            },
-            StatusCode::PAYLOAD_TOO_LARGE => FileError::TooLarge {
-                path,
-                limit_mib: max_bytes >> 20,
-            },
-            _ => FileError::Failed {
-                path,
-                reason: message,
-            },
-        },
+        RemoteError::Refused { status, message } => {
+            // The gateway's message names the path already; FileError names it again.
+            let message = message
+                .strip_prefix(&format!("{path}: "))
+                .map_or(message.clone(), str::to_owned);
+            refused_file(status, message, path.to_owned(), max_bytes)
+        }
         other => FileError::Failed {
-            path,
+            path: path.to_owned(),
             reason: other.to_string(),
+        },
+    }
+}
+
+/// A files API refusal as the file error it stands for.
+fn refused_file(status: StatusCode, message: String, path: String, max_bytes: usize) -> FileError {
+    match status {
+        StatusCode::NOT_FOUND => FileError::NotFound {
+            path,
+            reason: message,
+        },
+        StatusCode::BAD_REQUEST => FileError::BadPath {
+            path,
+            reason: message,
+        },
+        StatusCode::CONFLICT => FileError::WrongKind {
+            path,
+            reason: message,
+        },
+        StatusCode::PAYLOAD_TOO_LARGE => FileError::TooLarge {
+            path,
+            limit_mib: max_bytes >> 20,
+        },
+        _ => FileError::Failed {
+            path,
+            reason: message,
         },
     }
 }
@@ -464,6 +494,27 @@ mod tests {
         assert!(refused_path("../../etc/passwd").is_some());
         assert!(refused_path("/etc/x").is_some());
         assert_eq!(refused_path("a/..b/c"), None);
+    }
+
+    #[test]
+    fn token_files_lose_their_trailing_newline_and_may_not_be_empty() {
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let file = dir.path().join("token");
+        std::fs::write(&file, "s3cret\n").expect("written");
+        assert_eq!(read_token_file(&file).expect("read"), "s3cret");
+        std::fs::write(&file, "\r\n").expect("written");
+        let empty = read_token_file(&file).expect_err("empty").to_string();
+        assert!(empty.contains("it is empty"), "{empty}");
+        let missing = read_token_file(&dir.path().join("nope"))
+            .expect_err("missing")
+            .to_string();
+        assert!(
+            missing.starts_with(&format!(
+                "cannot read the token file {}/nope (--token-file): No such file",
+                dir.path().display()
+            )),
+            "{missing}"
+        );
     }
 
     #[test]
