@@ -87,7 +87,7 @@ async fn every_error_is_json_that_says_what_to_do() -> Result<()> {
     assert_eq!(status, 400);
     assert!(
         message.starts_with(
-            "unknown field `timout` in the body: the fields are `code`, `timeout`, `agent_id`"
+            "unknown field `timout` in the body: the fields are `code`, `timeout`, `agent_id`, `plain`"
         ),
         "{message}"
     );
