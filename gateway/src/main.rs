@@ -2,7 +2,6 @@
 //! until SIGTERM or Ctrl-C, then removes every kernel container it started.
 
 use anyhow::{bail, Context};
-use axum::serve::ListenerExt;
 use clap::Parser;
 use kernelgate::api::ops::{MetricsAccess, Readiness};
 use kernelgate::api::origin::OriginPolicy;
@@ -63,32 +62,25 @@ fn init_logging(format: LogFormat) {
     }
 }
 
-/// The kernel table a configuration asks for, on the local Docker engine.
-struct Table {
-    kernels: Arc<Kernels>,
-    runtime: &'static str,
-    guard: Option<Arc<kernelgate::policy::Guard>>,
+/// What a configuration asks for, checked before anything starts: the kernel specs, the
+/// audit log (opened), the execution policy (parsed).
+struct Prepared {
+    specs: KernelSpecs,
+    audit: Audit,
     audit_path: std::path::PathBuf,
+    guard: Option<Arc<kernelgate::policy::Guard>>,
 }
 
-async fn kernel_table(
+fn prepare(
     config: &Config,
     tracker: &TaskTracker,
     cancel: &CancellationToken,
-) -> anyhow::Result<Table> {
+) -> anyhow::Result<Prepared> {
     if !(config.kernel_cpus.is_finite() && config.kernel_cpus > 0.0) {
         bail!("--kernel-cpus must be a number above 0 (e.g. 0.5 or 2)");
     }
-    let mut specs = KernelSpecs::parse(&config.image, &config.kernelspecs, &config.pool_size)
+    let specs = KernelSpecs::parse(&config.image, &config.kernelspecs, &config.pool_size)
         .map_err(anyhow::Error::msg)?;
-    let backend = DockerBackend::connect(DockerSettings::from(config))
-        .await
-        .context("cannot start kernels")?;
-    backend.check().await.context("cannot start kernels")?;
-    let runtime = backend.runtime().name();
-    specs.describe(&backend).await;
-    let backend: Arc<dyn KernelBackend> = Arc::new(backend);
-
     let audit_path = config
         .audit_log
         .clone()
@@ -121,6 +113,43 @@ async fn kernel_table(
             ))
         }
     };
+    Ok(Prepared {
+        specs,
+        audit,
+        audit_path,
+        guard,
+    })
+}
+
+/// The kernel table a configuration asks for, on the local Docker engine.
+struct Table {
+    kernels: Arc<Kernels>,
+    runtime: &'static str,
+    guard: Option<Arc<kernelgate::policy::Guard>>,
+    audit_path: std::path::PathBuf,
+}
+
+/// Connects to Docker and starts the table: containers of an earlier run are re-adopted
+/// and warm pools begin to fill.
+async fn kernel_table(
+    config: &Config,
+    prepared: Prepared,
+    tracker: &TaskTracker,
+    cancel: &CancellationToken,
+) -> anyhow::Result<Table> {
+    let Prepared {
+        mut specs,
+        audit,
+        audit_path,
+        guard,
+    } = prepared;
+    let backend = DockerBackend::connect(DockerSettings::from(config))
+        .await
+        .context("cannot start kernels")?;
+    backend.check().await.context("cannot start kernels")?;
+    let runtime = backend.runtime().name();
+    specs.describe(&backend).await;
+    let backend: Arc<dyn KernelBackend> = Arc::new(backend);
     let settings = Settings {
         audit,
         guard: guard.clone(),
@@ -148,18 +177,26 @@ async fn kernel_table(
     })
 }
 
+/// `kernelgate serve`: every flag is checked and the address bound before any container
+/// starts, so a mistake costs nothing; then the table starts and the API serves until
+/// SIGTERM or Ctrl-C, after which every kernel is removed.
 async fn serve(config: Config) -> anyhow::Result<()> {
     let (keys, generated) = auth_from(&config)?;
     let keys = Arc::new(keys);
+    let metrics_access = metrics_access(&config)?;
     let _lock = RuntimeDirLock::acquire(&config.runtime_dir)?;
     let tracker = TaskTracker::new();
     let cancel = CancellationToken::new();
+    let prepared = prepare(&config, &tracker, &cancel)?;
+    let listener = tokio::net::TcpListener::bind(config.listen)
+        .await
+        .with_context(|| format!("cannot listen on {}", config.listen))?;
     let Table {
         kernels,
         runtime,
         guard,
         audit_path,
-    } = kernel_table(&config, &tracker, &cancel).await?;
+    } = kernel_table(&config, prepared, &tracker, &cancel).await?;
     let mcp = kernelgate::mcp::Mcp::new(
         kernels.clone(),
         tracker.clone(),
@@ -174,7 +211,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         max_message_bytes: config.max_message_mb * 1024 * 1024,
         cancel: cancel.clone(),
         tracker: tracker.clone(),
-        metrics_access: metrics_access(&config)?,
+        metrics_access,
         readiness: Arc::new(Readiness::default()),
         origins: Arc::new(OriginPolicy {
             allowed: config.allow_origin.clone(),
@@ -187,14 +224,6 @@ async fn serve(config: Config) -> anyhow::Result<()> {
             config.max_message_mb * 1024 * 1024,
         )),
     };
-    let listener = tokio::net::TcpListener::bind(config.listen)
-        .await
-        .with_context(|| format!("cannot listen on {}", config.listen))?
-        .tap_io(|tcp| {
-            if let Err(e) = tcp.set_nodelay(true) {
-                tracing::debug!(error = %e, "cannot set TCP_NODELAY");
-            }
-        });
     let url = format!("http://{}/", config.listen);
     match generated {
         Some(token) => println!("Kernelgate is serving at {url}?token={token}"),
@@ -212,15 +241,11 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         kernels.clone(),
         cancel.clone(),
     ));
-    let shutdown = cancel.clone();
-    let app = api::router(state).into_make_service_with_connect_info::<std::net::SocketAddr>();
-    axum::serve(listener, app)
-        .with_graceful_shutdown(async move {
-            stop_signal().await;
-            tracing::info!("shutting down: removing kernels");
-            shutdown.cancel();
-        })
-        .await?;
+    api::serve(listener, state, async {
+        stop_signal().await;
+        tracing::info!("shutting down: removing kernels");
+    })
+    .await?;
     kernels.shutdown().await;
     drain(&tracker).await;
     Ok(())
@@ -263,7 +288,8 @@ async fn mcp_stdio(args: McpArgs) -> anyhow::Result<()> {
     };
     let tracker = TaskTracker::new();
     let cancel = CancellationToken::new();
-    let table = kernel_table(&config, &tracker, &cancel).await?;
+    let prepared = prepare(&config, &tracker, &cancel)?;
+    let table = kernel_table(&config, prepared, &tracker, &cancel).await?;
     tracing::info!(runtime_dir = %config.runtime_dir.display(), runtime = table.runtime, audit_log = %table.audit_path.display(), "serving MCP on stdio");
     let mcp = kernelgate::mcp::Mcp::new(
         table.kernels.clone(),

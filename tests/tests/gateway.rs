@@ -539,3 +539,42 @@ async fn restarted_gateway_readopts_its_kernels() -> Result<()> {
     assert!(!docker_has(&format!("kernelgate-{id}"))?);
     Ok(())
 }
+
+/// Every flag is checked and the address bound before any container starts: a gateway
+/// whose port is taken stops with the reason and leaves no warm kernel behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_taken_port_stops_the_gateway_before_any_container_starts() -> Result<()> {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let listen = taken.local_addr()?.to_string();
+    let dir = format!("/run/kg-taken-{}", std::process::id());
+    let out = tokio::process::Command::new(kernelgate_tests::binary())
+        .args(["serve", "--listen", &listen, "--token", "t"])
+        .args(["--image", &kernelgate_tests::image()])
+        .args(["--runtime", &kernelgate_tests::runtime()])
+        .args([
+            "--runtime-dir",
+            &dir,
+            "--pool-size",
+            "2",
+            "--audit-log",
+            "off",
+        ])
+        .output()
+        .await?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains(&format!("cannot listen on {listen}")),
+        "{stderr}"
+    );
+    // Give a pool filler, had one started, the time to create its containers.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let filter = format!("label=org.kernelgate.runtime_dir={dir}");
+    let ps = std::process::Command::new("docker")
+        .args(["ps", "-aq", "--filter", &filter])
+        .output()?;
+    let left = String::from_utf8_lossy(&ps.stdout).into_owned();
+    kernelgate_tests::remove_leftovers(std::path::Path::new(&dir));
+    assert_eq!(left.trim(), "", "containers started before the bind failed");
+    Ok(())
+}

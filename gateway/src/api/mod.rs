@@ -142,6 +142,30 @@ pub fn router(state: AppState) -> Router {
         .layer(middleware::from_fn(request_span))
 }
 
+/// Serves the API on `listener` until `shutdown` completes, then lets open requests finish;
+/// `state.cancel` is cancelled when shutdown begins, so WebSockets and runs in flight end.
+/// The gateway's serve loop, for `kernelgate serve` and for tests.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    state: AppState,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    use axum::serve::ListenerExt;
+    let listener = listener.tap_io(|tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!(error = %e, "cannot set TCP_NODELAY");
+        }
+    });
+    let cancel = state.cancel.clone();
+    let app = router(state).into_make_service_with_connect_info::<std::net::SocketAddr>();
+    axum::serve(listener, app)
+        .with_graceful_shutdown(async move {
+            shutdown.await;
+            cancel.cancel();
+        })
+        .await
+}
+
 /// Every request runs in a span with its id, so each log line about it carries the id;
 /// the id is sent back as `X-Request-Id` (a client's own, when it sent a sane one).
 async fn request_span(req: Request, next: Next) -> Response {

@@ -394,6 +394,40 @@ mod tests {
         }
     }
 
+    /// The serve loop `kernelgate serve` runs, in-process: it answers on its listener until
+    /// its shutdown future completes, then cancels the state's token (open WebSockets and
+    /// runs end) and returns.
+    #[tokio::test]
+    async fn the_serve_loop_answers_until_shutdown_then_returns() {
+        let state = state();
+        let cancel = state.cancel.clone();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let base = format!("http://{}", listener.local_addr().expect("addr"));
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let serving = tokio::spawn(super::super::serve(listener, state, async {
+            let _ = stopped.await;
+        }));
+        let http = reqwest::Client::new();
+        let kernels = http
+            .get(format!("{base}/api/kernels"))
+            .header("authorization", format!("token {TOKEN}"))
+            .send()
+            .await
+            .expect("an answer");
+        assert_eq!(kernels.status(), 200);
+        assert_eq!(kernels.text().await.expect("body"), "[]");
+        assert!(!cancel.is_cancelled());
+        stop.send(()).expect("the loop listens for shutdown");
+        tokio::time::timeout(Duration::from_secs(10), serving)
+            .await
+            .expect("serve returns after shutdown")
+            .expect("task")
+            .expect("no I/O error");
+        assert!(cancel.is_cancelled(), "open connections are told to end");
+    }
+
     /// Sends `METHOD path` (path parameters filled with `x`) to the real router; the
     /// status, and the message of an error.
     async fn answer(
