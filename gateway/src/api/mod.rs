@@ -229,8 +229,9 @@ pub struct GatewayInfo {
     policy: bool,
 }
 
-/// Jupyter Server's `GET /api` (`version`), public as there; with a valid key, ours beside
-/// it: what kernels run under and whether a policy is in force (no business of strangers).
+/// Jupyter Server's version, public as there; with a valid key also the runtime and policy.
+///
+/// What kernels run under and whether a policy is in force are no business of strangers.
 #[utoipa::path(
     get, path = "/api", tag = "meta", operation_id = "version",
     responses((status = 200, description = "The version; with a valid token also what kernels run under", body = Version)),

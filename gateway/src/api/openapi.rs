@@ -394,6 +394,60 @@ mod tests {
         }
     }
 
+    /// The operations table of docs/http-api.md: every operation of the document, with its
+    /// summary, in the document's order.
+    fn operations_table() -> String {
+        let mut doc = document();
+        let mut table = String::from("| operation | what it does | token |\n|---|---|---|\n");
+        for (path, item) in doc.paths.paths.iter_mut() {
+            for (method, op) in item_operations(item) {
+                let summary = op
+                    .summary
+                    .clone()
+                    .or_else(|| op.description.clone())
+                    .unwrap_or_default();
+                let summary = summary.lines().next().unwrap_or_default().trim().to_owned();
+                let requirements = op.security.clone().unwrap_or_default();
+                let token = if requirements.contains(&SecurityRequirement::default()) {
+                    "as configured"
+                } else if requirements.is_empty() {
+                    "no"
+                } else {
+                    "yes"
+                };
+                table.push_str(&format!(
+                    "| `{} {path}` | {summary} | {token} |\n",
+                    method.to_uppercase()
+                ));
+            }
+        }
+        table
+    }
+
+    /// docs/http-api.md lists exactly the document's operations (generated from it, so it
+    /// cannot drift); `KERNELGATE_WRITE_DOCS=1` writes the table instead of comparing.
+    #[test]
+    fn the_documented_operations_are_the_documents() {
+        const BEGIN: &str = "<!-- operations: generated from GET /api/openapi.json -->\n";
+        const END: &str = "<!-- end of operations -->";
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/http-api.md");
+        let doc = std::fs::read_to_string(&path).expect("docs/http-api.md");
+        let start = doc.find(BEGIN).expect("the begin marker") + BEGIN.len();
+        let end = doc.find(END).expect("the end marker");
+        let table = operations_table();
+        if std::env::var_os("KERNELGATE_WRITE_DOCS").is_some() {
+            let written = format!("{}{table}{}", &doc[..start], &doc[end..]);
+            std::fs::write(&path, written).expect("write docs/http-api.md");
+            return;
+        }
+        assert_eq!(
+            doc[start..end],
+            table,
+            "docs/http-api.md is out of step with the OpenAPI document: run \
+             KERNELGATE_WRITE_DOCS=1 cargo test -p kernelgate --lib the_documented_operations"
+        );
+    }
+
     /// The serve loop `kernelgate serve` runs, in-process: it answers on its listener until
     /// its shutdown future completes, then cancels the state's token (open WebSockets and
     /// runs end) and returns.

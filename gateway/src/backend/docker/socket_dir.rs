@@ -134,7 +134,7 @@ pub fn create(
 }
 
 /// Mounts the directory's own small tmpfs. Only root can; a gateway running as a member of
-/// the `docker` group leaves the directory on the host's filesystem (the README says so).
+/// the `docker` group leaves the directory on the host's filesystem (docs/security.md says so).
 fn budget(dir: &Path, owner: &Ownership) -> io::Result<()> {
     if owner.chown.is_none() {
         return Ok(());

@@ -1,4 +1,4 @@
-//! What a kernel container is created with: the isolation of docs/architecture.md as a
+//! What a kernel container is created with: the isolation of docs/security.md ("The model") as a
 //! `ContainerCreateBody`. Pure, so the hardening is asserted by unit tests.
 
 use super::socket_dir::{CONTAINER_DIR, KERNEL_GID, KERNEL_UID};

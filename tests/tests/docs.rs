@@ -1,0 +1,175 @@
+//! The documents say what exists: the README's Layout names exactly the repository's
+//! top-level folders, docs/architecture.md's module list names exactly the modules of each
+//! crate, and every relative link in the README and docs/ leads to a file (and heading)
+//! that exists. Generated tables (the audit records, the API's operations) are checked by
+//! the gateway's unit tests.
+
+use anyhow::{Context, Result};
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_default()
+}
+
+/// The lines of the first fenced block after `heading` in `file`.
+fn block_after(file: &str, heading: &str) -> Result<Vec<String>> {
+    let text = std::fs::read_to_string(root().join(file))?;
+    let at = text
+        .find(heading)
+        .with_context(|| format!("{file} has no {heading:?}"))?;
+    let rest = &text[at..];
+    let open = rest.find("```").context("a fenced block")? + 3;
+    let body = &rest[open..];
+    let body = &body[body.find('\n').unwrap_or(0) + 1..];
+    let close = body.find("```").context("the block's end")?;
+    Ok(body[..close].lines().map(str::to_owned).collect())
+}
+
+/// The names listed at `indent` spaces (a name ends at the first space).
+fn names_at(lines: &[String], indent: usize) -> BTreeSet<String> {
+    lines
+        .iter()
+        .filter(|l| l.len() > indent && l[..indent].trim().is_empty())
+        .filter(|l| !l[indent..].starts_with(' '))
+        .filter_map(|l| l[indent..].split_whitespace().next())
+        .map(str::to_owned)
+        .collect()
+}
+
+#[test]
+fn the_readme_layout_names_every_top_level_folder() -> Result<()> {
+    let listed = names_at(&block_after("README.md", "## Layout")?, 0);
+    let out = std::process::Command::new("git")
+        .args(["ls-files"])
+        .current_dir(root())
+        .output()?;
+    let tracked: BTreeSet<String> = String::from_utf8(out.stdout)?
+        .lines()
+        .filter_map(|p| p.split_once('/').map(|(dir, _)| format!("{dir}/")))
+        .filter(|d| !d.starts_with('.'))
+        .collect();
+    assert_eq!(listed, tracked, "README.md's Layout against the tree");
+    Ok(())
+}
+
+#[test]
+fn the_architecture_lists_every_module() -> Result<()> {
+    let lines = block_after("docs/architecture.md", "## Crates and modules")?;
+    // Each crate's line at column 0, its modules at two spaces until the next crate.
+    let mut crates: Vec<(String, Vec<String>)> = Vec::new();
+    for line in lines {
+        if !line.starts_with(' ') && !line.is_empty() {
+            let name = line
+                .split_whitespace()
+                .next()
+                .unwrap_or_default()
+                .to_owned();
+            crates.push((name, Vec::new()));
+        } else if let Some((_, body)) = crates.last_mut() {
+            body.push(line);
+        }
+    }
+    let manifest = std::fs::read_to_string(root().join("Cargo.toml"))?;
+    let members: toml::Value = manifest.parse()?;
+    let members: Vec<String> = members["workspace"]["members"]
+        .as_array()
+        .context("the workspace's members")?
+        .iter()
+        .filter_map(|m| m.as_str().map(|m| format!("{m}/")))
+        .collect();
+    let mut checked = 0;
+    for (krate, body) in &crates {
+        let src = root().join(krate).join("src");
+        if !members.contains(krate) || !src.is_dir() {
+            continue;
+        }
+        let listed = names_at(body, 2);
+        let present: BTreeSet<String> = std::fs::read_dir(&src)?
+            .filter_map(|e| e.ok())
+            .filter_map(|e| {
+                let name = e.file_name().to_string_lossy().into_owned();
+                let dir = e.path().is_dir();
+                match name.as_str() {
+                    "lib.rs" | "main.rs" | "tests.rs" => None,
+                    _ if dir => Some(format!("{name}/")),
+                    _ if name.ends_with(".rs") => Some(name),
+                    _ => None,
+                }
+            })
+            .collect();
+        assert_eq!(listed, present, "docs/architecture.md's modules of {krate}");
+        checked += 1;
+    }
+    let listed: Vec<&String> = crates.iter().map(|(k, _)| k).collect();
+    for member in &members {
+        assert!(
+            listed.contains(&member) || member == "tests/",
+            "docs/architecture.md does not list the crate {member}"
+        );
+    }
+    assert!(
+        checked >= 3,
+        "protocol, policy and gateway at least: {crates:?}"
+    );
+    Ok(())
+}
+
+/// GitHub's anchor for a heading.
+fn slug(heading: &str) -> String {
+    heading
+        .trim()
+        .to_lowercase()
+        .chars()
+        .filter(|c| c.is_alphanumeric() || *c == '-' || *c == ' ' || *c == '_')
+        .map(|c| if c == ' ' { '-' } else { c })
+        .collect()
+}
+
+#[test]
+fn every_relative_link_in_the_documents_resolves() -> Result<()> {
+    let mut files = vec![root().join("README.md")];
+    for e in std::fs::read_dir(root().join("docs"))? {
+        let p = e?.path();
+        if p.extension().is_some_and(|x| x == "md") {
+            files.push(p);
+        }
+    }
+    let anchors = |p: &Path| -> BTreeSet<String> {
+        std::fs::read_to_string(p)
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| l.starts_with('#'))
+            .map(|l| slug(l.trim_start_matches('#')))
+            .collect()
+    };
+    let link = regex::Regex::new(r"\]\(([^)\s]+)\)")?;
+    let mut broken = Vec::new();
+    for file in &files {
+        let text = std::fs::read_to_string(file)?;
+        for m in link.captures_iter(&text) {
+            let target = &m[1];
+            if target.contains("://") || target.starts_with("mailto:") {
+                continue;
+            }
+            let (path, anchor) = target.split_once('#').unwrap_or((target, ""));
+            let dest = if path.is_empty() {
+                file.clone()
+            } else {
+                file.parent().unwrap_or(Path::new(".")).join(path)
+            };
+            if !dest.exists() {
+                broken.push(format!("{}: {target} (no such file)", file.display()));
+            } else if !anchor.is_empty() && dest.extension().is_some_and(|x| x == "md") {
+                if !anchors(&dest).contains(anchor) {
+                    broken.push(format!("{}: {target} (no such heading)", file.display()));
+                }
+            }
+        }
+    }
+    assert!(broken.is_empty(), "broken links:\n{}", broken.join("\n"));
+    Ok(())
+}
