@@ -163,10 +163,11 @@ fn every_relative_link_in_the_documents_resolves() -> Result<()> {
             };
             if !dest.exists() {
                 broken.push(format!("{}: {target} (no such file)", file.display()));
-            } else if !anchor.is_empty() && dest.extension().is_some_and(|x| x == "md") {
-                if !anchors(&dest).contains(anchor) {
-                    broken.push(format!("{}: {target} (no such heading)", file.display()));
-                }
+            } else if !anchor.is_empty()
+                && dest.extension().is_some_and(|x| x == "md")
+                && !anchors(&dest).contains(anchor)
+            {
+                broken.push(format!("{}: {target} (no such heading)", file.display()));
             }
         }
     }
