@@ -3,9 +3,14 @@
 //! sockets live in a host directory bind-mounted at `/run/kernel` ([`socket_dir`]); the
 //! container's isolation is built in [`spec`].
 
+mod errors;
 pub mod lock;
+mod runtime;
 mod socket_dir;
 mod spec;
+
+use errors::{force, gone, map_handle_error, runtime, status, unavailable};
+pub use runtime::{Runtime, RUNSC_RUNTIME};
 
 use super::{
     BackendError, ExecOutput, Exit, Found, ImageFacts, KernelBackend, LaunchRequest, Launched,
@@ -16,8 +21,8 @@ use bollard::errors::Error as DockerError;
 use bollard::models::ContainerSummaryStateEnum;
 use bollard::query_parameters::{
     CreateContainerOptionsBuilder, InspectContainerOptions, KillContainerOptionsBuilder,
-    ListContainersOptionsBuilder, RemoveContainerOptionsBuilder, RenameContainerOptions,
-    RestartContainerOptionsBuilder, WaitContainerOptionsBuilder,
+    ListContainersOptionsBuilder, RenameContainerOptions, RestartContainerOptionsBuilder,
+    WaitContainerOptionsBuilder,
 };
 use bollard::Docker;
 use futures::future::BoxFuture;
@@ -40,60 +45,6 @@ pub struct DockerSettings {
     pub pids: i64,
     pub disk_mb: u64,
     pub runtime: RuntimeChoice,
-}
-
-/// The OCI runtime kernel containers run under, once resolved against the engine.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Runtime {
-    Runc,
-    Runsc,
-}
-
-/// The name `make gvisor` registers gVisor under (mk/gvisor-setup.py).
-pub const RUNSC_RUNTIME: &str = "kernelgate-runsc";
-
-impl Runtime {
-    /// As shown to users: `runc` or `runsc`.
-    pub fn name(self) -> &'static str {
-        match self {
-            Runtime::Runc => "runc",
-            Runtime::Runsc => "runsc",
-        }
-    }
-
-    /// The engine's name for it (`HostConfig.Runtime`). runc is named, not left to the
-    /// engine's default, which an operator may have changed.
-    fn docker_name(self) -> &'static str {
-        match self {
-            Runtime::Runc => "runc",
-            Runtime::Runsc => RUNSC_RUNTIME,
-        }
-    }
-
-    /// Picks the runtime for `choice` given the engine's registered runtime names.
-    pub fn resolve<'a>(
-        choice: RuntimeChoice,
-        registered: impl IntoIterator<Item = &'a str>,
-    ) -> Result<Runtime, BackendError> {
-        let has_runsc = registered.into_iter().any(|name| name == RUNSC_RUNTIME);
-        match (choice, has_runsc) {
-            (RuntimeChoice::Runc, _) => Ok(Runtime::Runc),
-            (RuntimeChoice::Auto | RuntimeChoice::Runsc, true) => Ok(Runtime::Runsc),
-            (RuntimeChoice::Auto, false) => {
-                tracing::warn!(
-                    "gVisor is not set up: kernels run under runc, one wall (the host's Linux \
-                     kernel) from the host; run `sudo make gvisor` in the kernelgate checkout \
-                     for a second"
-                );
-                Ok(Runtime::Runc)
-            }
-            (RuntimeChoice::Runsc, false) => Err(BackendError::Runtime(format!(
-                "--runtime runsc: the Docker engine has no runtime {RUNSC_RUNTIME:?}; run \
-                 `sudo make gvisor` in the kernelgate checkout (it installs runsc and registers \
-                 it), or choose --runtime runc"
-            ))),
-        }
-    }
 }
 
 impl From<&Config> for DockerSettings {
@@ -710,78 +661,4 @@ fn counted<'a, T: Send + 'a>(
         result
     }
     .boxed()
-}
-
-fn force() -> bollard::query_parameters::RemoveContainerOptions {
-    RemoveContainerOptionsBuilder::default().force(true).build()
-}
-
-fn status(e: &DockerError) -> Option<u16> {
-    match e {
-        DockerError::DockerResponseServerError { status_code, .. } => Some(*status_code),
-        _ => None,
-    }
-}
-
-/// Errors that mean the daemon could not be reached at all, as opposed to a refusal.
-fn is_connection_error(e: &DockerError) -> bool {
-    matches!(
-        e,
-        DockerError::SocketNotFoundError(_)
-            | DockerError::HyperLegacyError { .. }
-            | DockerError::HyperResponseError { .. }
-            | DockerError::IOError { .. }
-            | DockerError::RequestTimeoutError
-    )
-}
-
-fn unavailable(e: DockerError) -> BackendError {
-    BackendError::DockerUnavailable {
-        detail: e.to_string(),
-    }
-}
-
-fn gone(handle: &str) -> BackendError {
-    BackendError::Gone {
-        handle: handle.to_owned(),
-    }
-}
-
-fn runtime(what: &str, e: DockerError) -> BackendError {
-    if is_connection_error(&e) {
-        return unavailable(e);
-    }
-    BackendError::Runtime(format!("{what}: {e}"))
-}
-
-/// For calls on one container: 404 means the kernel's container no longer exists.
-fn map_handle_error(handle: &str, e: DockerError) -> BackendError {
-    if status(&e) == Some(404) {
-        gone(handle)
-    } else {
-        runtime(handle, e)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn auto_prefers_gvisor_when_registered() {
-        let with = ["runc", RUNSC_RUNTIME];
-        let without = ["runc", "io.containerd.runc.v2"];
-        let pick = |choice, names: &[&str]| Runtime::resolve(choice, names.iter().copied());
-        assert_eq!(pick(RuntimeChoice::Auto, &with).ok(), Some(Runtime::Runsc));
-        assert_eq!(
-            pick(RuntimeChoice::Auto, &without).ok(),
-            Some(Runtime::Runc)
-        );
-        assert_eq!(pick(RuntimeChoice::Runc, &with).ok(), Some(Runtime::Runc));
-        assert_eq!(pick(RuntimeChoice::Runsc, &with).ok(), Some(Runtime::Runsc));
-        let refused = pick(RuntimeChoice::Runsc, &without).expect_err("runsc is not registered");
-        assert!(refused.to_string().contains("make gvisor"), "{refused}");
-        assert_eq!(Runtime::Runsc.docker_name(), RUNSC_RUNTIME);
-        assert_eq!(Runtime::Runc.docker_name(), "runc");
-    }
 }
