@@ -628,28 +628,10 @@ mod tests {
         table
     }
 
-    /// docs/audit.md holds the table [`reference`] renders; with `KERNELGATE_WRITE_DOCS=1`
-    /// this test writes it there instead of comparing.
+    /// docs/audit.md holds the table [`reference`] renders.
     #[test]
     fn the_documented_events_are_the_records() {
-        const BEGIN: &str = "<!-- records: generated from gateway/src/audit.rs -->\n";
-        const END: &str = "<!-- end of records -->";
-        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/audit.md");
-        let doc = std::fs::read_to_string(&path).expect("docs/audit.md");
-        let start = doc.find(BEGIN).expect("the begin marker") + BEGIN.len();
-        let end = doc.find(END).expect("the end marker");
-        let table = reference();
-        if std::env::var_os("KERNELGATE_WRITE_DOCS").is_some() {
-            let written = format!("{}{table}{}", &doc[..start], &doc[end..]);
-            std::fs::write(&path, written).expect("write docs/audit.md");
-            return;
-        }
-        assert_eq!(
-            doc[start..end],
-            table,
-            "docs/audit.md is out of step with audit::Record: run \
-             KERNELGATE_WRITE_DOCS=1 cargo test -p kernelgate --lib the_documented_events"
-        );
+        crate::generated_docs::check("audit.md", "records", &reference(), "the_documented_events");
     }
 
     #[test]

@@ -12,6 +12,8 @@ pub mod audit;
 pub mod backend;
 pub mod cluster;
 pub mod config;
+#[cfg(test)]
+mod generated_docs;
 pub mod kernel;
 pub mod kernels;
 pub mod kernelspecs;

@@ -425,26 +425,14 @@ mod tests {
     }
 
     /// docs/http-api.md lists exactly the document's operations (generated from it, so it
-    /// cannot drift); `KERNELGATE_WRITE_DOCS=1` writes the table instead of comparing.
+    /// cannot drift).
     #[test]
     fn the_documented_operations_are_the_documents() {
-        const BEGIN: &str = "<!-- operations: generated from GET /api/openapi.json -->\n";
-        const END: &str = "<!-- end of operations -->";
-        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/http-api.md");
-        let doc = std::fs::read_to_string(&path).expect("docs/http-api.md");
-        let start = doc.find(BEGIN).expect("the begin marker") + BEGIN.len();
-        let end = doc.find(END).expect("the end marker");
-        let table = operations_table();
-        if std::env::var_os("KERNELGATE_WRITE_DOCS").is_some() {
-            let written = format!("{}{table}{}", &doc[..start], &doc[end..]);
-            std::fs::write(&path, written).expect("write docs/http-api.md");
-            return;
-        }
-        assert_eq!(
-            doc[start..end],
-            table,
-            "docs/http-api.md is out of step with the OpenAPI document: run \
-             KERNELGATE_WRITE_DOCS=1 cargo test -p kernelgate --lib the_documented_operations"
+        crate::generated_docs::check(
+            "http-api.md",
+            "operations",
+            &operations_table(),
+            "the_documented_operations",
         );
     }
 
