@@ -9,6 +9,7 @@ use kernelgate_protocol::{Channel, Header, Message, RawJson};
 use serde_json::Value;
 use tokio::net::TcpStream;
 use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+use tokio_tungstenite::tungstenite::protocol::WebSocketConfig;
 use tokio_tungstenite::tungstenite::Message as WsMessage;
 use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
 
@@ -39,6 +40,18 @@ impl Channels {
         session: &str,
         subprotocol: Option<&str>,
     ) -> Result<Channels, ChannelsError> {
+        Self::connect_with(gateway, kernel_id, session, subprotocol, None).await
+    }
+
+    /// [`Channels::connect_as`] with WebSocket limits of its own (`config`); with a config,
+    /// Nagle's algorithm is off too (a benchmark's client).
+    pub async fn connect_with(
+        gateway: &Gateway,
+        kernel_id: &str,
+        session: &str,
+        subprotocol: Option<&str>,
+        config: Option<WebSocketConfig>,
+    ) -> Result<Channels, ChannelsError> {
         let url = format!(
             "{}/api/kernels/{kernel_id}/channels?session_id={session}",
             gateway.ws_base()
@@ -53,7 +66,8 @@ impl Channels {
             let value = p.parse().map_err(|e| ws_err(&e))?;
             req.headers_mut().insert("Sec-WebSocket-Protocol", value);
         }
-        let (ws, response) = tokio_tungstenite::connect_async(req)
+        let nodelay = config.is_some();
+        let (ws, response) = tokio_tungstenite::connect_async_with_config(req, config, nodelay)
             .await
             .map_err(|e| ws_err(&e))?;
         let v1 = response
@@ -65,6 +79,11 @@ impl Channels {
             session: session.to_owned(),
             encoding: if v1 { Encoding::V1 } else { Encoding::Legacy },
         })
+    }
+
+    /// The WebSocket itself, for a caller that reads and writes frames on its own.
+    pub fn into_inner(self) -> WebSocketStream<MaybeTlsStream<TcpStream>> {
+        self.ws
     }
 
     /// The encoding the gateway picked.

@@ -89,6 +89,11 @@ impl Gateway {
         self.token.as_deref()
     }
 
+    /// The same gateway through another HTTP client (its own timeouts, Nagle off, ...).
+    pub fn with_http(self, http: reqwest::Client) -> Gateway {
+        Gateway { http, ..self }
+    }
+
     /// The same gateway with another token (or none).
     pub fn with_token(&self, token: Option<&str>) -> Gateway {
         Gateway {
