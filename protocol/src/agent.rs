@@ -40,12 +40,18 @@ pub struct ExecuteBody {
     pub plain: bool,
 }
 
+/// A string schema of these values only.
 #[cfg(feature = "openapi")]
-fn status_schema() -> utoipa::openapi::Object {
+fn one_of(values: &[&str]) -> utoipa::openapi::Object {
     utoipa::openapi::ObjectBuilder::new()
         .schema_type(utoipa::openapi::schema::Type::String)
-        .enum_values(Some(["ok", "error", "timeout"]))
+        .enum_values(Some(values.iter().copied()))
         .build()
+}
+
+#[cfg(feature = "openapi")]
+fn status_schema() -> utoipa::openapi::Object {
+    one_of(&["ok", "error", "timeout"])
 }
 
 /// A display (`plt.show()`, `display(...)`) or the cell's value, with every MIME type the
@@ -241,10 +247,7 @@ pub struct FileEntry {
 
 #[cfg(feature = "openapi")]
 fn entry_type_schema() -> utoipa::openapi::Object {
-    utoipa::openapi::ObjectBuilder::new()
-        .schema_type(utoipa::openapi::schema::Type::String)
-        .enum_values(Some(["file", "directory", "other"]))
-        .build()
+    one_of(&["file", "directory", "other"])
 }
 
 /// What a refusal's body says (the gateway's error bodies: `{"message": ..., "reason": ...}`).

@@ -19,7 +19,7 @@ use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 use utoipa::IntoParams;
 
-/// A file or directory, as the script writes it (listings are arrays of these).
+// A file or directory as the script writes it: listings are arrays of these.
 use kernelgate_protocol::agent::FileEntry;
 
 /// The `{id}` and `{path}` of a file route.

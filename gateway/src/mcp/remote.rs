@@ -25,10 +25,13 @@ pub struct Remote {
 }
 
 impl Remote {
+    /// `url` as `kernelgate serve` prints it (`?token=` included) or a plain base URL;
+    /// `token`, when given, wins over the URL's.
     pub fn new(url: &str, token: Option<String>) -> Self {
-        Remote {
-            gateway: Gateway::new(url, token),
-        }
+        let gateway = Gateway::parse(url, token.as_deref())
+            // Not http(s): the check's request says what is wrong with it.
+            .unwrap_or_else(|_| Gateway::new(url, token));
+        Remote { gateway }
     }
 
     /// Checks the URL and token once, before the host starts talking.
