@@ -385,31 +385,49 @@ fn is_json(response: &Response) -> bool {
 #[derive(Debug)]
 pub struct Lines {
     response: Response,
-    pending: Vec<u8>,
+    pending: Pending,
 }
 
 impl Lines {
     pub fn new(response: Response) -> Lines {
         Lines {
             response,
-            pending: Vec::new(),
+            pending: Pending::default(),
         }
     }
 
     /// The next line; `None` once the answer ends.
     pub async fn next(&mut self) -> Result<Option<Line>, reqwest::Error> {
         loop {
-            while let Some(end) = self.pending.iter().position(|&b| b == b'\n') {
-                let line: Vec<u8> = self.pending.drain(..=end).collect();
-                if let Some(line) = Line::parse(&line) {
-                    return Ok(Some(line));
-                }
+            if let Some(line) = self.pending.next_line() {
+                return Ok(Some(line));
             }
             match self.response.chunk().await? {
-                Some(chunk) => self.pending.extend_from_slice(&chunk),
+                Some(chunk) => self.pending.push(&chunk),
                 None => return Ok(None),
             }
         }
+    }
+}
+
+/// Bytes received and not yet read as lines: chunks end anywhere, lines at `\n`.
+#[derive(Debug, Default)]
+struct Pending(Vec<u8>);
+
+impl Pending {
+    fn push(&mut self, chunk: &[u8]) {
+        self.0.extend_from_slice(chunk);
+    }
+
+    /// The next complete line that is one of ours.
+    fn next_line(&mut self) -> Option<Line> {
+        while let Some(end) = self.0.iter().position(|&b| b == b'\n') {
+            let line: Vec<u8> = self.0.drain(..=end).collect();
+            if let Some(line) = Line::parse(&line) {
+                return Some(line);
+            }
+        }
+        None
     }
 }
 
@@ -426,5 +444,17 @@ mod tests {
         assert_eq!(g.token(), Some("t"));
         assert_eq!(g.ws_base(), "ws://h:1");
         assert!(Gateway::parse("127.0.0.1:8888", None).is_err());
+    }
+
+    #[test]
+    fn lines_split_anywhere_come_out_whole_and_unknown_kinds_are_skipped() {
+        let mut pending = Pending::default();
+        pending.push(br#"{"type":"stdout","te"#);
+        assert_eq!(pending.next_line(), None);
+        pending.push(b"xt\":\"a\"}\n{\"type\":\"progress\"}\n{\"type\":\"stderr\",\"text\":\"b\"}");
+        assert_eq!(pending.next_line(), Some(Line::Stdout { text: "a".into() }));
+        assert_eq!(pending.next_line(), None);
+        pending.push(b"\n");
+        assert_eq!(pending.next_line(), Some(Line::Stderr { text: "b".into() }));
     }
 }

@@ -119,7 +119,6 @@ impl RunError {
                 status: 201,
                 message: format!("the answer has no kernel id: {body}"),
             },
-            crate::gateway::Error::BadUrl(url) => RunError::BadUrl(url),
             e => RunError::Gateway(e),
         }
     }
@@ -189,7 +188,8 @@ async fn run_with(
     let (local, endpoint) = match &args.url {
         Some(url) => (
             None,
-            Gateway::parse(url, args.token.as_deref()).map_err(|e| RunError::refused("", e))?,
+            Gateway::parse(url, args.token.as_deref())
+                .map_err(|_| RunError::BadUrl(url.clone()))?,
         ),
         None => {
             let (local, endpoint) = tokio::select! {
