@@ -46,7 +46,7 @@ lint:
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 
 unit:
-	$(CARGO) test -p kernelgate-protocol -p kernelgate-policy -p kernelgate
+	$(CARGO) test -p kernelgate-protocol -p kernelgate-policy -p kernelgate-client -p kernelgate
 
 # End-to-end tests start the real binary against real Docker with the real image.
 debug-build:

@@ -179,6 +179,22 @@ pub struct RunArgs {
     pub image: String,
 }
 
+impl RunArgs {
+    /// The arguments as the runner (`kernelgate_client::notebook`) takes them.
+    pub fn into_client(self) -> kernelgate_client::notebook::RunArgs {
+        kernelgate_client::notebook::RunArgs {
+            notebook: self.notebook,
+            output: self.output,
+            url: self.url,
+            token: self.token,
+            allow_errors: self.allow_errors,
+            timeout: self.timeout,
+            kernel_name: self.kernel_name,
+            image: self.image,
+        }
+    }
+}
+
 /// How log lines are written (to stderr).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum LogFormat {

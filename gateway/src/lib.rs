@@ -19,7 +19,6 @@ pub mod kernels;
 pub mod kernelspecs;
 pub mod mcp;
 pub mod metrics;
-pub mod notebook;
 pub mod policy;
 pub mod tenants;
 pub mod time;

@@ -35,7 +35,7 @@ async fn main() -> anyhow::Result<()> {
     match cli.command {
         Command::Serve(config) => serve(*config).await,
         Command::Mcp(args) => mcp_stdio(*args).await,
-        Command::Run(args) => Ok(kernelgate::notebook::run(*args).await?),
+        Command::Run(args) => Ok(kernelgate_client::notebook::run(args.into_client()).await?),
         Command::Keys(args) => keys_command(args),
         Command::Audit(args) => kernelgate::audit::read_back(&args),
     }

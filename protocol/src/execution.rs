@@ -38,7 +38,8 @@ pub enum Interruption {
     Abandoned,
 }
 
-/// How a request ended, from the caller's side.
+/// How a request ended, from the caller's side; written `ok`, `error`, `timeout` (an
+/// unknown word reads as `error`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Status {
     Ok,
@@ -55,6 +56,22 @@ impl Status {
             Status::Error => "error",
             Status::Timeout => "timeout",
         }
+    }
+}
+
+impl serde::Serialize for Status {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.as_str())
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for Status {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        Ok(match String::deserialize(d)?.as_str() {
+            "ok" => Status::Ok,
+            "timeout" => Status::Timeout,
+            _ => Status::Error,
+        })
     }
 }
 

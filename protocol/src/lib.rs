@@ -8,8 +8,12 @@
 //! followed to a request's end ([`execution`]) and turned into plain text for readers that
 //! are not terminals ([`terminal`]).
 //!
+//! The agent API's request, answer and NDJSON lines are typed once for the gateway and
+//! its clients ([`agent`]).
+//!
 //! Spec: <https://jupyter-client.readthedocs.io/en/stable/messaging.html>
 
+pub mod agent;
 pub mod channel;
 pub mod connection;
 pub mod content;

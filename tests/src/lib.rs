@@ -6,17 +6,16 @@ pub mod etcd;
 pub mod netns;
 
 use anyhow::{anyhow, bail, Context, Result};
-use futures::{SinkExt, StreamExt};
+use kernelgate_client::serve::{LocalGateway, Output, Serve};
+use kernelgate_client::Channels;
+use kernelgate_protocol::websocket::{self, Encoding, Frame};
 use kernelgate_protocol::{Channel, Execution, Message, RawJson};
 use serde_json::{json, Map, Value};
 use std::path::PathBuf;
 use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::net::TcpStream;
-use tokio::process::{Child, Command};
-use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 use tokio_tungstenite::tungstenite::Message as WsMessage;
 use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
 
@@ -107,7 +106,7 @@ pub fn binary() -> PathBuf {
 /// A running gateway process, stopped (SIGTERM, then kill) when dropped.
 #[derive(Debug)]
 pub struct Gateway {
-    child: Option<Child>,
+    process: LocalGateway,
     pub base: String,
     pub token: String,
     pub runtime_dir: PathBuf,
@@ -117,7 +116,7 @@ pub struct Gateway {
     owns_audit_log: bool,
     /// Killed by [`Gateway::crash`]: what it left is the [`Crashed`] guard's.
     crashed: bool,
-    http: reqwest::Client,
+    client: kernelgate_client::Gateway,
     /// Every line the gateway wrote to stderr so far.
     pub logs: Arc<Mutex<Vec<String>>>,
 }
@@ -135,7 +134,8 @@ impl Gateway {
     }
 
     async fn launch(extra: &[&str], with_token: bool) -> Result<Gateway> {
-        let port = free_port()?;
+        let serve = Serve::new(binary())?;
+        let port = serve.port();
         let token = if with_token {
             format!("test-{}", uuid::Uuid::new_v4().simple())
         } else {
@@ -148,11 +148,7 @@ impl Gateway {
         let runtime_dir = given_dir
             .map(PathBuf::from)
             .unwrap_or_else(|| PathBuf::from(format!("/run/kg-test-{port}")));
-        let mut args: Vec<String> = vec![
-            "serve".into(),
-            "--listen".into(),
-            format!("127.0.0.1:{port}"),
-        ];
+        let mut args: Vec<String> = Vec::new();
         if with_token {
             args.extend(["--token".into(), token.clone()]);
         }
@@ -179,42 +175,46 @@ impl Gateway {
             }
         };
         args.extend(extra.iter().map(|s| s.to_string()));
-        let mut child = Command::new(binary())
+        let logs = Arc::new(Mutex::new(Vec::new()));
+        let kept = logs.clone();
+        let process = serve
             .args(&args)
             .env("KERNELGATE_LOG", "kernelgate=debug,warn")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .kill_on_drop(true)
-            .spawn()
-            .with_context(|| format!("cannot start {}", binary().display()))?;
-        let logs = forward_logs(&mut child, port);
-        let gw = Gateway {
-            child: Some(child),
-            base: format!("http://127.0.0.1:{port}"),
+            .listen_timeout(Duration::from_secs(30))
+            .start(move |output, line| match output {
+                Output::Stdout => eprintln!("[gw {port} out] {line}"),
+                Output::Stderr => {
+                    eprintln!("[gw {port}] {line}");
+                    if let Ok(mut kept) = kept.lock() {
+                        kept.push(line.to_owned());
+                    }
+                }
+            })
+            .await
+            .with_context(|| format!("cannot start {} on port {port}", binary().display()))?;
+        let base = process.base();
+        let client = kernelgate_client::Gateway::new(&base, with_token.then(|| token.clone()));
+        Ok(Gateway {
+            process,
+            base,
             token,
             runtime_dir,
             audit_log,
             owns_audit_log: given_log.is_none(),
             crashed: false,
-            http: reqwest::Client::new(),
+            client,
             logs,
-        };
-        for _ in 0..300 {
-            if TcpStream::connect(("127.0.0.1", port)).await.is_ok() {
-                return Ok(gw);
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-        bail!("gateway did not listen on port {port} within 30 s")
+        })
+    }
+
+    /// The gateway's own client (its token).
+    pub fn client(&self) -> &kernelgate_client::Gateway {
+        &self.client
     }
 
     /// The gateway's resident memory in bytes (VmRSS), while it runs.
     pub fn rss_bytes(&self) -> Result<u64> {
-        let pid = self
-            .child
-            .as_ref()
-            .and_then(|c| c.id())
-            .context("the gateway is not running")?;
+        let pid = self.process.pid().context("the gateway is not running")?;
         let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
         let kib = status
             .lines()
@@ -226,14 +226,22 @@ impl Gateway {
     }
 
     pub fn url(&self, path: &str) -> String {
-        format!("{}{}", self.base, path)
+        self.client.url(path)
     }
 
     /// A request with the token header.
     pub fn request(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
-        self.http
-            .request(method, self.url(path))
-            .header("Authorization", format!("token {}", self.token))
+        // The harness sends its token even when the gateway has none (`--no-auth`).
+        self.client
+            .with_token(Some(&self.token))
+            .request(method, path)
+    }
+
+    /// Sends a request; its status and JSON body (`null` when it has none).
+    async fn status_json(&self, request: reqwest::RequestBuilder) -> Result<(u16, Value)> {
+        let r = self.client.send_any(request).await?;
+        let status = r.status().as_u16();
+        Ok((status, r.json().await.unwrap_or(Value::Null)))
     }
 
     /// `POST /api/kernels`; returns the kernel model.
@@ -260,19 +268,13 @@ impl Gateway {
     }
 
     pub async fn get_json(&self, path: &str) -> Result<(u16, Value)> {
-        let r = self.request(reqwest::Method::GET, path).send().await?;
-        let status = r.status().as_u16();
-        Ok((status, r.json().await.unwrap_or(Value::Null)))
+        self.status_json(self.request(reqwest::Method::GET, path))
+            .await
     }
 
     pub async fn post_json(&self, path: &str, body: Value) -> Result<(u16, Value)> {
-        let r = self
-            .request(reqwest::Method::POST, path)
-            .json(&body)
-            .send()
-            .await?;
-        let status = r.status().as_u16();
-        Ok((status, r.json().await.unwrap_or(Value::Null)))
+        self.status_json(self.request(reqwest::Method::POST, path).json(&body))
+            .await
     }
 
     /// A request as the holder of `token` (another tenant's key): status and JSON body.
@@ -283,15 +285,11 @@ impl Gateway {
         path: &str,
         body: Option<Value>,
     ) -> Result<(u16, Value)> {
-        let mut req = reqwest::Client::new()
-            .request(method, self.url(path))
-            .header("Authorization", format!("token {token}"));
+        let mut req = self.client.with_token(Some(token)).request(method, path);
         if let Some(b) = body {
             req = req.json(&b);
         }
-        let r = req.send().await?;
-        let status = r.status().as_u16();
-        Ok((status, r.json().await.unwrap_or(Value::Null)))
+        self.status_json(req).await
     }
 
     /// Runs code through the agent API (`POST /api/kernels/{id}/execute`); its JSON answer.
@@ -321,7 +319,14 @@ impl Gateway {
     pub async fn wait_pool(&self, state: &str) -> Result<Value> {
         let mut last = Value::Null;
         for _ in 0..120 {
-            let r = self.http.get(self.url("/readyz")).send().await?;
+            let r = self
+                .client
+                .send_any(
+                    self.client
+                        .with_token(None)
+                        .request(reqwest::Method::GET, "/readyz"),
+                )
+                .await?;
             let status = r.status().as_u16();
             last = r.json().await?;
             if status == 200 && last["pool"]["state"] == state {
@@ -343,45 +348,28 @@ impl Gateway {
         session_id: &str,
         subprotocol: Option<&str>,
     ) -> Result<Client> {
-        let url = format!(
-            "ws://{}/api/kernels/{kernel_id}/channels?session_id={session_id}",
-            self.base.trim_start_matches("http://")
-        );
-        let mut req = url.into_client_request()?;
-        req.headers_mut()
-            .insert("Authorization", format!("token {}", self.token).parse()?);
-        if let Some(p) = subprotocol {
-            req.headers_mut()
-                .insert("Sec-WebSocket-Protocol", p.parse()?);
-        }
-        let (ws, resp) = tokio_tungstenite::connect_async(req).await?;
-        let v1 = resp
-            .headers()
-            .get("Sec-WebSocket-Protocol")
-            .is_some_and(|v| {
-                v.as_bytes() == kernelgate_protocol::websocket::V1_SUBPROTOCOL.as_bytes()
-            });
+        let gateway = self.client.with_token(Some(&self.token));
+        let channels = Channels::connect_as(&gateway, kernel_id, session_id, subprotocol).await?;
         Ok(Client {
-            ws,
+            v1: channels.encoding() == Encoding::V1,
+            channels,
             session: session_id.to_owned(),
-            v1,
             seen: Vec::new(),
         })
     }
 
     /// The gateway's process id.
     pub fn pid(&self) -> Option<u32> {
-        self.child.as_ref().and_then(Child::id)
+        self.process.pid()
     }
 
     /// Kills the gateway with SIGKILL, as a crash would: its containers, runtime directory
     /// and audit log stay, for [`Crashed::restart`] (or the guard's drop) to take over.
     pub async fn crash(mut self) -> Result<Crashed> {
-        let mut child = self
-            .child
-            .take()
-            .ok_or_else(|| anyhow!("already stopped"))?;
-        child.kill().await?;
+        if self.process.is_stopped() {
+            bail!("already stopped");
+        }
+        self.process.kill().await?;
         self.crashed = true;
         Ok(Crashed {
             runtime_dir: self.runtime_dir.clone(),
@@ -392,46 +380,17 @@ impl Gateway {
 
     /// Stops the gateway with SIGTERM and waits for it (it removes its containers).
     pub async fn stop(mut self) -> Result<std::process::ExitStatus> {
-        let mut child = self
-            .child
-            .take()
-            .ok_or_else(|| anyhow!("already stopped"))?;
-        if let Some(pid) = child.id() {
-            let _ = std::process::Command::new("kill")
-                .args(["-TERM", &pid.to_string()])
-                .status();
+        if self.process.is_stopped() {
+            bail!("already stopped");
         }
-        match tokio::time::timeout(Duration::from_secs(30), child.wait()).await {
-            Ok(status) => Ok(status?),
-            Err(_) => {
-                child.kill().await?;
-                bail!("gateway did not stop within 30 s of SIGTERM")
-            }
-        }
+        Ok(self.process.stop(Duration::from_secs(30)).await?)
     }
 }
 
 impl Drop for Gateway {
     fn drop(&mut self) {
-        if let Some(child) = &self.child {
-            if let Some(pid) = child.id() {
-                // Give it the chance to remove its containers.
-                let _ = std::process::Command::new("kill")
-                    .args(["-TERM", &pid.to_string()])
-                    .status();
-                for _ in 0..100 {
-                    let alive = std::process::Command::new("kill")
-                        .args(["-0", &pid.to_string()])
-                        .stderr(Stdio::null())
-                        .status()
-                        .is_ok_and(|s| s.success());
-                    if !alive {
-                        break;
-                    }
-                    std::thread::sleep(Duration::from_millis(100));
-                }
-            }
-        }
+        // Give it the chance to remove its containers.
+        self.process.stop_blocking(Duration::from_secs(10));
         if self.crashed {
             return;
         }
@@ -513,36 +472,9 @@ pub fn remove_leftovers(runtime_dir: &std::path::Path) {
     let _ = std::fs::remove_dir_all(runtime_dir);
 }
 
-fn forward_logs(child: &mut Child, port: u16) -> Arc<Mutex<Vec<String>>> {
-    let kept = Arc::new(Mutex::new(Vec::new()));
-    if let Some(out) = child.stdout.take() {
-        tokio::spawn(async move {
-            let mut lines = BufReader::new(out).lines();
-            while let Ok(Some(l)) = lines.next_line().await {
-                eprintln!("[gw {port} out] {l}");
-            }
-        });
-    }
-    if let Some(err) = child.stderr.take() {
-        let kept = kept.clone();
-        tokio::spawn(async move {
-            let mut lines = BufReader::new(err).lines();
-            while let Ok(Some(l)) = lines.next_line().await {
-                eprintln!("[gw {port}] {l}");
-                if let Ok(mut kept) = kept.lock() {
-                    kept.push(l);
-                }
-            }
-        });
-    }
-    kept
-}
-
 /// A free TCP port on loopback.
 pub fn free_port() -> Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
+    Ok(kernelgate_client::serve::free_port()?)
 }
 
 /// What one execute request produced, as a notebook user sees it: the fields of the
@@ -665,10 +597,11 @@ impl Outcome {
 /// A raw WebSocket to the gateway.
 pub type WsStream = WebSocketStream<MaybeTlsStream<TcpStream>>;
 
-/// A Jupyter WebSocket client (legacy JSON or v1 encoding).
+/// A Jupyter WebSocket client (legacy JSON or v1 encoding) that speaks JSON values: a thin
+/// layer over the client crate's [`Channels`].
 #[derive(Debug)]
 pub struct Client {
-    ws: WebSocketStream<MaybeTlsStream<TcpStream>>,
+    channels: Channels,
     pub session: String,
     pub v1: bool,
     /// Messages received that no call consumed yet.
@@ -678,69 +611,46 @@ pub struct Client {
 impl Client {
     /// Sends a message; returns its msg_id.
     pub async fn send(&mut self, channel: &str, msg_type: &str, content: Value) -> Result<String> {
-        let msg_id = uuid::Uuid::new_v4().to_string();
-        let header = json!({
-            "msg_id": msg_id, "msg_type": msg_type, "session": self.session,
-            "username": "test", "date": "2026-01-01T00:00:00.000000Z", "version": "5.3",
-        });
-        if self.v1 {
-            let message = kernelgate_protocol::Message::new(
-                serde_json::from_value(header)?,
-                None,
-                kernelgate_protocol::RawJson::from_value(&content),
-            );
-            let channel: kernelgate_protocol::Channel = channel.parse()?;
-            let frame = kernelgate_protocol::websocket::encode_v1(channel, &message);
-            self.ws.send(WsMessage::Binary(frame)).await?;
-        } else {
-            let frame = json!({
-                "header": header, "parent_header": {}, "metadata": {}, "content": content,
-                "buffers": [], "channel": channel,
-            });
-            self.ws
-                .send(WsMessage::Text(frame.to_string().into()))
-                .await?;
-        }
-        Ok(msg_id)
+        let channel: Channel = channel.parse()?;
+        Ok(self
+            .channels
+            .request(
+                channel,
+                msg_type,
+                &content,
+                "test",
+                "2026-01-01T00:00:00.000000Z",
+            )
+            .await?)
     }
 
     /// Sends raw text (for malformed-input tests).
     pub async fn send_raw(&mut self, msg: WsMessage) -> Result<()> {
-        self.ws.send(msg).await?;
-        Ok(())
+        Ok(self.channels.send_frame(msg).await?)
     }
 
     /// The next message from the gateway, as JSON with a `channel` field.
     pub async fn recv(&mut self, timeout: Duration) -> Result<Value> {
-        loop {
-            let frame = tokio::time::timeout(timeout, self.ws.next())
-                .await
-                .context("timed out waiting for a message")?
-                .ok_or_else(|| anyhow!("WebSocket closed"))??;
-            match frame {
-                WsMessage::Text(t) => return Ok(serde_json::from_str(t.as_str())?),
-                WsMessage::Binary(b) => {
-                    let enc = if self.v1 {
-                        kernelgate_protocol::websocket::Encoding::V1
-                    } else {
-                        kernelgate_protocol::websocket::Encoding::Legacy
-                    };
-                    let (channel, m) = kernelgate_protocol::websocket::decode(
-                        enc,
-                        &kernelgate_protocol::websocket::Frame::Binary(b),
-                    )?;
-                    let mut v = json!({
-                        "header": m.header, "parent_header": m.parent_header.map(serde_json::to_value).transpose()?.unwrap_or(json!({})),
-                        "metadata": serde_json::from_str::<Value>(m.metadata.get())?,
-                        "content": serde_json::from_str::<Value>(m.content.get())?,
-                        "channel": channel.as_str(),
-                    });
-                    v["msg_type"] = v["header"]["msg_type"].clone();
-                    v["buffers_len"] = json!(m.buffers.len());
-                    return Ok(v);
-                }
-                WsMessage::Close(_) => bail!("WebSocket closed by the gateway"),
-                _ => {}
+        let deadline = tokio::time::Instant::now() + timeout;
+        let frame = self
+            .channels
+            .recv_frame_until(deadline)
+            .await
+            .map_err(|e| anyhow!("WebSocket: {e}"))?
+            .context("timed out waiting for a message")?;
+        match frame {
+            Frame::Text(t) => Ok(serde_json::from_str(&t)?),
+            Frame::Binary(b) => {
+                let (channel, m) = websocket::decode(self.channels.encoding(), &Frame::Binary(b))?;
+                let mut v = json!({
+                    "header": m.header, "parent_header": m.parent_header.map(serde_json::to_value).transpose()?.unwrap_or(json!({})),
+                    "metadata": serde_json::from_str::<Value>(m.metadata.get())?,
+                    "content": serde_json::from_str::<Value>(m.content.get())?,
+                    "channel": channel.as_str(),
+                });
+                v["msg_type"] = v["header"]["msg_type"].clone();
+                v["buffers_len"] = json!(m.buffers.len());
+                Ok(v)
             }
         }
     }
@@ -812,9 +722,8 @@ impl Client {
         }
     }
 
-    pub async fn close(mut self) -> Result<()> {
-        self.ws.close(None).await?;
-        Ok(())
+    pub async fn close(self) -> Result<()> {
+        Ok(self.channels.close().await?)
     }
 }
 

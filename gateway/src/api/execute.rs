@@ -23,135 +23,24 @@ use axum::http::{header, HeaderMap};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use kernelgate_protocol::content::ErrorContent;
-use kernelgate_protocol::execution::{Display, Event, Status};
+use kernelgate_protocol::execution::{Event, Status};
 use kernelgate_protocol::terminal::{plain_text, Terminal};
 use kernelgate_protocol::Outcome;
-use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
-use utoipa::ToSchema;
 
 /// Used when a call gives no timeout.
 const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 /// The longest timeout a call may ask for, in seconds (a day).
 const MAX_TIMEOUT_SECS: f64 = 86_400.0;
 
-/// The body of `POST /api/kernels/{id}/execute`. A field it does not have is refused (400,
-/// naming it) rather than ignored: a misspelt `timeout` would otherwise run for 300 s.
-#[derive(Debug, Deserialize, ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct ExecuteBody {
-    /// The cell's code (IPython syntax).
-    #[schema(example = "x = 41\nx + 1")]
-    code: String,
-    /// Seconds, fractions allowed, above 0 and at most 86400 (default 300). When it passes,
-    /// the kernel is interrupted and the answer has status `timeout`.
-    #[serde(default)]
-    #[schema(exclusive_minimum = 0.0, maximum = 86400.0, example = 30)]
-    timeout: Option<f64>,
-    /// Which agent runs this, for the audit trail.
-    #[serde(default)]
-    agent_id: Option<String>,
-    /// Text as a terminal shows it, for readers that are not terminals (a language model):
-    /// ANSI escape sequences removed from stdout, stderr, tracebacks and `text/plain`
-    /// results, and each line redrawn with `\r` (a progress bar) only in its final state.
-    /// Streamed, a line comes once it is finished (`\n`), or at the end of the run.
-    #[serde(default)]
-    #[schema(example = true)]
-    plain: bool,
-}
-
-fn status_schema() -> utoipa::openapi::Object {
-    utoipa::openapi::ObjectBuilder::new()
-        .schema_type(utoipa::openapi::schema::Type::String)
-        .enum_values(Some(["ok", "error", "timeout"]))
-        .build()
-}
-
-/// A display (`plt.show()`, `display(...)`) or the cell's value, with every MIME type the
-/// kernel sent (`image/png` as base64).
-#[derive(Debug, Serialize, ToSchema)]
-pub struct ResultOutput {
-    /// MIME type to data: `text/plain`, `text/html`, `image/png`, `application/json`, ...
-    #[schema(value_type = HashMap<String, Value>)]
-    data: Map<String, Value>,
-    #[schema(value_type = HashMap<String, Value>)]
-    metadata: Map<String, Value>,
-    /// The cell's value (`execute_result`), as opposed to a display.
-    is_main_result: bool,
-}
-
-impl From<Display> for ResultOutput {
-    fn from(d: Display) -> Self {
-        ResultOutput {
-            data: d.data,
-            metadata: d.metadata,
-            is_main_result: d.is_result,
-        }
-    }
-}
-
-/// The exception that ended the run (`KernelDied` when the kernel died under it).
-#[derive(Debug, Serialize, ToSchema)]
-pub struct ErrorOutput {
-    #[schema(example = "ZeroDivisionError")]
-    ename: String,
-    #[schema(example = "division by zero")]
-    evalue: String,
-    /// Lines with ANSI colour codes, as IPython prints them (without, with `plain`).
-    traceback: Vec<String>,
-}
-
-impl From<ErrorContent> for ErrorOutput {
-    fn from(e: ErrorContent) -> Self {
-        ErrorOutput {
-            ename: e.ename,
-            evalue: e.evalue,
-            traceback: e.traceback,
-        }
-    }
-}
-
-/// The answer of a run, once it is done.
-#[derive(Debug, Serialize, ToSchema)]
-pub struct ExecuteResult {
-    #[schema(schema_with = status_schema)]
-    status: &'static str,
-    execution_count: Option<i64>,
-    stdout: String,
-    stderr: String,
-    results: Vec<ResultOutput>,
-    /// Set when `status` is `error`.
-    error: Option<ErrorOutput>,
-    duration_ms: u64,
-    /// Output past `--max-output-mb` was dropped.
-    truncated: bool,
-}
-
-/// One line of a streamed run (`Accept: application/x-ndjson`): each output as it arrives,
-/// and last the `end` line.
-#[derive(Debug, Serialize, ToSchema)]
-#[serde(tag = "type", rename_all = "lowercase")]
-pub enum Line {
-    Stdout { text: String },
-    Stderr { text: String },
-    Result(ResultOutput),
-    Error(ErrorOutput),
-    End(EndLine),
-}
-
-/// One NDJSON line of a streamed run: an output, or the `end` line with the status.
-fn event_line(event: Event) -> Option<Line> {
-    Some(match event {
-        Event::Stream { name, text } if name == "stderr" => Line::Stderr { text },
-        Event::Stream { text, .. } => Line::Stdout { text },
-        Event::Display(d) => Line::Result(d.into()),
-        Event::Error(e) => Line::Error(e.into()),
-        _ => return None,
-    })
-}
+/// The body, the answer and the streamed lines: the agent API's wire types, shared with
+/// its clients.
+pub use kernelgate_protocol::agent::{
+    End as EndLine, ErrorOutput, ExecuteBody, ExecuteResult, Line, ResultOutput,
+};
 
 /// The NDJSON lines of a run with `plain`: each stream through a terminal of its own.
 #[derive(Debug, Default)]
@@ -188,7 +77,7 @@ impl PlainLines {
                 stdout
                     .into_iter()
                     .chain(stderr)
-                    .chain([Line::End(end.into())])
+                    .chain([Line::End(end)])
                     .collect()
             }
         }
@@ -220,28 +109,6 @@ fn plain_error(e: ErrorContent) -> ErrorOutput {
         ename: e.ename,
         evalue: e.evalue,
         traceback: e.traceback.iter().map(|line| plain_text(line)).collect(),
-    }
-}
-
-/// How a run ended: the last line of a streamed run.
-#[derive(Debug, Serialize, ToSchema)]
-pub struct EndLine {
-    #[schema(schema_with = status_schema)]
-    status: &'static str,
-    execution_count: Option<i64>,
-    duration_ms: u64,
-    /// Output past `--max-output-mb` was dropped.
-    truncated: bool,
-}
-
-impl From<End> for EndLine {
-    fn from(end: End) -> Self {
-        EndLine {
-            status: end.status.as_str(),
-            execution_count: end.execution_count,
-            duration_ms: end.duration_ms,
-            truncated: end.truncated,
-        }
     }
 }
 
@@ -329,10 +196,7 @@ pub async fn execute(
                 let progress = feed.next().await?;
                 match plain.as_mut() {
                     Some(plain) => ready.extend(plain.lines(progress)),
-                    None => ready.extend(match progress {
-                        Progress::Event(e) => event_line(e),
-                        Progress::End(end) => Some(Line::End(end.into())),
-                    }),
+                    None => ready.extend(Line::of_progress(progress)),
                 }
             }
         });
@@ -390,8 +254,8 @@ impl Feed {
 /// Folds a run's events into the single JSON answer.
 async fn collect(feed: &mut Feed, plain: bool) -> ExecuteResult {
     let mut outcome = Outcome::default();
-    let mut end = EndLine {
-        status: Status::Error.as_str(),
+    let mut end = End {
+        status: Status::Error,
         execution_count: None,
         duration_ms: 0,
         truncated: false,
@@ -399,7 +263,7 @@ async fn collect(feed: &mut Feed, plain: bool) -> ExecuteResult {
     while let Some(progress) = feed.next().await {
         match progress {
             Progress::Event(e) => outcome.apply(&e),
-            Progress::End(e) => end = e.into(),
+            Progress::End(e) => end = e,
         }
     }
     if plain {

@@ -16,32 +16,11 @@ use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
-use serde::{Deserialize, Serialize};
-use utoipa::{IntoParams, ToSchema};
+use serde::Deserialize;
+use utoipa::IntoParams;
 
-/// A file or directory, as the script writes it (listings are arrays of these).
-#[allow(dead_code)] // built by files.py inside the container; this type is its schema
-#[derive(Debug, Serialize, ToSchema)]
-struct FileEntry {
-    name: String,
-    /// Relative to the working directory.
-    #[schema(example = "data/sales.csv")]
-    path: String,
-    #[serde(rename = "type")]
-    #[schema(schema_with = entry_type_schema)]
-    kind: String,
-    /// Bytes.
-    size: u64,
-    /// Seconds since the Unix epoch.
-    modified: f64,
-}
-
-fn entry_type_schema() -> utoipa::openapi::Object {
-    utoipa::openapi::ObjectBuilder::new()
-        .schema_type(utoipa::openapi::schema::Type::String)
-        .enum_values(Some(["file", "directory", "other"]))
-        .build()
-}
+// A file or directory as the script writes it: listings are arrays of these.
+use kernelgate_protocol::agent::FileEntry;
 
 /// The `{id}` and `{path}` of a file route.
 #[derive(Debug, Deserialize, IntoParams)]

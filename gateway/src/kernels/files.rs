@@ -22,36 +22,25 @@ const EXISTS_DIR: i64 = 14;
 const FORBIDDEN: i64 = 15;
 const NO_SPACE: i64 = 16;
 
-/// What to do with a path.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FileOp {
-    /// A directory's entries as JSON (`[{name, path, type, size, modified}]`).
-    List,
-    /// A file's bytes.
-    Get,
-    /// Writes the body, creating parent directories; answers the new entry as JSON.
-    Put,
-    /// Removes a file or an empty directory.
-    Delete,
+/// What to do with a path: the files API's operations.
+pub use kernelgate_protocol::agent::FileOp;
+
+/// The script's word for the operation.
+fn script_arg(op: FileOp) -> &'static str {
+    match op {
+        FileOp::List => "list",
+        FileOp::Get => "get",
+        FileOp::Put => "put",
+        FileOp::Delete => "delete",
+    }
 }
 
-impl FileOp {
-    fn arg(self) -> &'static str {
-        match self {
-            FileOp::List => "list",
-            FileOp::Get => "get",
-            FileOp::Put => "put",
-            FileOp::Delete => "delete",
-        }
-    }
-
-    fn audit_event(self) -> FileEvent {
-        match self {
-            FileOp::List => FileEvent::Listed,
-            FileOp::Get => FileEvent::Read,
-            FileOp::Put => FileEvent::Written,
-            FileOp::Delete => FileEvent::Deleted,
-        }
+fn audit_event(op: FileOp) -> FileEvent {
+    match op {
+        FileOp::List => FileEvent::Listed,
+        FileOp::Get => FileEvent::Read,
+        FileOp::Put => FileEvent::Written,
+        FileOp::Delete => FileEvent::Deleted,
     }
 }
 
@@ -91,7 +80,7 @@ pub async fn run(
     max_bytes: usize,
 ) -> Result<Vec<u8>, FileError> {
     kernels.audit().record(&Record::file(
-        op.audit_event(),
+        audit_event(op),
         FileAccess {
             key: key.to_owned(),
             kernel: live.id().to_owned(),
@@ -101,7 +90,7 @@ pub async fn run(
             length: None,
         },
     ));
-    script(kernels, live, &[op.arg(), path], body, max_bytes).await
+    script(kernels, live, &[script_arg(op), path], body, max_bytes).await
 }
 
 /// Reads at most `length` bytes of the file at `path` from `offset` (none past its end),
@@ -115,7 +104,7 @@ pub async fn read_part(
     length: usize,
 ) -> Result<(Vec<u8>, u64), FileError> {
     kernels.audit().record(&Record::file(
-        FileOp::Get.audit_event(),
+        audit_event(FileOp::Get),
         FileAccess {
             key: key.to_owned(),
             kernel: live.id().to_owned(),

@@ -11,7 +11,7 @@
 use super::{Kernels, LiveKernel};
 use crate::kernel::executions::TRUNCATED_METADATA;
 use kernelgate_protocol::content::{ErrorContent, ExecuteRequest};
-use kernelgate_protocol::execution::{Event, Interruption, Phase, Status};
+use kernelgate_protocol::execution::{Event, Interruption, Phase};
 use kernelgate_protocol::{Channel, Execution, RawJson};
 use serde_json::Map;
 use std::future::Future;
@@ -40,22 +40,9 @@ pub struct Run {
     pub agent_id: Option<String>,
 }
 
-/// What a run sends: each event as it happens, then how it ended.
-#[derive(Debug)]
-pub enum Progress {
-    Event(Event),
-    End(End),
-}
-
-/// How a run ended.
-#[derive(Debug, Clone)]
-pub struct End {
-    pub status: Status,
-    pub execution_count: Option<i64>,
-    pub duration_ms: u64,
-    /// Output past `--max-output-mb` was dropped.
-    pub truncated: bool,
-}
+/// What a run sends (each event as it happens, then how it ended): the agent API's types,
+/// which its NDJSON lines carry.
+pub use kernelgate_protocol::agent::{End, Progress};
 
 /// Queues the run on `live` and returns its progress. Dropping the receiver abandons the
 /// run: taken out of the queue if it is still waiting, the kernel interrupted if it runs.

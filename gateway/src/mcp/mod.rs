@@ -19,16 +19,17 @@
 
 pub mod budget;
 pub mod http;
+pub mod local;
 pub mod remote;
 pub mod stdio;
 pub mod tools;
 
-use crate::kernels::files::{self, FileError, FileOp};
-use crate::kernels::run::{self, Progress, Run};
-use crate::kernels::{Kernels, LiveKernel, Removal};
+use crate::kernels::files::{FileError, FileOp};
+use crate::kernels::run::{Progress, Run};
+use crate::kernels::Kernels;
 use crate::tenants::Tenant;
 use budget::Budget;
-use kernelgate_protocol::content::ExecutionState;
+use futures::future::BoxFuture;
 use kernelgate_protocol::execution::Event;
 use kernelgate_protocol::terminal::{plain_text, Terminal};
 use kernelgate_protocol::Outcome;
@@ -40,9 +41,10 @@ use rmcp::model::{
 use rmcp::service::RequestContext;
 use rmcp::{ErrorData, RoleServer, ServerHandler};
 use serde_json::json;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
+use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tools::ToolError;
@@ -64,35 +66,82 @@ struct Handle {
     last_used: Instant,
 }
 
-/// Where the kernels are.
-#[derive(Debug)]
-enum Place {
-    /// This process's kernel table.
-    Local(Arc<Kernels>),
-    /// A running gateway (`kernelgate mcp --url`).
-    Remote(remote::Remote),
+/// Where the kernels are: this process's table ([`local::Local`]) or a running gateway
+/// ([`remote::Remote`], `kernelgate mcp --url`). Errors are messages for the model.
+pub trait Place: std::fmt::Debug + Send + Sync + 'static {
+    /// A new kernel owned by `tenant`.
+    fn create<'a>(&'a self, tenant: &'a Tenant) -> BoxFuture<'a, Result<KernelRef, String>>;
+    /// The kernel `id`, if it exists and `tenant` may use it.
+    fn find<'a>(
+        &'a self,
+        tenant: &'a Tenant,
+        id: &'a str,
+    ) -> BoxFuture<'a, Result<Option<KernelRef>, String>>;
+    /// Whether the kernel is still there (it may have been culled or deleted).
+    fn alive<'a>(&'a self, id: &'a str) -> BoxFuture<'a, bool>;
+    /// What is known of the kernel without asking anyone (`None`: nothing).
+    fn seen(&self, _id: &str) -> Option<Seen> {
+        None
+    }
+    fn delete<'a>(&'a self, kernel: &'a KernelRef, reason: &'a str) -> BoxFuture<'a, ()>;
+    fn restart<'a>(
+        &'a self,
+        kernel: &'a KernelRef,
+        tenant: &'a Tenant,
+    ) -> BoxFuture<'a, Result<(), String>>;
+    /// Runs code; dropping the receiver abandons the run.
+    fn run<'a>(
+        &'a self,
+        tracker: &'a TaskTracker,
+        kernel: &'a KernelRef,
+        run: Run,
+    ) -> BoxFuture<'a, mpsc::Receiver<Progress>>;
+    /// A file operation in the kernel's working directory, answers up to `max_bytes`.
+    #[allow(clippy::too_many_arguments)]
+    fn file<'a>(
+        &'a self,
+        kernel: &'a KernelRef,
+        key: &'a str,
+        op: FileOp,
+        path: &'a str,
+        body: Vec<u8>,
+        max_bytes: usize,
+    ) -> BoxFuture<'a, Result<Vec<u8>, FileError>>;
+    /// At most `length` bytes of a file from `offset`, and the file's size.
+    fn read_part<'a>(
+        &'a self,
+        kernel: &'a KernelRef,
+        key: &'a str,
+        path: &'a str,
+        offset: u64,
+        length: usize,
+    ) -> BoxFuture<'a, Result<(Vec<u8>, u64), FileError>>;
+}
+
+/// A kernel's state as its place sees it at once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Seen {
+    Gone,
+    Busy,
+    Idle,
 }
 
 /// A kernel a call works on.
 #[derive(Debug, Clone)]
-enum KernelRef {
-    Local(Arc<LiveKernel>),
-    Remote(String),
+pub struct KernelRef {
+    id: String,
 }
 
 impl KernelRef {
     fn id(&self) -> &str {
-        match self {
-            KernelRef::Local(live) => live.id(),
-            KernelRef::Remote(id) => id,
-        }
+        &self.id
     }
 }
 
 /// What every MCP session shares: where kernels run and the kernels MCP handed out.
 #[derive(Debug)]
 pub struct Mcp {
-    place: Place,
+    place: Box<dyn Place>,
     tracker: TaskTracker,
     cancel: CancellationToken,
     idle_timeout: Duration,
@@ -112,7 +161,13 @@ impl Mcp {
         idle_timeout: Duration,
         budget: Budget,
     ) -> Arc<Self> {
-        Self::start(Place::Local(kernels), tracker, cancel, idle_timeout, budget)
+        Self::start(
+            Box::new(local::Local(kernels)),
+            tracker,
+            cancel,
+            idle_timeout,
+            budget,
+        )
     }
 
     /// MCP over the kernels of a running gateway.
@@ -123,17 +178,11 @@ impl Mcp {
         idle_timeout: Duration,
         budget: Budget,
     ) -> Arc<Self> {
-        Self::start(
-            Place::Remote(gateway),
-            tracker,
-            cancel,
-            idle_timeout,
-            budget,
-        )
+        Self::start(Box::new(gateway), tracker, cancel, idle_timeout, budget)
     }
 
     fn start(
-        place: Place,
+        place: Box<dyn Place>,
         tracker: TaskTracker,
         cancel: CancellationToken,
         idle_timeout: Duration,
@@ -175,16 +224,11 @@ impl Mcp {
             }
             let due: Vec<String> = {
                 let mut handles = self.handles();
-                if let Place::Local(kernels) = &self.place {
-                    handles.retain(|id, _| kernels.get(id).is_some());
-                    for (id, h) in handles.iter_mut() {
-                        // A kernel still running a call is in use.
-                        let busy = kernels
-                            .get(id)
-                            .is_some_and(|l| l.kernel.execution_state() == ExecutionState::Busy);
-                        if busy {
-                            h.last_used = Instant::now();
-                        }
+                handles.retain(|id, _| self.place.seen(id) != Some(Seen::Gone));
+                for (id, h) in handles.iter_mut() {
+                    // A kernel still running a call is in use.
+                    if self.place.seen(id) == Some(Seen::Busy) {
+                        h.last_used = Instant::now();
                     }
                 }
                 handles
@@ -210,35 +254,17 @@ impl Mcp {
     }
 
     async fn delete_kernel(&self, id: &str, reason: &str) {
-        match &self.place {
-            Place::Local(kernels) => {
-                if let Some(Err(e)) = kernels.delete(id, Removal::Because(reason.into())).await {
-                    tracing::warn!(kernel = %id, error = %e, "cannot remove an MCP kernel");
-                }
-            }
-            Place::Remote(gateway) => {
-                if let Err(e) = gateway.delete(id).await {
-                    tracing::warn!(kernel = %id, error = %e, "cannot delete an MCP kernel");
-                }
-            }
-        }
+        let kernel = KernelRef { id: id.to_owned() };
+        self.place.delete(&kernel, reason).await;
     }
 
     /// A new kernel for `tenant`; `start_kernel`'s ones are remembered as handles.
     async fn create_kernel(&self, tenant: &Tenant, handle: bool) -> Result<KernelRef, ToolError> {
-        let failed =
-            |e: &dyn std::fmt::Display| tools::error(format!("cannot start a kernel: {e}"));
-        let kernel = match &self.place {
-            Place::Local(kernels) => KernelRef::Local(
-                kernels
-                    .create(None, &BTreeMap::new(), tenant)
-                    .await
-                    .map_err(|e| failed(&e))?,
-            ),
-            Place::Remote(gateway) => {
-                KernelRef::Remote(gateway.create().await.map_err(|e| failed(&e))?)
-            }
-        };
+        let kernel = self
+            .place
+            .create(tenant)
+            .await
+            .map_err(|e| tools::error(format!("cannot start a kernel: {e}")))?;
         if handle {
             self.handles().insert(
                 kernel.id().to_owned(),
@@ -252,36 +278,11 @@ impl Mcp {
 
     /// The kernel `id`, if `tenant` may use it.
     async fn find(&self, tenant: &Tenant, id: &str) -> Result<Option<KernelRef>, ToolError> {
-        match &self.place {
-            Place::Local(kernels) => Ok(kernels
-                .get(id)
-                .filter(|l| tenant.may_use(l.owner()))
-                .map(KernelRef::Local)),
-            Place::Remote(gateway) => match gateway.exists(id).await {
-                Ok(true) => Ok(Some(KernelRef::Remote(id.to_owned()))),
-                Ok(false) => Ok(None),
-                Err(e) => Err(tools::error(e.to_string())),
-            },
-        }
+        self.place.find(tenant, id).await.map_err(tools::error)
     }
 
-    async fn run(&self, kernel: &KernelRef, run: Run) -> tokio::sync::mpsc::Receiver<Progress> {
-        match (&self.place, kernel) {
-            (Place::Local(kernels), KernelRef::Local(live)) => {
-                run::start(&self.tracker, kernels.clone(), live.clone(), run).await
-            }
-            (Place::Remote(gateway), _) => gateway.run(
-                &self.tracker,
-                kernel.id(),
-                run.code,
-                run.timeout,
-                run.agent_id.unwrap_or_default(),
-            ),
-            (Place::Local(_), KernelRef::Remote(_)) => {
-                gateway_mismatch();
-                tokio::sync::mpsc::channel(1).1
-            }
-        }
+    async fn run(&self, kernel: &KernelRef, run: Run) -> mpsc::Receiver<Progress> {
+        self.place.run(&self.tracker, kernel, run).await
     }
 
     async fn file(
@@ -293,16 +294,7 @@ impl Mcp {
         body: Vec<u8>,
     ) -> Result<Vec<u8>, FileError> {
         let limit = tools::MAX_FILE_BYTES;
-        match (&self.place, kernel) {
-            (Place::Local(kernels), KernelRef::Local(live)) => {
-                files::run(kernels, live, key, op, path, body.into(), limit).await
-            }
-            (Place::Remote(gateway), _) => gateway.file(kernel.id(), op, path, body, limit).await,
-            (Place::Local(_), KernelRef::Remote(_)) => Err(FileError::Failed {
-                path: path.to_owned(),
-                reason: gateway_mismatch(),
-            }),
-        }
+        self.place.file(kernel, key, op, path, body, limit).await
     }
 
     async fn read_part(
@@ -313,47 +305,22 @@ impl Mcp {
         offset: u64,
         length: usize,
     ) -> Result<(Vec<u8>, u64), FileError> {
-        match (&self.place, kernel) {
-            (Place::Local(kernels), KernelRef::Local(live)) => {
-                files::read_part(kernels, live, key, path, offset, length).await
-            }
-            (Place::Remote(gateway), _) => {
-                gateway.read_part(kernel.id(), path, offset, length).await
-            }
-            (Place::Local(_), KernelRef::Remote(_)) => Err(FileError::Failed {
-                path: path.to_owned(),
-                reason: gateway_mismatch(),
-            }),
-        }
+        self.place
+            .read_part(kernel, key, path, offset, length)
+            .await
     }
 
     async fn restart(&self, kernel: &KernelRef, tenant: &Tenant) -> Result<(), ToolError> {
-        let failed = |e: &dyn std::fmt::Display| tools::error(format!("the restart failed: {e}"));
-        match (&self.place, kernel) {
-            (Place::Local(kernels), KernelRef::Local(live)) => kernels
-                .restart(live, &tenant.name)
-                .await
-                .map_err(|e| failed(&e)),
-            (Place::Remote(gateway), _) => {
-                gateway.restart(kernel.id()).await.map_err(|e| failed(&e))
-            }
-            (Place::Local(_), KernelRef::Remote(_)) => Err(tools::error(gateway_mismatch())),
-        }
+        self.place
+            .restart(kernel, tenant)
+            .await
+            .map_err(|e| tools::error(format!("the restart failed: {e}")))
     }
 
     /// Whether the kernel is still there (it may have been culled or deleted).
     async fn alive(&self, kernel: &KernelRef) -> bool {
-        match &self.place {
-            Place::Local(kernels) => kernels.get(kernel.id()).is_some(),
-            Place::Remote(gateway) => gateway.exists(kernel.id()).await.unwrap_or(true),
-        }
+        self.place.alive(kernel.id()).await
     }
-}
-
-/// A kernel reference from one place used with another: a bug, never a client's doing.
-fn gateway_mismatch() -> String {
-    tracing::error!("an MCP kernel reference does not match where kernels run");
-    "internal error: the kernel reference does not match this server".to_owned()
 }
 
 /// Who is calling, and in which session.
@@ -393,7 +360,7 @@ impl Drop for SessionState {
         let mcp = self.mcp.clone();
         tracing::info!(kernel = %kernel.id(), "MCP session ended; deleting its kernel");
         self.mcp.tracker.spawn(async move {
-            mcp.delete_kernel(kernel.id(), "MCP session ended").await;
+            mcp.place.delete(&kernel, "MCP session ended").await;
         });
     }
 }

@@ -11,6 +11,7 @@
 use anyhow::{anyhow, bail, Context, Result};
 use futures::stream::SplitSink;
 use futures::{SinkExt, StreamExt};
+use kernelgate_client::Channels;
 use kernelgate_protocol::execution::{Event, Status};
 use kernelgate_protocol::websocket::{self, Encoding, Frame};
 use kernelgate_protocol::{
@@ -21,7 +22,6 @@ use std::time::{Duration, Instant};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
-use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 use tokio_tungstenite::tungstenite::protocol::WebSocketConfig;
 use tokio_tungstenite::tungstenite::Message as WsMessage;
 use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
@@ -78,21 +78,15 @@ impl Conn {
     /// Opens `/api/kernels/{id}/channels` on a gateway (legacy JSON encoding, Nagle off).
     pub async fn websocket(base: &str, token: &str, kernel_id: &str) -> Result<Conn> {
         let session = uuid::Uuid::new_v4().to_string();
-        let url = format!(
-            "ws://{}/api/kernels/{kernel_id}/channels?session_id={session}",
-            base.trim_start_matches("http://")
-        );
-        let mut req = url.into_client_request()?;
-        req.headers_mut()
-            .insert("Authorization", format!("token {token}").parse()?);
+        let gateway = kernelgate_client::Gateway::new(base, Some(token.to_owned()));
         // The 20 MiB stream may come as one message: no client-side size limits.
         let config = WebSocketConfig::default()
             .max_message_size(None)
             .max_frame_size(None);
-        let (ws, _) = tokio_tungstenite::connect_async_with_config(req, Some(config), true)
+        let channels = Channels::connect_with(&gateway, kernel_id, &session, None, Some(config))
             .await
             .with_context(|| format!("WebSocket to kernel {kernel_id}"))?;
-        let (sink, mut stream) = ws.split();
+        let (sink, mut stream) = channels.into_inner().split();
         let (tx, rx) = mpsc::unbounded_channel();
         let reader = tokio::spawn(async move {
             while let Some(frame) = stream.next().await {

@@ -9,6 +9,7 @@ use crate::procs::{Paths, Server};
 use crate::stats::{median, ms, percentile};
 use crate::{log, stop_and_check, Opts, Results};
 use anyhow::{bail, Context, Result};
+use kernelgate_protocol::agent::ExecuteBody;
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};
 
@@ -125,19 +126,20 @@ async fn read_answer(mut response: reqwest::Response) -> Result<Value> {
     bail!("the SSE stream ended without an answer")
 }
 
-async fn agent_api(http: &reqwest::Client, server: &Server, id: &str) -> Result<Duration> {
+async fn agent_api(server: &Server, id: &str) -> Result<Duration> {
     let started = Instant::now();
-    let answer: Value = http
-        .post(format!("{}/api/kernels/{id}/execute", server.base))
-        .header("Authorization", format!("token {}", server.token))
-        .json(&json!({"code": "1+1"}))
-        .send()
-        .await?
-        .json()
-        .await?;
+    let body = ExecuteBody {
+        code: "1+1".into(),
+        ..ExecuteBody::default()
+    };
+    let answer = server.client().execute(id, &body).await?;
     let elapsed = started.elapsed();
-    if answer["results"][0]["data"]["text/plain"] != "2" {
-        bail!("the agent API answered {answer}");
+    let value = answer
+        .results
+        .first()
+        .and_then(|r| r.data.get("text/plain"));
+    if value != Some(&json!("2")) {
+        bail!("the agent API answered {answer:?}");
     }
     Ok(elapsed)
 }
@@ -164,7 +166,7 @@ pub async fn compare(opts: &Opts, paths: &Paths, results: &mut Results) -> Resul
             let mut samples = Vec::with_capacity(opts.rt_runs);
             for i in 0..opts.rt_runs + 20 {
                 let took = match w {
-                    0 => agent_api(&http, &server, &kernel).await?,
+                    0 => agent_api(&server, &kernel).await?,
                     _ => mcp_call(&mut session).await?,
                 };
                 if i >= 20 {

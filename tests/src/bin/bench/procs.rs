@@ -3,8 +3,10 @@
 //! /proc (resident memory, CPU time of a container's processes).
 
 use anyhow::{bail, Context, Result};
+use kernelgate_client::serve::{LocalGateway, Serve, ServeError};
 use kernelgate_protocol::{ConnectionInfo, SigningKey};
 use serde_json::{json, Value};
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
@@ -39,33 +41,59 @@ impl Paths {
 #[derive(Debug)]
 pub struct Server {
     pub name: &'static str,
-    child: Option<Child>,
+    process: Option<Process>,
     pub pid: u32,
     pub base: String,
     pub token: String,
     /// Kernelgate's runtime directory (its containers carry it as a label).
     pub runtime_dir: Option<PathBuf>,
-    http: reqwest::Client,
+    client: kernelgate_client::Gateway,
+}
+
+/// How the gateway was started: Kernelgate through the client crate, JKG by hand.
+#[derive(Debug)]
+enum Process {
+    Kernelgate(LocalGateway),
+    Jkg(Child),
 }
 
 impl Server {
     /// Starts the release `kernelgate` with its own runtime directory.
     pub async fn kernelgate(paths: &Paths, pool_size: usize, extra: &[&str]) -> Result<Server> {
-        let port = kernelgate_tests::free_port()?;
+        let serve = Serve::new(&paths.kernelgate)?;
+        let port = serve.port();
         let token = format!("bench-{}", uuid::Uuid::new_v4().simple());
         let runtime_dir = PathBuf::from(format!("/run/kg-bench-{port}"));
-        let mut cmd = Command::new(&paths.kernelgate);
-        cmd.args(["serve", "--listen", &format!("127.0.0.1:{port}")])
+        let log = std::sync::Mutex::new(std::fs::File::create(
+            paths.work.join(format!("kernelgate-{port}.log")),
+        )?);
+        let process = serve
             .args(["--token", &token, "--image", &paths.image])
             .arg("--runtime-dir")
             .arg(&runtime_dir)
             .args(["--pool-size", &pool_size.to_string()])
             .args(["--cull-idle-timeout", "0"])
             .args(extra)
-            .env("KERNELGATE_LOG", "warn");
-        let mut s = Self::spawn("kernelgate", cmd, port, token, paths).await?;
-        s.runtime_dir = Some(runtime_dir);
-        Ok(s)
+            .env("KERNELGATE_LOG", "warn")
+            .start(move |_, line| {
+                if let Ok(mut log) = log.lock() {
+                    let _ = writeln!(log, "{line}");
+                }
+            })
+            .await
+            .with_context(|| {
+                format!("cannot start kernelgate (log in {})", paths.work.display())
+            })?;
+        let pid = process.pid().context("no pid")?;
+        Ok(Server {
+            name: "kernelgate",
+            client: Self::http_client(&process.base(), &token)?,
+            base: process.base(),
+            process: Some(Process::Kernelgate(process)),
+            pid,
+            token,
+            runtime_dir: Some(runtime_dir),
+        })
     }
 
     /// Starts Jupyter Kernel Gateway from the venv; its `python3` kernel spec runs the
@@ -99,16 +127,7 @@ impl Server {
             .env("JUPYTER_CONFIG_DIR", home.join("config"))
             .env("JUPYTER_RUNTIME_DIR", home.join("runtime"))
             .env("JUPYTER_DATA_DIR", home.join("data"));
-        Self::spawn("jkg", cmd, port, token, paths).await
-    }
-
-    async fn spawn(
-        name: &'static str,
-        mut cmd: Command,
-        port: u16,
-        token: String,
-        paths: &Paths,
-    ) -> Result<Server> {
+        let name = "jkg";
         let log = std::fs::File::create(paths.work.join(format!("{name}-{port}.log")))?;
         let child = cmd
             .stdout(Stdio::from(log.try_clone()?))
@@ -118,14 +137,15 @@ impl Server {
             .spawn()
             .with_context(|| format!("cannot start {name}"))?;
         let pid = child.id().context("no pid")?;
+        let base = format!("http://127.0.0.1:{port}");
         let server = Server {
             name,
-            child: Some(child),
+            process: Some(Process::Jkg(child)),
             pid,
-            base: format!("http://127.0.0.1:{port}"),
+            client: Self::http_client(&base, &token)?,
+            base,
             token,
             runtime_dir: None,
-            http: reqwest::Client::builder().tcp_nodelay(true).build()?,
         };
         let deadline = Instant::now() + Duration::from_secs(60);
         while Instant::now() < deadline {
@@ -142,10 +162,19 @@ impl Server {
         )
     }
 
+    /// The gateway's HTTP client, Nagle off.
+    fn http_client(base: &str, token: &str) -> Result<kernelgate_client::Gateway> {
+        let http = reqwest::Client::builder().tcp_nodelay(true).build()?;
+        Ok(kernelgate_client::Gateway::new(base, Some(token.to_owned())).with_http(http))
+    }
+
+    /// The gateway's HTTP client, with its token.
+    pub fn client(&self) -> &kernelgate_client::Gateway {
+        &self.client
+    }
+
     fn request(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
-        self.http
-            .request(method, format!("{}{path}", self.base))
-            .header("Authorization", format!("token {}", self.token))
+        self.client.request(method, path)
     }
 
     /// `POST /api/kernels`; returns the kernel id. `env` (KERNEL_* variables) makes
@@ -204,11 +233,22 @@ impl Server {
 
     /// SIGTERM, then waits: Kernelgate removes its containers, JKG shuts its kernels down.
     pub async fn stop(mut self) -> Result<()> {
-        let Some(mut child) = self.child.take() else {
-            return Ok(());
+        let grace = Duration::from_secs(120);
+        let mut child = match self.process.take() {
+            None => return Ok(()),
+            Some(Process::Kernelgate(mut process)) => {
+                return match process.stop(grace).await {
+                    Ok(_) => Ok(()),
+                    Err(ServeError::NotStopped(_)) => {
+                        bail!("{} did not stop within 120 s of SIGTERM", self.name)
+                    }
+                    Err(e) => Err(e.into()),
+                };
+            }
+            Some(Process::Jkg(child)) => child,
         };
         signal(self.pid, "TERM");
-        match tokio::time::timeout(Duration::from_secs(120), child.wait()).await {
+        match tokio::time::timeout(grace, child.wait()).await {
             Ok(status) => {
                 status?;
                 Ok(())
@@ -223,7 +263,7 @@ impl Server {
 
 impl Drop for Server {
     fn drop(&mut self) {
-        if self.child.is_some() {
+        if self.process.is_some() {
             // An error path: still give it the chance to remove its kernels.
             signal(self.pid, "TERM");
             for _ in 0..600 {
