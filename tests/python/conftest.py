@@ -257,11 +257,26 @@ def policy_gateway(artifacts: Path, tmp_path: Path) -> Iterator[Gateway]:
 
 def stop_gateway(gw: Gateway) -> None:
     code = stop_process(gw.proc, timeout=30)
-    try:
-        gw.runtime_dir.rmdir()  # empty once the gateway removed its kernels; else kept to inspect
-    except OSError:
-        pass
+    remove_leftovers(gw.runtime_dir)
     assert code == 0, f"gateway exited with {code} on SIGTERM:\n{gw.log()}"
+
+
+def remove_leftovers(runtime_dir: Path) -> None:
+    """Removes what a gateway on `runtime_dir` may have left (nothing, after a clean stop; a
+    failed test's gateway may not have stopped cleanly): its containers, the mounts below the
+    directory, the directory. Every test leaves the machine as it found it."""
+    listed = subprocess.run(
+        ["docker", "ps", "-aq", "--filter", f"label=org.kernelgate.runtime_dir={runtime_dir}"],
+        capture_output=True, text=True, check=False,
+    ).stdout.split()
+    if listed:
+        subprocess.run(["docker", "rm", "-f", *listed], capture_output=True, check=False)
+    below = f"{runtime_dir}/"
+    for line in Path("/proc/self/mounts").read_text().splitlines():
+        point = line.split()[1]
+        if point.startswith(below):
+            subprocess.run(["umount", point], capture_output=True, check=False)
+    shutil.rmtree(runtime_dir, ignore_errors=True)
 
 
 @dataclass

@@ -52,13 +52,17 @@ class Lab(Screens):
         expect(editor).to_have_text(code.replace("\n", ""))
         return cell
 
-    def run(self, code: str) -> Locator:
+    def run(self, code: str, ran: bool = True) -> Locator:
         """Types `code` into the last (empty) cell, runs it with Shift+Enter and waits until its
-        prompt shows an execution count. Returns the cell."""
+        prompt shows an execution count, or, for code that never ran (`ran=False`), until it
+        shows an error and no count (`[ ]:`, the space a no-break space). Returns the cell."""
         cell = self.start(code)
-        expect(cell.locator(".jp-InputPrompt")).to_have_text(
-            re.compile(r"\[\d+\]:"), timeout=CELL_TIMEOUT_MS
-        )
+        if ran:
+            prompt = re.compile(r"\[\d+\]:")
+        else:
+            expect(self.outputs(cell, "application/vnd.jupyter.stderr")).to_be_visible(timeout=CELL_TIMEOUT_MS)
+            prompt = re.compile(r"^\[\s\]:$")
+        expect(cell.locator(".jp-InputPrompt")).to_have_text(prompt, timeout=CELL_TIMEOUT_MS)
         return cell
 
     def start(self, code: str) -> Locator:
@@ -154,12 +158,11 @@ def test_jupyterlab_notebook_on_gateway(policy_gateway, jupyter_factory, chromiu
         lab.shot("x-plus-1-is-42")
 
         # A cell the policy denies fails like any cell, with the rule's reason.
-        cell = lab.run("import subprocess\nsubprocess.run(['id'])")
+        # It never ran: its prompt shows no execution count (not the previous cell's).
+        cell = lab.run("import subprocess\nsubprocess.run(['id'])", ran=False)
         err = lab.outputs(cell, "application/vnd.jupyter.stderr")
         expect(err).to_contain_text("PolicyViolation")
         expect(err).to_contain_text("no subprocesses in analyses")
-        # It never ran: no execution count, as for a cell never run (not the previous one's).
-        expect(cell.locator(".jp-InputPrompt")).to_have_text("[ ]:")
         lab.shot("policy-denied")
 
         # A cell an `ask` rule holds waits, busy, until an admin approves it.

@@ -13,7 +13,7 @@ import os
 import pytest
 from playwright.sync_api import expect
 
-from conftest import loopback_only, start_gateway, stop_process, wait_until
+from conftest import loopback_only, start_gateway, stop_gateway, wait_until
 from test_jupyterlab import CELL_TIMEOUT_MS, Lab
 
 FIXTURE_NAME = "Python 3 + kg_fixture"  # the image's org.kernelgate.display_name label
@@ -29,7 +29,7 @@ def gateway_with_fixture(artifacts):
         ["--kernelspec", f"fixture={image}", "--pool-size", "0,fixture=1"],
     )
     yield gw
-    assert stop_process(gw.proc, timeout=30) == 0, gw.log()
+    stop_gateway(gw)
 
 
 def test_lab_launcher_offers_the_derived_kernelspec(gateway_with_fixture, jupyter_factory, chromium, artifacts):

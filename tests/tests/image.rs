@@ -39,9 +39,17 @@ async fn run(kernel: &Kernel, me: &Attachment, code: &str) -> Result<Outcome> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hardened_container_runs_a_real_kernel() -> Result<()> {
+    let runtime_dir = PathBuf::from(format!("/run/kg-image-{}", std::process::id()));
+    let result = launch_and_exercise(&runtime_dir).await;
+    // What this test made (its container, its runtime directory) goes, whatever happened.
+    kernelgate_tests::remove_leftovers(&runtime_dir);
+    result
+}
+
+async fn launch_and_exercise(runtime_dir: &std::path::Path) -> Result<()> {
     let settings = DockerSettings {
         image: kernelgate_tests::image(),
-        runtime_dir: PathBuf::from(format!("/run/kg-image-{}", std::process::id())),
+        runtime_dir: runtime_dir.to_path_buf(),
         memory_mb: 1024,
         cpus: 1.0,
         pids: 256,
