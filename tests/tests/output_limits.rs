@@ -23,6 +23,21 @@ fn peak_memory(container_id: &str) -> Result<u64> {
     Ok(text.trim().parse()?)
 }
 
+/// The agent API's streamed answer to `code`, each NDJSON line as it came on the wire.
+async fn ndjson_lines(gw: &Gateway, id: &str, code: &str) -> Result<Vec<Value>> {
+    Ok(gw
+        .request(reqwest::Method::POST, &format!("/api/kernels/{id}/execute"))
+        .header("Accept", "application/x-ndjson")
+        .json(&json!({ "code": code }))
+        .send()
+        .await?
+        .text()
+        .await?
+        .lines()
+        .map(serde_json::from_str)
+        .collect::<Result<_, _>>()?)
+}
+
 /// Reads a WebSocket client's messages until the stream goes quiet; counts what a
 /// JupyterLab user would have seen of the runaway cell.
 async fn watch(mut client: kernelgate_tests::Client, quiet: Duration) -> (usize, usize, usize) {
@@ -220,17 +235,7 @@ async fn output_under_the_cap_arrives_whole() -> Result<()> {
     assert_eq!(r["stdout"].as_str().map(str::len), Some(1000 * 1000));
     assert_eq!(r["truncated"], false);
     assert_eq!(r["stderr"], "");
-    let lines: Vec<Value> = gw
-        .request(reqwest::Method::POST, &format!("/api/kernels/{id}/execute"))
-        .header("Accept", "application/x-ndjson")
-        .json(&json!({"code": "print('z' * (2 << 20))"}))
-        .send()
-        .await?
-        .text()
-        .await?
-        .lines()
-        .map(serde_json::from_str)
-        .collect::<Result<_, _>>()?;
+    let lines = ndjson_lines(&gw, &id, "print('z' * (2 << 20))").await?;
     let end = lines.last().context("an end line")?;
     assert_eq!(end["type"], "end");
     assert_eq!(end["truncated"], true, "a single 2 MiB print crosses 1 MiB");
@@ -264,17 +269,7 @@ async fn the_first_mebibyte_of_a_large_print_reaches_every_client() -> Result<()
         .as_str()
         .is_some_and(|t| t.starts_with("[output truncated")));
 
-    let lines: Vec<Value> = gw
-        .request(reqwest::Method::POST, &format!("/api/kernels/{id}/execute"))
-        .header("Accept", "application/x-ndjson")
-        .json(&json!({ "code": FIVE_MB }))
-        .send()
-        .await?
-        .text()
-        .await?
-        .lines()
-        .map(serde_json::from_str)
-        .collect::<Result<_, _>>()?;
+    let lines = ndjson_lines(&gw, &id, FIVE_MB).await?;
     let streamed: usize = lines
         .iter()
         .filter(|l| l["type"] == "stdout")
