@@ -222,7 +222,7 @@ impl Gateway {
     /// reached or breaks off the answer is an `error` event named `GatewayUnavailable`.
     /// Dropping the receiver drops the HTTP response, and the gateway interrupts (or
     /// unqueues) the run.
-    pub fn run(
+    pub fn execute_stream(
         &self,
         tracker: &TaskTracker,
         id: &str,

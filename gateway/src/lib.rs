@@ -1,7 +1,7 @@
 //! Kernelgate: a Jupyter kernel gateway whose kernels each run in their own locked-down
 //! container.
 //!
-//! - [`kernel`] owns ZeroMQ: the sockets to one kernel, heartbeat, and the per-kernel
+//! - [`relay`] owns ZeroMQ: the sockets to one kernel, heartbeat, and the per-kernel
 //!   session state that routes messages to clients.
 //! - [`backend`] owns containers: where kernels run.
 //! - [`api`] owns HTTP and WebSockets: Jupyter Server's kernel REST API and channels.
@@ -14,11 +14,11 @@ pub mod cluster;
 pub mod config;
 #[cfg(test)]
 mod generated_docs;
-pub mod kernel;
 pub mod kernels;
 pub mod kernelspecs;
 pub mod mcp;
 pub mod metrics;
 pub mod policy;
+pub mod relay;
 pub mod tenants;
 pub mod time;

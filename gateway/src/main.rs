@@ -11,9 +11,9 @@ use kernelgate::backend::docker::lock::{LockError, RuntimeDirLock};
 use kernelgate::backend::docker::{DockerBackend, DockerSettings};
 use kernelgate::backend::KernelBackend;
 use kernelgate::config::{Cli, Command, Config, KeysAction, KeysArgs, LogFormat, McpArgs};
-use kernelgate::kernel::clients::ClientLimits;
 use kernelgate::kernels::{HeartbeatCheck, Kernels, Settings};
 use kernelgate::kernelspecs::KernelSpecs;
+use kernelgate::relay::clients::ClientLimits;
 use kernelgate::tenants::{
     generate_token, token_digest, KeyEntry, Keys, KeysFile, Tenant, TOKEN_KEY,
 };

@@ -1,7 +1,7 @@
 //! The execution policy in force (`--policy`, docs/policy.md): the rules (scanned by
 //! `kernelgate-policy`) and the executions held until an administrator answers.
 //!
-//! The kernel's relay ([`crate::kernel`]) asks [`Guard::check`] about each client
+//! The kernel's relay ([`crate::relay`]) asks [`Guard::check`] about each client
 //! `execute_request` and holds the ones a rule says to `ask` about; this module keeps the
 //! list of those (`GET /api/kernelgate/approvals`), takes the answers (`POST
 //! /api/kernelgate/approvals/{id}`, the web console's buttons) and denies what nobody

@@ -27,5 +27,5 @@ pub mod wire;
 pub use channel::Channel;
 pub use connection::{ConnectionInfo, Transport};
 pub use execution::{Execution, Outcome};
-pub use message::{Header, Message, RawJson, PROTOCOL_VERSION};
+pub use message::{Header, Message, MsgKind, RawJson, PROTOCOL_VERSION};
 pub use signature::SigningKey;

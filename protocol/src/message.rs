@@ -222,7 +222,58 @@ pub fn new_msg_id() -> String {
     uuid::Uuid::new_v4().simple().to_string()
 }
 
+/// The message types the gateway acts on, read once from a message's `msg_type` when the
+/// message is made or decoded ([`Message::kind`]); every other type is [`MsgKind::Other`]
+/// and is relayed untouched.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MsgKind {
+    ExecuteRequest,
+    ExecuteReply,
+    InterruptRequest,
+    DebugRequest,
+    /// `comm_open`, `comm_msg` or `comm_close`.
+    Comm,
+    Status,
+    Stream,
+    DisplayData,
+    UpdateDisplayData,
+    ExecuteResult,
+    Other,
+}
+
+impl MsgKind {
+    pub fn of(msg_type: &str) -> MsgKind {
+        match msg_type {
+            "execute_request" => MsgKind::ExecuteRequest,
+            "execute_reply" => MsgKind::ExecuteReply,
+            "interrupt_request" => MsgKind::InterruptRequest,
+            "debug_request" => MsgKind::DebugRequest,
+            "comm_open" | "comm_msg" | "comm_close" => MsgKind::Comm,
+            "status" => MsgKind::Status,
+            "stream" => MsgKind::Stream,
+            "display_data" => MsgKind::DisplayData,
+            "update_display_data" => MsgKind::UpdateDisplayData,
+            "execute_result" => MsgKind::ExecuteResult,
+            _ => MsgKind::Other,
+        }
+    }
+
+    /// Output that counts against an execution's output cap.
+    pub fn is_output(self) -> bool {
+        matches!(
+            self,
+            MsgKind::Stream
+                | MsgKind::DisplayData
+                | MsgKind::UpdateDisplayData
+                | MsgKind::ExecuteResult
+        )
+    }
+}
+
 /// One Jupyter message, independent of how it travels.
+///
+/// Its kind is read from `header.msg_type` when it is made; a message whose type changes
+/// is made anew ([`Message::from_parts`]).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Message {
     pub header: Header,
@@ -231,22 +282,46 @@ pub struct Message {
     pub metadata: RawJson,
     pub content: RawJson,
     pub buffers: Vec<Bytes>,
+    kind: MsgKind,
 }
 
 impl Message {
     /// A new message with empty metadata and no buffers.
     pub fn new(header: Header, parent_header: Option<Header>, content: RawJson) -> Self {
-        Message {
+        Message::from_parts(
             header,
             parent_header,
-            metadata: RawJson::empty_object(),
+            RawJson::empty_object(),
             content,
-            buffers: Vec::new(),
+            Vec::new(),
+        )
+    }
+
+    /// A message from its five parts, as decoded from a wire or WebSocket frame.
+    pub fn from_parts(
+        header: Header,
+        parent_header: Option<Header>,
+        metadata: RawJson,
+        content: RawJson,
+        buffers: Vec<Bytes>,
+    ) -> Self {
+        Message {
+            kind: MsgKind::of(&header.msg_type),
+            header,
+            parent_header,
+            metadata,
+            content,
+            buffers,
         }
     }
 
     pub fn msg_type(&self) -> &str {
         &self.header.msg_type
+    }
+
+    /// The type as the gateway acts on it, read when the message was made.
+    pub fn kind(&self) -> MsgKind {
+        self.kind
     }
 
     pub fn msg_id(&self) -> &str {

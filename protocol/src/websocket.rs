@@ -199,13 +199,13 @@ fn decode_legacy_json(json: &[u8], buffers: Vec<Bytes>) -> Result<(Channel, Mess
         Some(raw) => parse_parent(&raw)?,
         None => None,
     };
-    let message = Message {
+    let message = Message::from_parts(
         header,
         parent_header,
-        metadata: m.metadata.unwrap_or_else(RawJson::empty_object),
-        content: m.content.unwrap_or_else(RawJson::empty_object),
+        m.metadata.unwrap_or_else(RawJson::empty_object),
+        m.content.unwrap_or_else(RawJson::empty_object),
         buffers,
-    };
+    );
     Ok((channel, message))
 }
 
@@ -307,16 +307,16 @@ fn decode_v1(frame: &[u8]) -> Result<(Channel, Message), WsError> {
     };
     let header: Header = serde_json::from_slice(parts[1])?;
     let parent_header = parse_parent(&RawJson::from_slice(parts[2])?)?;
-    let message = Message {
+    let message = Message::from_parts(
         header,
         parent_header,
-        metadata: RawJson::from_slice(parts[3])?,
-        content: RawJson::from_slice(parts[4])?,
-        buffers: parts[5..]
+        RawJson::from_slice(parts[3])?,
+        RawJson::from_slice(parts[4])?,
+        parts[5..]
             .iter()
             .map(|p| Bytes::copy_from_slice(p))
             .collect(),
-    };
+    );
     Ok((channel, message))
 }
 

@@ -62,13 +62,13 @@ pub fn decode(frames: &[Bytes], key: &SigningKey) -> Result<WireMessage, WireErr
     let parent_header = parse_parent(&json(1)?).map_err(|e| invalid("parent_header", e))?;
     Ok(WireMessage {
         identities: frames[..delim].to_vec(),
-        message: Message {
+        message: Message::from_parts(
             header,
             parent_header,
-            metadata: json(2)?,
-            content: json(3)?,
-            buffers: rest[5..].to_vec(),
-        },
+            json(2)?,
+            json(3)?,
+            rest[5..].to_vec(),
+        ),
     })
 }
 

@@ -110,12 +110,8 @@ fn message() -> impl Strategy<Value = Message> {
         buffers(4),
     )
         .prop_map(
-            |(header, parent_header, metadata, content, buffers)| Message {
-                header,
-                parent_header,
-                metadata,
-                content,
-                buffers,
+            |(header, parent_header, metadata, content, buffers)| {
+                Message::from_parts(header, parent_header, metadata, content, buffers)
             },
         )
 }

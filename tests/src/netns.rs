@@ -31,7 +31,7 @@ pub struct Host {
     port: String,
 }
 
-fn run(args: &[&str]) -> Result<()> {
+fn command(args: &[&str]) -> Result<()> {
     let out = Command::new(args[0])
         .args(&args[1..])
         .output()
@@ -56,7 +56,7 @@ impl Net {
             hosts: Vec::new(),
         };
         let switch = net.switch();
-        run(&["ip", "netns", "add", &switch])?;
+        command(&["ip", "netns", "add", &switch])?;
         net.exec_in(&switch, &["ip", "link", "set", "lo", "up"])?;
         net.exec_in(
             &switch,
@@ -75,7 +75,7 @@ impl Net {
         let path = format!("--net=/var/run/netns/{netns}");
         let mut all = vec!["nsenter", path.as_str()];
         all.extend_from_slice(args);
-        run(&all)
+        command(&all)
     }
 
     /// Adds host number `n` (1-250) called `name`: its namespace, a veth pair to the switch
@@ -86,7 +86,7 @@ impl Net {
         let port = format!("p{}{n}", self.prefix.trim_start_matches("kg-"));
         let port = port.chars().take(15).collect::<String>();
         let ip = format!("{SUBNET}.{}.{n}", self.subnet);
-        run(&["ip", "netns", "add", &netns])?;
+        command(&["ip", "netns", "add", &netns])?;
         let host = Host {
             netns: netns.clone(),
             ip: ip.clone(),
@@ -160,8 +160,8 @@ impl Drop for Net {
     fn drop(&mut self) {
         // Deleting a namespace removes its end of each veth pair, and with it the pair.
         for host in &self.hosts {
-            let _ = run(&["ip", "netns", "delete", &host.netns]);
+            let _ = command(&["ip", "netns", "delete", &host.netns]);
         }
-        let _ = run(&["ip", "netns", "delete", &self.switch()]);
+        let _ = command(&["ip", "netns", "delete", &self.switch()]);
     }
 }

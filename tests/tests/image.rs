@@ -6,8 +6,8 @@ use anyhow::{anyhow, Result};
 use kernelgate::backend::docker::{DockerBackend, DockerSettings};
 use kernelgate::backend::{KernelBackend, LaunchRequest};
 use kernelgate::config::RuntimeChoice;
-use kernelgate::kernel::clients::ClientLimits;
-use kernelgate::kernel::{Attachment, Kernel};
+use kernelgate::relay::clients::ClientLimits;
+use kernelgate::relay::{Attachment, Relay};
 use kernelgate_protocol::content::ExecuteRequest;
 use kernelgate_protocol::{Channel, RawJson};
 use kernelgate_tests::{decode_png, Outcome, Tracked};
@@ -18,7 +18,7 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-async fn run(kernel: &Kernel, me: &Attachment, code: &str) -> Result<Outcome> {
+async fn run(kernel: &Relay, me: &Attachment, code: &str) -> Result<Outcome> {
     let request = kernel.request(
         "execute_request",
         RawJson::from_value(&ExecuteRequest::new(code)),
@@ -102,7 +102,7 @@ async fn exercise(handle: &str, connection: &kernelgate_protocol::ConnectionInfo
     assert_eq!(inspect[0]["Config"]["User"], "1000:1000");
 
     let tracker = TaskTracker::new();
-    let kernel = Kernel::new(
+    let kernel = Relay::new(
         "image-test",
         ClientLimits {
             kernel_message_bytes: 64 << 20,

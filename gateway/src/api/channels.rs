@@ -2,15 +2,15 @@
 //! channels, in the legacy JSON encoding or `v1.kernel.websocket.jupyter.org` when offered.
 //!
 //! A new socket with the same session id takes the session over and first receives what
-//! was queued while no socket was connected (see [`crate::kernel::clients`]).
+//! was queued while no socket was connected (see [`crate::relay::clients`]).
 
 use super::auth::Caller;
 use super::error::ApiError;
 use super::extract::Path;
 use super::kernels::find;
 use super::AppState;
-use crate::kernel::{now_iso, Attachment};
 use crate::metrics::{self, DropReason};
+use crate::relay::{now_iso, Attachment};
 use axum::extract::rejection::QueryRejection;
 use axum::extract::ws::rejection::WebSocketUpgradeRejection;
 use axum::extract::ws::{CloseFrame, Message as WsMessage, WebSocket, WebSocketUpgrade};

@@ -2,9 +2,9 @@
 //! (no stack traces, no secrets), as Jupyter Server does: `{"reason", "message"}`.
 
 use crate::backend::BackendError;
-use crate::kernel::KernelError;
 use crate::kernels::files::FileError;
 use crate::kernels::CreateError;
+use crate::relay::KernelError;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::Request;
 use axum::http::{header, HeaderMap, Method, StatusCode};

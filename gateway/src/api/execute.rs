@@ -15,7 +15,7 @@ use super::error::{body_refused, ApiError, ErrorBody};
 use super::extract::{json_body, Path};
 use super::kernels::{find, KernelPath};
 use super::AppState;
-use crate::kernels::run::{self, End, Progress, Run};
+use crate::kernels::runner::{self, End, Job, Progress};
 use axum::body::{Body, Bytes};
 use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
@@ -155,11 +155,11 @@ pub async fn execute(
         }
     };
     let live = find(&state, &caller, &id)?;
-    let rx = run::start(
+    let rx = runner::submit(
         &state.tracker,
         state.kernels.clone(),
         live,
-        Run {
+        Job {
             code: body.code,
             timeout,
             key: caller.0.name.clone(),

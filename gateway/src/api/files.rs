@@ -34,7 +34,7 @@ pub struct FilePath {
     path: String,
 }
 
-async fn run(
+async fn operate(
     state: &AppState,
     caller: &Caller,
     id: &str,
@@ -49,7 +49,7 @@ async fn run(
             as_written(path)
         )));
     }
-    Ok(files::run(
+    Ok(files::perform(
         &state.kernels,
         &live,
         &caller.0.name,
@@ -99,7 +99,7 @@ pub async fn list_root(
     Path(KernelPath { id }): Path<KernelPath>,
 ) -> Result<Response, ApiError> {
     Ok(json(
-        run(&state, &caller, &id, FileOp::List, "", Bytes::new()).await?,
+        operate(&state, &caller, &id, FileOp::List, "", Bytes::new()).await?,
     ))
 }
 
@@ -163,17 +163,17 @@ pub async fn get(
                     .into_response())
             }
             Err(FileError::WrongKind { .. }) => Ok(json(
-                run(&state, &caller, &id, FileOp::List, &path, Bytes::new()).await?,
+                operate(&state, &caller, &id, FileOp::List, &path, Bytes::new()).await?,
             )),
             Err(e) => Err(e.into()),
         };
     }
-    match run(&state, &caller, &id, FileOp::Get, &path, Bytes::new()).await {
+    match operate(&state, &caller, &id, FileOp::Get, &path, Bytes::new()).await {
         Ok(bytes) => {
             Ok(([(header::CONTENT_TYPE, "application/octet-stream")], bytes).into_response())
         }
         Err(e) if e.status == StatusCode::CONFLICT => Ok(json(
-            run(&state, &caller, &id, FileOp::List, &path, Bytes::new()).await?,
+            operate(&state, &caller, &id, FileOp::List, &path, Bytes::new()).await?,
         )),
         Err(e) => Err(e),
     }
@@ -220,7 +220,7 @@ pub async fn put(
         Ok(body) => body,
         Err(e) => return Ok(body_refused(e, state.max_message_bytes)),
     };
-    let entry = run(&state, &caller, &id, FileOp::Put, &path, body).await?;
+    let entry = operate(&state, &caller, &id, FileOp::Put, &path, body).await?;
     Ok((StatusCode::CREATED, json(entry)).into_response())
 }
 
@@ -243,7 +243,7 @@ pub async fn delete(
     caller: Caller,
     Path(FilePath { id, path }): Path<FilePath>,
 ) -> Result<StatusCode, ApiError> {
-    run(&state, &caller, &id, FileOp::Delete, &path, Bytes::new()).await?;
+    operate(&state, &caller, &id, FileOp::Delete, &path, Bytes::new()).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 

@@ -320,10 +320,10 @@ mod tests {
     use super::*;
     use crate::api::ops::{MetricsAccess, Readiness};
     use crate::api::origin::OriginPolicy;
-    use crate::kernel::clients::ClientLimits;
     use crate::kernels::fake::FakeBackend;
     use crate::kernels::{HeartbeatCheck, Kernels, Settings};
     use crate::kernelspecs::KernelSpecs;
+    use crate::relay::clients::ClientLimits;
     use crate::tenants::Keys;
     use axum::body::Body;
     use axum::http::{Method, Request, StatusCode};

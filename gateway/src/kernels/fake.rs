@@ -507,7 +507,7 @@ impl Mock {
 
     fn message(&self, msg_type: &str, parent: &Header, content: Value) -> Message {
         Message::new(
-            Header::new(msg_type, &self.session, "mock", &crate::kernel::now_iso()),
+            Header::new(msg_type, &self.session, "mock", &crate::relay::now_iso()),
             Some(parent.clone()),
             RawJson::from_value(&content),
         )

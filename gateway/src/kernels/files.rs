@@ -70,7 +70,7 @@ pub enum FileError {
 
 /// Runs `op` on `path` in `live`'s working directory for the key `key` (audited).
 /// Output larger than `max_bytes` is refused with [`FileError::TooLarge`].
-pub async fn run(
+pub async fn perform(
     kernels: &Kernels,
     live: &LiveKernel,
     key: &str,

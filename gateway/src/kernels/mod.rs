@@ -1,20 +1,20 @@
 //! The table of live kernels: creating them (from the warm pool or cold), restarting,
 //! interrupting, deleting, watching for death, culling idle ones, and the kernel limit.
 //! The only place where a container ([`crate::backend`]) and its sockets
-//! ([`crate::kernel`]) meet.
+//! ([`crate::relay`]) meet.
 
 use crate::backend::{BackendError, Found, KernelBackend, LaunchRequest, Launched};
-use crate::kernel::clients::ClientLimits;
 use crate::kernelspecs::{KernelSpecs, DEFAULT_SPEC};
 use crate::metrics::{self, Source, TableSnapshot};
+use crate::relay::clients::ClientLimits;
 
 mod adopt;
 pub mod files;
 mod pool;
-pub mod run;
+pub mod runner;
 mod supervise;
 use crate::audit::{self, Audit, Record};
-use crate::kernel::{Kernel, KernelError};
+use crate::relay::{KernelError, Relay};
 use crate::tenants::{Tenant, TOKEN_KEY};
 use kernelgate_protocol::content::ExecutionState;
 use kernelgate_protocol::ConnectionInfo;
@@ -74,7 +74,7 @@ struct Process {
 /// One kernel of the table.
 #[derive(Debug)]
 pub struct LiveKernel {
-    pub kernel: Arc<Kernel>,
+    pub kernel: Arc<Relay>,
     pub name: String,
     process: Mutex<Process>,
     /// Serializes restarts with the death watcher.
@@ -512,7 +512,7 @@ impl Kernels {
         connection: ConnectionInfo,
         timeout: Duration,
     ) -> Result<Arc<LiveKernel>, CreateError> {
-        let kernel = Kernel::new(
+        let kernel = Relay::new(
             id,
             self.settings.limits,
             self.settings.audit.clone(),
@@ -551,7 +551,7 @@ impl Kernels {
     /// once, saying why, instead of after the whole timeout.
     async fn connect_watched(
         &self,
-        kernel: &Arc<Kernel>,
+        kernel: &Arc<Relay>,
         handle: &str,
         connection: &ConnectionInfo,
         cancel: CancellationToken,

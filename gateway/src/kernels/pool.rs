@@ -81,7 +81,7 @@ impl Kernels {
         let me = live.kernel.attach(
             &format!("kernelgate-env-{}", uuid::Uuid::new_v4()),
             true,
-            crate::kernel::GATEWAY_KEY,
+            crate::relay::GATEWAY_KEY,
         );
         let message = live
             .kernel

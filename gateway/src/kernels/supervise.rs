@@ -13,7 +13,7 @@
 use super::{CreateError, Kernels, LiveKernel, Process, Removal};
 use crate::audit::Record;
 use crate::backend::BackendError;
-use crate::kernel::heartbeat;
+use crate::relay::heartbeat;
 use chrono::Utc;
 use kernelgate_protocol::content::ExecutionState;
 use kernelgate_protocol::ConnectionInfo;
@@ -59,7 +59,7 @@ pub(super) fn backoff(n: u32) -> Duration {
 fn retryable(e: &CreateError) -> bool {
     !matches!(
         e,
-        CreateError::ShuttingDown | CreateError::Kernel(crate::kernel::KernelError::NotReady(_))
+        CreateError::ShuttingDown | CreateError::Kernel(crate::relay::KernelError::NotReady(_))
     )
 }
 
@@ -156,7 +156,7 @@ impl Kernels {
         live.kernel.set_dead(why.clone());
         match failure {
             // Its own status (504) for one that did not answer in time.
-            e @ CreateError::Kernel(crate::kernel::KernelError::NotReady(_)) => Err(e),
+            e @ CreateError::Kernel(crate::relay::KernelError::NotReady(_)) => Err(e),
             _ => Err(CreateError::Backend(BackendError::Died(why))),
         }
     }

@@ -4,7 +4,7 @@
 
 use super::{KernelRef, Place, Seen};
 use crate::kernels::files::{self, FileError, FileOp};
-use crate::kernels::run::{self, End, Progress, Run};
+use crate::kernels::runner::{self, End, Job, Progress};
 use crate::kernels::{Kernels, LiveKernel, Removal};
 use crate::tenants::Tenant;
 use futures::future::BoxFuture;
@@ -97,15 +97,15 @@ impl Place for Local {
         })
     }
 
-    fn run<'a>(
+    fn execute<'a>(
         &'a self,
         tracker: &'a TaskTracker,
         kernel: &'a KernelRef,
-        run: Run,
+        job: Job,
     ) -> BoxFuture<'a, mpsc::Receiver<Progress>> {
         Box::pin(async move {
             match self.0.get(&kernel.id) {
-                Some(live) => run::start(tracker, self.0.clone(), live, run).await,
+                Some(live) => runner::submit(tracker, self.0.clone(), live, job).await,
                 // Gone since it was found: the run cannot reach it.
                 None => gone(&kernel.id).await,
             }
@@ -123,7 +123,7 @@ impl Place for Local {
     ) -> BoxFuture<'a, Result<Vec<u8>, FileError>> {
         Box::pin(async move {
             let live = self.live(kernel, path)?;
-            files::run(&self.0, &live, key, op, path, body.into(), max_bytes).await
+            files::perform(&self.0, &live, key, op, path, body.into(), max_bytes).await
         })
     }
 

@@ -27,7 +27,7 @@ pub mod stdio;
 pub mod tools;
 
 use crate::kernels::files::{FileError, FileOp};
-use crate::kernels::run::{Progress, Run};
+use crate::kernels::runner::{Job, Progress};
 use crate::kernels::Kernels;
 use crate::tenants::Tenant;
 use budget::Budget;
@@ -94,11 +94,11 @@ pub trait Place: std::fmt::Debug + Send + Sync + 'static {
         tenant: &'a Tenant,
     ) -> BoxFuture<'a, Result<(), String>>;
     /// Runs code; dropping the receiver abandons the run.
-    fn run<'a>(
+    fn execute<'a>(
         &'a self,
         tracker: &'a TaskTracker,
         kernel: &'a KernelRef,
-        run: Run,
+        job: Job,
     ) -> BoxFuture<'a, mpsc::Receiver<Progress>>;
     /// A file operation in the kernel's working directory, answers up to `max_bytes`.
     #[allow(clippy::too_many_arguments)]
@@ -285,8 +285,8 @@ impl Mcp {
         self.place.find(tenant, id).await.map_err(tools::error)
     }
 
-    async fn run(&self, kernel: &KernelRef, run: Run) -> mpsc::Receiver<Progress> {
-        self.place.run(&self.tracker, kernel, run).await
+    async fn execute(&self, kernel: &KernelRef, job: Job) -> mpsc::Receiver<Progress> {
+        self.place.execute(&self.tracker, kernel, job).await
     }
 
     async fn file(

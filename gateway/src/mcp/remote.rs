@@ -5,7 +5,7 @@
 
 use super::{KernelRef, Place};
 use crate::kernels::files::{FileError, FileOp};
-use crate::kernels::run::{Progress, Run};
+use crate::kernels::runner::{Job, Progress};
 use crate::tenants::Tenant;
 use futures::future::BoxFuture;
 use kernelgate_client::gateway::Error;
@@ -117,19 +117,19 @@ impl Place for Remote {
         })
     }
 
-    fn run<'a>(
+    fn execute<'a>(
         &'a self,
         tracker: &'a TaskTracker,
         kernel: &'a KernelRef,
-        run: Run,
+        job: Job,
     ) -> BoxFuture<'a, mpsc::Receiver<Progress>> {
         let body = ExecuteBody {
-            code: run.code,
-            timeout: Some(run.timeout.as_secs_f64()),
-            agent_id: Some(run.agent_id.unwrap_or_default()),
+            code: job.code,
+            timeout: Some(job.timeout.as_secs_f64()),
+            agent_id: Some(job.agent_id.unwrap_or_default()),
             plain: false,
         };
-        Box::pin(async move { self.gateway.run(tracker, &kernel.id, body) })
+        Box::pin(async move { self.gateway.execute_stream(tracker, &kernel.id, body) })
     }
 
     fn file<'a>(

@@ -141,9 +141,9 @@ impl Session {
             ));
         }
         let mut rx = mcp
-            .run(
+            .execute(
                 &kernel,
-                Run {
+                Job {
                     code: args.code,
                     timeout,
                     key: caller.tenant.name.clone(),

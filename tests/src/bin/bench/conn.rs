@@ -170,7 +170,7 @@ impl Conn {
                 let msg_id = uuid::Uuid::new_v4().to_string();
                 let frame = json!({
                     "header": {"msg_id": msg_id, "msg_type": msg_type, "session": self.session,
-                               "username": "bench", "date": kernelgate::kernel::now_iso(),
+                               "username": "bench", "date": kernelgate::relay::now_iso(),
                                "version": "5.3"},
                     "parent_header": {}, "metadata": {}, "content": content, "buffers": [],
                     "channel": "shell",
@@ -183,7 +183,7 @@ impl Conn {
                     msg_type,
                     &self.session,
                     "bench",
-                    &kernelgate::kernel::now_iso(),
+                    &kernelgate::relay::now_iso(),
                 );
                 let msg_id = header.msg_id.clone();
                 let message = Message::new(header, None, RawJson::from_value(&content));

@@ -190,7 +190,7 @@ async fn main() -> Result<()> {
     let machine = report::machine(&paths).await;
     let started = Instant::now();
     let mut results = Results::default();
-    let outcome = run(&opts, &paths, &mut results).await;
+    let outcome = measure_all(&opts, &paths, &mut results).await;
     let elapsed = started.elapsed();
     let _ = std::fs::remove_dir_all(&work);
     outcome?;
@@ -225,7 +225,7 @@ async fn main() -> Result<()> {
     Ok(())
 }
 
-async fn run(opts: &Opts, paths: &Paths, results: &mut Results) -> Result<()> {
+async fn measure_all(opts: &Opts, paths: &Paths, results: &mut Results) -> Result<()> {
     if opts.mcp_only {
         return mcp::compare(opts, paths, results).await;
     }

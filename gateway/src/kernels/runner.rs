@@ -1,5 +1,5 @@
 //! Running one piece of code on a kernel of the table for a caller that wants its outputs:
-//! the agent API and MCP's `run_python` both go through [`start`].
+//! the agent API and MCP's `run_python` both go through [`submit`].
 //!
 //! Runs on one kernel go one at a time, in arrival order (the kernel's `runs` queue). A run
 //! whose caller stops listening (drops the receiver) before its turn leaves the queue and
@@ -9,10 +9,10 @@
 //! apply as for any client.
 
 use super::{Kernels, LiveKernel};
-use crate::kernel::executions::TRUNCATED_METADATA;
+use crate::relay::executions::TRUNCATED_METADATA;
 use kernelgate_protocol::content::{ErrorContent, ExecuteRequest};
 use kernelgate_protocol::execution::{Event, Interruption, Phase};
-use kernelgate_protocol::{Channel, Execution, RawJson};
+use kernelgate_protocol::{Channel, Execution, MsgKind, RawJson};
 use serde_json::Map;
 use std::future::Future;
 use std::sync::Arc;
@@ -31,7 +31,7 @@ const IOPUB_GRACE: Duration = Duration::from_secs(10);
 
 /// What to run, for whom.
 #[derive(Debug)]
-pub struct Run {
+pub struct Job {
     pub code: String,
     pub timeout: Duration,
     /// The key that runs it.
@@ -46,11 +46,11 @@ pub use kernelgate_protocol::agent::{End, Progress};
 
 /// Queues the run on `live` and returns its progress. Dropping the receiver abandons the
 /// run: taken out of the queue if it is still waiting, the kernel interrupted if it runs.
-pub async fn start(
+pub async fn submit(
     tracker: &TaskTracker,
     kernels: Arc<Kernels>,
     live: Arc<LiveKernel>,
-    run: Run,
+    run: Job,
 ) -> mpsc::Receiver<Progress> {
     let (tx, rx) = mpsc::channel(256);
     // The place in the queue is taken here, by the caller, not by the task: tasks spawned
@@ -64,7 +64,7 @@ pub async fn start(
 async fn execute<F>(
     kernels: Arc<Kernels>,
     live: Arc<LiveKernel>,
-    run: Run,
+    run: Job,
     tx: mpsc::Sender<Progress>,
     turn: std::pin::Pin<Box<F>>,
     now: Poll<OwnedMutexGuard<()>>,
@@ -175,7 +175,7 @@ async fn execute<F>(
 
 /// The gateway's own notice that an execution's output was cut.
 fn is_truncation_notice(message: &kernelgate_protocol::Message) -> bool {
-    message.msg_type() == "stream" && message.metadata.get().contains(TRUNCATED_METADATA)
+    message.kind() == MsgKind::Stream && message.metadata.get().contains(TRUNCATED_METADATA)
 }
 
 async fn interrupt(kernels: &Kernels, live: &LiveKernel) {

@@ -21,7 +21,7 @@ use executions::{Executions, Verdict};
 use gate::{Gate, Held, Refusal};
 use kernelgate_policy::Decision;
 use kernelgate_protocol::content::{ExecutionState, KernelInfoReply};
-use kernelgate_protocol::{Channel, ConnectionInfo, Execution, Header, Message, RawJson};
+use kernelgate_protocol::{Channel, ConnectionInfo, Execution, Header, Message, MsgKind, RawJson};
 use link::{Dispatch, Link};
 use requests::CodeRequest;
 use std::collections::VecDeque;
@@ -79,7 +79,7 @@ const MAX_IN_FLIGHT: usize = 1024;
 
 /// A kernel's messaging side.
 #[derive(Debug)]
-pub struct Kernel {
+pub struct Relay {
     id: String,
     /// The session id on messages the gateway itself creates.
     session: String,
@@ -93,14 +93,14 @@ pub struct Kernel {
     state: Mutex<State>,
 }
 
-impl Kernel {
+impl Relay {
     pub fn new(
         id: &str,
         limits: ClientLimits,
         audit: Audit,
         guard: Option<Arc<Guard>>,
     ) -> Arc<Self> {
-        Arc::new(Kernel {
+        Arc::new(Relay {
             id: id.to_owned(),
             session: uuid::Uuid::new_v4().to_string(),
             max_message_bytes: limits.kernel_message_bytes,
@@ -177,7 +177,7 @@ impl Kernel {
             st.in_flight.clear();
             let backlog = std::mem::take(&mut st.backlog);
             for (_, message) in &backlog {
-                if message.msg_type() == "execute_request" {
+                if message.kind() == MsgKind::ExecuteRequest {
                     track(&mut st.in_flight, &message.header);
                 }
             }
@@ -300,7 +300,7 @@ impl Kernel {
         message: Message,
     ) -> Result<(), KernelError> {
         let decision = self.screen(key, channel, &message).await;
-        if channel == Channel::Control && message.msg_type() == "interrupt_request" {
+        if channel == Channel::Control && message.kind() == MsgKind::InterruptRequest {
             self.cancel_waiting();
         }
         let (link, message) = {
@@ -312,7 +312,7 @@ impl Kernel {
             let code_sha256 = self.audit_request(key, &message);
             metrics::relayed(Direction::ClientToKernel, wire_size(&message));
             st.last_activity = Utc::now();
-            if message.msg_type() == "debug_request" && self.guard.is_some() {
+            if message.kind() == MsgKind::DebugRequest && self.guard.is_some() {
                 self.audit_decision(key, &message, "deny", None, None, None);
                 st.clients
                     .route(gate::debug_refused(&message, &self.session));
@@ -354,7 +354,7 @@ impl Kernel {
         key: &str,
         code_sha256: Option<String>,
     ) -> Result<Option<(Arc<Link>, Message)>, KernelError> {
-        let execute = message.msg_type() == "execute_request";
+        let execute = message.kind() == MsgKind::ExecuteRequest;
         let queue = st.link.is_none()
             && matches!(
                 st.execution_state,
@@ -417,7 +417,7 @@ pub const GATEWAY_KEY: &str = "kernelgate";
 /// detaches the session (kept for replay unless internal).
 #[derive(Debug)]
 pub struct Attachment {
-    kernel: Arc<Kernel>,
+    kernel: Arc<Relay>,
     ticket: Ticket,
     key: String,
 }
@@ -443,7 +443,7 @@ impl Attachment {
             .await
     }
 
-    pub fn kernel(&self) -> &Arc<Kernel> {
+    pub fn kernel(&self) -> &Arc<Relay> {
         &self.kernel
     }
 }

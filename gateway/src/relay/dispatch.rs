@@ -4,16 +4,16 @@
 
 use super::*;
 
-impl Dispatch for Kernel {
+impl Dispatch for Relay {
     fn dispatch(&self, channel: Channel, message: Message) {
         let mut st = self.lock();
         st.last_activity = Utc::now();
-        if channel == Channel::IoPub && message.msg_type() == "status" {
+        if channel == Channel::IoPub && message.kind() == MsgKind::Status {
             if let Ok(s) = message.content_as::<kernelgate_protocol::content::Status>() {
                 st.execution_state = s.execution_state;
             }
         }
-        if channel == Channel::Shell && message.msg_type() == "execute_reply" {
+        if channel == Channel::Shell && message.kind() == MsgKind::ExecuteReply {
             if let Some(id) = message.parent_msg_id() {
                 st.in_flight.retain(|h| h.msg_id != id);
             }

@@ -11,7 +11,7 @@
 //! goes on and its reply, status and errors pass.
 
 use super::clients::Outbound;
-use kernelgate_protocol::{Channel, Header, Message, RawJson};
+use kernelgate_protocol::{Channel, Header, Message, MsgKind, RawJson};
 use serde::Deserialize;
 use serde_json::value::RawValue;
 use std::collections::{HashMap, VecDeque};
@@ -147,7 +147,7 @@ impl Executions {
         let Some(parent) = message.parent_msg_id() else {
             return Verdict::Relay;
         };
-        if message.msg_type() == "status" {
+        if message.kind() == MsgKind::Status {
             self.maybe_finished(parent, message);
             return Verdict::Relay;
         }
@@ -226,13 +226,13 @@ impl Executions {
 /// execute_input, clear_output, comms).
 fn weight(message: &Message) -> Option<usize> {
     let buffers: usize = message.buffers.iter().map(|b| b.len()).sum();
-    match message.msg_type() {
-        "stream" => Some(
+    match message.kind() {
+        MsgKind::Stream => Some(
             serde_json::from_str::<StreamText>(message.content.get())
                 .map(|s| s.text.len())
                 .unwrap_or_else(|_| message.content.get().len()),
         ),
-        "display_data" | "update_display_data" | "execute_result" => {
+        MsgKind::DisplayData | MsgKind::UpdateDisplayData | MsgKind::ExecuteResult => {
             let data = match serde_json::from_str::<DisplayData>(message.content.get()) {
                 Ok(d) => d
                     .data
@@ -250,7 +250,7 @@ fn weight(message: &Message) -> Option<usize> {
 /// as a message of its own with every other field kept; `None` for other messages or when
 /// nothing fits.
 fn stream_head(message: &Message, room: usize) -> Option<Box<Message>> {
-    if message.msg_type() != "stream" || room == 0 {
+    if message.kind() != MsgKind::Stream || room == 0 {
         return None;
     }
     let mut content: serde_json::Map<String, serde_json::Value> = message.content.parse().ok()?;
@@ -279,7 +279,7 @@ fn preview_text(message: &Message) -> String {
         data: Option<HashMap<String, serde_json::Value>>,
     }
     match message.content.parse::<Plain>() {
-        Ok(p) if message.msg_type() == "stream" => p.text,
+        Ok(p) if message.kind() == MsgKind::Stream => p.text,
         Ok(p) => p
             .data
             .and_then(|d| {

@@ -14,7 +14,7 @@ pub(super) struct CodeRequest {
     pub(super) silent: bool,
 }
 
-impl Kernel {
+impl Relay {
     /// Audits a client request that runs code or talks to kernel-side objects: execute
     /// requests (code and user expressions), debug requests and comm messages. Returns the
     /// code's SHA-256 for an execute request.
@@ -36,8 +36,8 @@ impl Kernel {
             return None;
         }
         let sender = self.sender(key, message);
-        match message.msg_type() {
-            "execute_request" => {
+        match message.kind() {
+            MsgKind::ExecuteRequest => {
                 let req: CodeRequest = message.content.parse().unwrap_or_default();
                 let sha = crate::audit::sha256(&req.code);
                 self.audit.record(&Record::ExecutionRequested {
@@ -49,7 +49,7 @@ impl Kernel {
                 });
                 Some(sha)
             }
-            "debug_request" => {
+            MsgKind::DebugRequest => {
                 let content: serde_json::Value = message.content.parse().unwrap_or_default();
                 self.audit.record(&Record::DebugRequest {
                     sender,
@@ -57,7 +57,7 @@ impl Kernel {
                 });
                 None
             }
-            t if t.starts_with("comm_") => {
+            MsgKind::Comm => {
                 let content: serde_json::Value = message.content.parse().unwrap_or_default();
                 let data = content
                     .get("data")
@@ -65,7 +65,7 @@ impl Kernel {
                     .unwrap_or_default();
                 self.audit.record(&Record::Comm {
                     sender,
-                    msg_type: t.to_owned(),
+                    msg_type: message.msg_type().to_owned(),
                     comm_id: content.get("comm_id").cloned(),
                     target_name: content.get("target_name").cloned(),
                     data_sha256: crate::audit::sha256(&data),

@@ -5,7 +5,7 @@
 use super::*;
 
 /// The execution policy's side of the relay: what is checked, held, refused and released.
-impl Kernel {
+impl Relay {
     /// The policy's decision on a client message: only execute requests are checked, and
     /// never the gateway's own (warm-kernel set-up).
     pub(super) async fn screen(&self, key: &str, channel: Channel, message: &Message) -> Decision {
@@ -13,7 +13,7 @@ impl Kernel {
             return Decision::Allow;
         };
         if channel != Channel::Shell
-            || message.msg_type() != "execute_request"
+            || message.kind() != MsgKind::ExecuteRequest
             || key == GATEWAY_KEY
         {
             return Decision::Allow;
@@ -251,7 +251,7 @@ pub(super) fn describe(verdict: &kernelgate_policy::Verdict) -> String {
     )
 }
 
-impl Holder for Kernel {
+impl Holder for Relay {
     fn kernel_id(&self) -> &str {
         &self.id
     }

@@ -4,7 +4,7 @@
 
 use super::*;
 
-impl Kernel {
+impl Relay {
     /// The kernel's process is gone (`cause` says how, e.g. "the kernel ran out of memory
     /// (limit 1024 MiB)"): every execution sent to it and not answered is answered in its
     /// place, as a failed cell whose error names the cause, with an `execution_finished`
@@ -64,7 +64,7 @@ impl Kernel {
                 evalue: why.clone(),
             };
             for (channel, message) in std::mem::take(&mut st.backlog) {
-                if channel == Channel::Shell && message.msg_type() == "execute_request" {
+                if channel == Channel::Shell && message.kind() == MsgKind::ExecuteRequest {
                     self.answer_in_place(&mut st, &message.header, "", None, &refusal);
                 }
             }
