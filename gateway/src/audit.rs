@@ -15,7 +15,8 @@ use sha2::{Digest, Sha256};
 use std::io::Write;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Mutex};
+use tokio::sync::{oneshot, watch};
 
 /// Characters of output kept in an execution's `finished` record.
 pub const OUTPUT_PREVIEW_CHARS: usize = 500;
@@ -216,15 +217,39 @@ enum Sink {
     Stdout,
 }
 
-#[derive(Debug, Default)]
-struct Progress {
-    /// Records written so far, and those an fdatasync covers.
-    written: u64,
-    synced: u64,
-    syncing: bool,
+impl Sink {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<()> {
+        match self {
+            Sink::File(f) => f.write_all(bytes),
+            Sink::Stdout => {
+                let mut out = std::io::stdout().lock();
+                out.write_all(bytes).and_then(|_| out.flush())
+            }
+        }
+    }
+
+    fn sync(&self) -> std::io::Result<()> {
+        match self {
+            Sink::File(f) => f.sync_data(),
+            Sink::Stdout => Ok(()),
+        }
+    }
+}
+
+/// What the writer thread is asked to do, in the order records were made.
+enum Command {
+    /// One record's line, newline included.
+    Line(String),
+    /// Open the file again at its path; the lines before go to the old file.
+    Reopen(oneshot::Sender<std::io::Result<()>>),
 }
 
 /// Where audit records go; cheap to share.
+///
+/// Records are handed to one writer thread, in order, without blocking: callers hold
+/// locks while they make records, and no runtime worker waits for a disk. What must be in
+/// the file before the gateway goes on (an execution's record before its code is sent) is
+/// awaited through the [`Written`] each record returns.
 #[derive(Debug, Clone)]
 pub struct Audit {
     inner: Option<Arc<Inner>>,
@@ -232,12 +257,66 @@ pub struct Audit {
 
 #[derive(Debug)]
 struct Inner {
-    /// The file's path (none for stdout), for [`Audit::reopen`].
-    path: Option<std::path::PathBuf>,
-    sink: Mutex<Sink>,
-    fsync: bool,
-    progress: Mutex<Progress>,
-    synced: Condvar,
+    /// The writer's queue and the number of the last record put in it (both under one
+    /// lock, so that numbers follow the queue's order).
+    queue: Mutex<Queue>,
+    /// How many records are in the file (and synced, with `--audit-fsync`).
+    done: watch::Receiver<u64>,
+}
+
+#[derive(Debug)]
+struct Queue {
+    tx: std::sync::mpsc::Sender<Command>,
+    made: u64,
+}
+
+/// A record handed to the writer: await it to know the record is in the file (and synced,
+/// with `--audit-fsync`). Records are written in the order they were made, so waiting for
+/// one also waits for every record made before it.
+#[must_use = "await it before anything that must come after the record"]
+#[derive(Debug, Clone, Default)]
+pub struct Written {
+    seq: u64,
+    done: Option<watch::Receiver<u64>>,
+}
+
+impl Written {
+    /// The later of two records (waiting for it covers both).
+    pub fn and(self, other: Written) -> Written {
+        if other.seq >= self.seq {
+            other
+        } else {
+            self
+        }
+    }
+
+    /// Whether there is anything to wait for.
+    pub fn is_pending(&self) -> bool {
+        self.done.as_ref().is_some_and(|d| *d.borrow() < self.seq)
+    }
+
+    /// Waits on a thread that is not a runtime worker (tests, `kernelgate` subcommands).
+    #[cfg(test)]
+    fn wait_blocking(self) {
+        tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("a runtime")
+            .block_on(std::future::IntoFuture::into_future(self));
+    }
+}
+
+impl std::future::IntoFuture for Written {
+    type Output = ();
+    type IntoFuture = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
+
+    fn into_future(self) -> Self::IntoFuture {
+        Box::pin(async move {
+            if let Some(mut done) = self.done {
+                // The writer is gone only when every Audit is: nothing is left to wait for.
+                let _ = done.wait_for(|&n| n >= self.seq).await;
+            }
+        })
+    }
 }
 
 impl Audit {
@@ -246,7 +325,8 @@ impl Audit {
         Audit { inner: None }
     }
 
-    /// Appends to `path` (created mode 0600), or writes to stdout for `-`.
+    /// Appends to `path` (created mode 0600), or writes to stdout for `-`, from a writer
+    /// thread of its own.
     pub fn open(path: &Path, fsync: bool) -> std::io::Result<Audit> {
         let stdout = path == Path::new("-");
         let sink = if stdout {
@@ -254,13 +334,16 @@ impl Audit {
         } else {
             Sink::File(open_log(path)?)
         };
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (done_tx, done) = watch::channel(0);
+        let path = (!stdout).then(|| path.to_owned());
+        std::thread::Builder::new()
+            .name("kernelgate-audit".into())
+            .spawn(move || write_records(rx, sink, path, fsync, done_tx))?;
         Ok(Audit {
             inner: Some(Arc::new(Inner {
-                path: (!stdout).then(|| path.to_owned()),
-                sink: Mutex::new(sink),
-                fsync,
-                progress: Mutex::new(Progress::default()),
-                synced: Condvar::new(),
+                queue: Mutex::new(Queue { tx, made: 0 }),
+                done,
             })),
         })
     }
@@ -269,75 +352,114 @@ impl Audit {
         self.inner.is_some()
     }
 
-    /// Opens the file again at its path (after logrotate moved it away; on SIGHUP).
-    pub fn reopen(&self) -> std::io::Result<()> {
+    /// Opens the file again at its path (after logrotate moved it away; on SIGHUP). The
+    /// records made before go to the old file, those after to the new one.
+    pub async fn reopen(&self) -> std::io::Result<()> {
         let Some(inner) = &self.inner else {
             return Ok(());
         };
-        let Some(path) = &inner.path else {
-            return Ok(());
-        };
-        let file = open_log(path)?;
-        *inner.sink.lock().unwrap_or_else(|e| e.into_inner()) = Sink::File(file);
-        Ok(())
+        let (reply, answer) = oneshot::channel();
+        let sent = inner.lock().tx.send(Command::Reopen(reply));
+        if sent.is_err() {
+            return Err(std::io::Error::other("the audit writer has stopped"));
+        }
+        answer
+            .await
+            .unwrap_or_else(|_| Err(std::io::Error::other("the audit writer has stopped")))
     }
 
-    /// Writes one record, with the time. Returns once the line is in the file (and synced,
-    /// with `--audit-fsync`). A failed write is logged; the gateway keeps serving.
-    pub fn record(&self, record: &Record) {
-        let Some(inner) = &self.inner else { return };
+    /// Hands one record, with the time, to the writer; never blocks. Await the answer to
+    /// know it is in the file. A failed write is logged; the gateway keeps serving.
+    pub fn record(&self, record: &Record) -> Written {
+        let Some(inner) = &self.inner else {
+            return Written::default();
+        };
         let mut line = line(record);
         line.push('\n');
-        let seq = {
-            let mut sink = inner.sink.lock().unwrap_or_else(|e| e.into_inner());
-            let written = match &mut *sink {
-                Sink::File(f) => f.write_all(line.as_bytes()),
-                Sink::Stdout => {
-                    let mut out = std::io::stdout().lock();
-                    out.write_all(line.as_bytes()).and_then(|_| out.flush())
-                }
-            };
-            if let Err(e) = written {
-                tracing::error!(error = %e, event = %event_name(record), "cannot write the audit record");
-                return;
-            }
-            let mut p = inner.progress.lock().unwrap_or_else(|e| e.into_inner());
-            p.written += 1;
-            p.written
+        let mut queue = inner.lock();
+        if queue.tx.send(Command::Line(line)).is_err() {
+            tracing::error!(event = %event_name(record), "the audit writer has stopped; record lost");
+            return Written::default();
+        }
+        queue.made += 1;
+        Written {
+            seq: queue.made,
+            done: Some(inner.done.clone()),
+        }
+    }
+}
+
+impl Audit {
+    /// The last record made so far: waiting for it waits for every record made before.
+    pub fn made_so_far(&self) -> Written {
+        let Some(inner) = &self.inner else {
+            return Written::default();
         };
-        if inner.fsync {
-            inner.sync_through(seq);
+        Written {
+            seq: inner.lock().made,
+            done: Some(inner.done.clone()),
         }
     }
 }
 
 impl Inner {
-    /// Group commit: the first writer to find no sync under way syncs everything written
-    /// so far; the others wait for a sync that covers their record.
-    fn sync_through(&self, seq: u64) {
-        let mut p = self.progress.lock().unwrap_or_else(|e| e.into_inner());
-        loop {
-            if p.synced >= seq {
-                return;
+    fn lock(&self) -> std::sync::MutexGuard<'_, Queue> {
+        self.queue.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Most bytes written with one `write(2)`.
+const BATCH_BYTES: usize = 1 << 20;
+
+/// The writer thread: takes every record waiting, writes them with one `write(2)` on the
+/// file opened with `O_APPEND`, syncs once for all of them with `--audit-fsync` (group
+/// commit), then tells their waiters. Ends when every [`Audit`] is gone.
+fn write_records(
+    rx: std::sync::mpsc::Receiver<Command>,
+    mut sink: Sink,
+    path: Option<std::path::PathBuf>,
+    fsync: bool,
+    done: watch::Sender<u64>,
+) {
+    let mut written = 0u64;
+    while let Ok(first) = rx.recv() {
+        let mut batch = String::new();
+        let mut lines = 0u64;
+        let mut reopen = None;
+        let mut next = Some(first);
+        while let Some(command) = next.take() {
+            match command {
+                Command::Line(line) => {
+                    batch.push_str(&line);
+                    lines += 1;
+                }
+                Command::Reopen(reply) => {
+                    reopen = Some(reply);
+                    break;
+                }
             }
-            if !p.syncing {
-                p.syncing = true;
-                let target = p.written;
-                drop(p);
-                let result = match &*self.sink.lock().unwrap_or_else(|e| e.into_inner()) {
-                    Sink::File(f) => f.sync_data(),
-                    Sink::Stdout => Ok(()),
-                };
-                if let Err(e) = result {
+            if batch.len() < BATCH_BYTES {
+                next = rx.try_recv().ok();
+            }
+        }
+        if !batch.is_empty() {
+            if let Err(e) = sink.write(batch.as_bytes()) {
+                tracing::error!(error = %e, records = lines, "cannot write to the audit log");
+            }
+            if fsync {
+                if let Err(e) = sink.sync() {
                     tracing::error!(error = %e, "cannot sync the audit log");
                 }
-                p = self.progress.lock().unwrap_or_else(|e| e.into_inner());
-                p.syncing = false;
-                p.synced = p.synced.max(target);
-                self.synced.notify_all();
-                continue;
             }
-            p = self.synced.wait(p).unwrap_or_else(|e| e.into_inner());
+        }
+        written += lines;
+        done.send_replace(written);
+        if let Some(reply) = reopen {
+            let reopened = match &path {
+                Some(path) => open_log(path).map(|f| sink = Sink::File(f)),
+                None => Ok(()),
+            };
+            let _ = reply.send(reopened);
         }
     }
 }
@@ -493,22 +615,25 @@ fn one_line(text: &str, max: usize) -> String {
 mod tests {
     use super::*;
 
-    #[test]
-    fn records_are_json_lines_in_a_private_file() {
+    #[tokio::test]
+    async fn records_are_json_lines_in_a_private_file() {
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("sub/audit.log");
         for fsync in [false, true] {
             let audit = Audit::open(&path, fsync).expect("open");
-            audit.record(&Record::KernelCreated {
+            let _earlier = audit.record(&Record::KernelCreated {
                 kernel: "k1".into(),
                 key: "alice".into(),
                 spec: "python3".into(),
                 source: Source::Pool,
             });
-            audit.record(&Record::AuthRefused {
-                client: Some("127.0.0.1".into()),
-                path: "/api/kernels".into(),
-            });
+            // Waiting for the later record covers the earlier one.
+            audit
+                .record(&Record::AuthRefused {
+                    client: Some("127.0.0.1".into()),
+                    path: "/api/kernels".into(),
+                })
+                .await;
         }
         use std::os::unix::fs::PermissionsExt;
         let mode = std::fs::metadata(&path).expect("meta").permissions().mode();
@@ -532,10 +657,12 @@ mod tests {
         let audit = Audit::open(&path, false).expect("open");
         let rotated = dir.path().join("audit.log.1");
         std::fs::rename(&path, &rotated).expect("rename");
-        audit.reopen().expect("reopen");
-        audit.record(&Record::KernelCulled {
-            kernel: "after-rotation".into(),
-        });
+        audit.reopen().await.expect("reopen");
+        audit
+            .record(&Record::KernelCulled {
+                kernel: "after-rotation".into(),
+            })
+            .await;
         let fresh = std::fs::read_to_string(&path).expect("read");
         assert!(fresh.contains("after-rotation") && fresh.lines().count() == 1);
     }
@@ -550,9 +677,11 @@ mod tests {
                 let audit = audit.clone();
                 std::thread::spawn(move || {
                     for i in 0..50 {
-                        audit.record(&Record::KernelCulled {
-                            kernel: format!("{t}-{i}"),
-                        });
+                        audit
+                            .record(&Record::KernelCulled {
+                                kernel: format!("{t}-{i}"),
+                            })
+                            .wait_blocking();
                     }
                 })
             })
@@ -562,9 +691,41 @@ mod tests {
         }
         let text = std::fs::read_to_string(&path).expect("read");
         assert_eq!(text.lines().count(), 400);
+        // Each thread's records are in the order it made them.
+        for t in 0..8 {
+            let mine: Vec<String> = text
+                .lines()
+                .map(|l| serde_json::from_str::<Value>(l).expect("json"))
+                .filter_map(|r| r["kernel"].as_str().map(str::to_owned))
+                .filter(|k| k.starts_with(&format!("{t}-")))
+                .collect();
+            let expected: Vec<String> = (0..50).map(|i| format!("{t}-{i}")).collect();
+            assert_eq!(mine, expected);
+        }
         let inner = audit.inner.as_ref().expect("enabled");
-        let p = inner.progress.lock().expect("lock");
-        assert_eq!((p.written, p.synced), (400, 400));
+        assert_eq!(*inner.done.borrow(), 400);
+    }
+
+    #[tokio::test]
+    async fn making_a_record_does_not_wait_for_the_disk() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("audit.log");
+        let audit = Audit::open(&path, true).expect("open");
+        let made: Vec<Written> = (0..1000)
+            .map(|i| {
+                audit.record(&Record::KernelCulled {
+                    kernel: format!("k{i}"),
+                })
+            })
+            .collect();
+        let last = made.into_iter().fold(Written::default(), Written::and);
+        last.await;
+        let text = std::fs::read_to_string(&path).expect("read");
+        assert_eq!(text.lines().count(), 1000);
+        assert!(text.lines().last().is_some_and(|l| l.contains("\"k999\"")));
+        assert!(!Audit::disabled()
+            .record(&Record::KernelCulled { kernel: "x".into() })
+            .is_pending());
     }
 
     /// The table of events and fields in docs/audit.md, rendered from [`Record`]'s schema

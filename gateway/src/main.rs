@@ -419,7 +419,7 @@ async fn reload_on_sighup(
             _ = cancel.cancelled() => return,
             got = hup.recv() => if got.is_none() { return },
         }
-        if let Err(e) = audit.reopen() {
+        if let Err(e) = audit.reopen().await {
             tracing::error!(error = %e, "cannot reopen the audit log; records go to the old file");
         }
         match keys.reload() {

@@ -257,24 +257,13 @@ impl MsgKind {
             _ => MsgKind::Other,
         }
     }
-
-    /// Output that counts against an execution's output cap.
-    pub fn is_output(self) -> bool {
-        matches!(
-            self,
-            MsgKind::Stream
-                | MsgKind::DisplayData
-                | MsgKind::UpdateDisplayData
-                | MsgKind::ExecuteResult
-        )
-    }
 }
 
 /// One Jupyter message, independent of how it travels.
 ///
 /// Its kind is read from `header.msg_type` when it is made; a message whose type changes
 /// is made anew ([`Message::from_parts`]).
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone)]
 pub struct Message {
     pub header: Header,
     /// `None` is sent as `{}`.
@@ -283,6 +272,17 @@ pub struct Message {
     pub content: RawJson,
     pub buffers: Vec<Bytes>,
     kind: MsgKind,
+}
+
+/// Equal when their five parts are (the kind is read from the header).
+impl PartialEq for Message {
+    fn eq(&self, other: &Self) -> bool {
+        self.header == other.header
+            && self.parent_header == other.parent_header
+            && self.metadata == other.metadata
+            && self.content == other.content
+            && self.buffers == other.buffers
+    }
 }
 
 impl Message {

@@ -109,11 +109,9 @@ fn message() -> impl Strategy<Value = Message> {
         raw_json(),
         buffers(4),
     )
-        .prop_map(
-            |(header, parent_header, metadata, content, buffers)| {
-                Message::from_parts(header, parent_header, metadata, content, buffers)
-            },
-        )
+        .prop_map(|(header, parent_header, metadata, content, buffers)| {
+            Message::from_parts(header, parent_header, metadata, content, buffers)
+        })
 }
 
 fn identities() -> impl Strategy<Value = Vec<Bytes>> {

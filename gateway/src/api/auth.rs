@@ -226,10 +226,14 @@ pub async fn require_token(
         return Err(response);
     }
     tracing::info!(client = ?addr, "authentication refused");
-    state.kernels.audit().record(&Record::AuthRefused {
-        client: addr.map(|a| a.to_string()),
-        path: req.uri().path().to_owned(),
-    });
+    state
+        .kernels
+        .audit()
+        .record(&Record::AuthRefused {
+            client: addr.map(|a| a.to_string()),
+            path: req.uri().path().to_owned(),
+        })
+        .await;
     Err(ApiError::new(
         StatusCode::FORBIDDEN,
         "Missing or wrong token: send `Authorization: token <token>` or add `?token=<token>` \

@@ -79,17 +79,20 @@ pub async fn perform(
     body: Bytes,
     max_bytes: usize,
 ) -> Result<Vec<u8>, FileError> {
-    kernels.audit().record(&Record::file(
-        audit_event(op),
-        FileAccess {
-            key: key.to_owned(),
-            kernel: live.id().to_owned(),
-            path: path.to_owned(),
-            bytes: Some(body.len()),
-            offset: None,
-            length: None,
-        },
-    ));
+    kernels
+        .audit()
+        .record(&Record::file(
+            audit_event(op),
+            FileAccess {
+                key: key.to_owned(),
+                kernel: live.id().to_owned(),
+                path: path.to_owned(),
+                bytes: Some(body.len()),
+                offset: None,
+                length: None,
+            },
+        ))
+        .await;
     script(kernels, live, &[script_arg(op), path], body, max_bytes).await
 }
 
@@ -103,17 +106,20 @@ pub async fn read_part(
     offset: u64,
     length: usize,
 ) -> Result<(Vec<u8>, u64), FileError> {
-    kernels.audit().record(&Record::file(
-        audit_event(FileOp::Get),
-        FileAccess {
-            key: key.to_owned(),
-            kernel: live.id().to_owned(),
-            path: path.to_owned(),
-            bytes: None,
-            offset: Some(offset),
-            length: Some(length),
-        },
-    ));
+    kernels
+        .audit()
+        .record(&Record::file(
+            audit_event(FileOp::Get),
+            FileAccess {
+                key: key.to_owned(),
+                kernel: live.id().to_owned(),
+                path: path.to_owned(),
+                bytes: None,
+                offset: Some(offset),
+                length: Some(length),
+            },
+        ))
+        .await;
     let (offset_arg, length_arg) = (offset.to_string(), length.to_string());
     let args = ["read", path, &offset_arg, &length_arg];
     // The size line comes first: at most 20 digits and a newline.

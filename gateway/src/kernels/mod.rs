@@ -356,7 +356,7 @@ impl Kernels {
                     } else {
                         audit::Source::Cold
                     },
-                });
+                }).await;
                 if let Err(Ok(live)) = tx.send(Ok(live)) {
                     // Gone between the check and the hand-over.
                     let taken = me.lock().live.remove(live.id());
@@ -585,7 +585,7 @@ impl Kernels {
     /// Interrupts the kernel's process (SIGINT); executions still waiting for approval are
     /// cancelled.
     pub async fn interrupt(&self, live: &LiveKernel) -> Result<(), BackendError> {
-        live.kernel.cancel_waiting();
+        live.kernel.interrupted().await;
         self.backend.interrupt(&live.handle()).await
     }
 
@@ -599,21 +599,24 @@ impl Kernels {
     ) -> Option<Result<(), BackendError>> {
         let live = self.lock().live.remove(id)?;
         let owner = live.owner().to_owned();
-        self.settings.audit.record(&match why {
-            Removal::Culled => Record::KernelCulled { kernel: id.into() },
-            Removal::AskedBy(key) => Record::KernelDeleted {
-                kernel: id.into(),
-                owner,
-                key: Some(key),
-                reason: None,
-            },
-            Removal::Because(reason) => Record::KernelDeleted {
-                kernel: id.into(),
-                owner,
-                key: None,
-                reason: Some(reason),
-            },
-        });
+        self.settings
+            .audit
+            .record(&match why {
+                Removal::Culled => Record::KernelCulled { kernel: id.into() },
+                Removal::AskedBy(key) => Record::KernelDeleted {
+                    kernel: id.into(),
+                    owner,
+                    key: Some(key),
+                    reason: None,
+                },
+                Removal::Because(reason) => Record::KernelDeleted {
+                    kernel: id.into(),
+                    owner,
+                    key: None,
+                    reason: Some(reason),
+                },
+            })
+            .await;
         self.pool_wanted.notify_waiters();
         let me = self.clone();
         let removal = self

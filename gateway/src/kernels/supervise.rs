@@ -81,18 +81,22 @@ impl Kernels {
         live: &Arc<LiveKernel>,
         key: &str,
     ) -> Result<(), CreateError> {
-        self.settings.audit.record(&Record::KernelRestarted {
-            kernel: live.id().to_owned(),
-            owner: live.owner().to_owned(),
-            key: key.to_owned(),
-        });
+        self.settings
+            .audit
+            .record(&Record::KernelRestarted {
+                kernel: live.id().to_owned(),
+                owner: live.owner().to_owned(),
+                key: key.to_owned(),
+            })
+            .await;
         let (me, live) = (self.clone(), live.clone());
         let restart = self.tracker.spawn(
             async move {
                 let _ops = live.ops.lock().await;
                 live.epoch.fetch_add(1, Ordering::SeqCst);
                 live.kernel
-                    .lost_executions("KernelRestarted", "the kernel was restarted");
+                    .lost_executions("KernelRestarted", "the kernel was restarted")
+                    .await;
                 me.restart_locked(&live, false).await
             }
             .in_current_span(),
@@ -122,7 +126,9 @@ impl Kernels {
                 Err(e) => {
                     // What was sent to the process that failed (held during the restart)
                     // went down with it.
-                    live.kernel.lost_executions("KernelDied", &cause_of(&e));
+                    live.kernel
+                        .lost_executions("KernelDied", &cause_of(&e))
+                        .await;
                     // The failed process may have reported a state of its own: messages
                     // sent from now on wait for the next try.
                     live.kernel.set_state(ExecutionState::Restarting, false);
@@ -147,13 +153,16 @@ impl Kernels {
             live.id()
         );
         tracing::warn!(kernel = %live.id(), "{why}");
-        self.settings.audit.record(&Record::KernelRestartFailed {
-            kernel: live.id().to_owned(),
-            owner: live.owner().to_owned(),
-            tries,
-            why: failure.to_string(),
-        });
-        live.kernel.set_dead(why.clone());
+        self.settings
+            .audit
+            .record(&Record::KernelRestartFailed {
+                kernel: live.id().to_owned(),
+                owner: live.owner().to_owned(),
+                tries,
+                why: failure.to_string(),
+            })
+            .await;
+        live.kernel.set_dead(why.clone()).await;
         match failure {
             // Its own status (504) for one that did not answer in time.
             e @ CreateError::Kernel(crate::relay::KernelError::NotReady(_)) => Err(e),
@@ -279,18 +288,23 @@ impl Kernels {
                 continue; // the exit of an intentional restart
             }
             tracing::warn!(kernel = %live.id(), "{cause}");
-            self.settings.audit.record(&Record::KernelDied {
-                kernel: live.id().to_owned(),
-                owner: live.owner().to_owned(),
-                why: cause.to_string(),
-                restarting: self.settings.autorestart,
-            });
-            live.kernel.lost_executions("KernelDied", &cause);
+            self.settings
+                .audit
+                .record(&Record::KernelDied {
+                    kernel: live.id().to_owned(),
+                    owner: live.owner().to_owned(),
+                    why: cause.to_string(),
+                    restarting: self.settings.autorestart,
+                })
+                .await;
+            live.kernel.lost_executions("KernelDied", &cause).await;
             if !self.settings.autorestart {
-                live.kernel.set_dead(format!(
-                    "{cause}; restart it with POST /api/kernels/{}/restart or delete it",
-                    live.id()
-                ));
+                live.kernel
+                    .set_dead(format!(
+                        "{cause}; restart it with POST /api/kernels/{}/restart or delete it",
+                        live.id()
+                    ))
+                    .await;
                 return;
             }
             live.epoch.fetch_add(1, Ordering::SeqCst);

@@ -10,7 +10,15 @@ impl Relay {
     /// place, as a failed cell whose error names the cause, with an `execution_finished`
     /// audit record. Call before clients are told `restarting` or `dead`: JupyterLab
     /// forgets a cell's request when it sees either.
-    pub fn lost_executions(&self, ename: &'static str, cause: &str) {
+    pub async fn lost_executions(&self, ename: &'static str, cause: &str) {
+        let fx = self.answer_lost(ename, cause);
+        // Nothing goes to the kernel: this cannot fail.
+        let _ = self.carry_out(fx).await;
+    }
+
+    /// The answers to the executions the process owed, decided under the lock.
+    fn answer_lost(&self, ename: &'static str, cause: &str) -> Effects {
+        let mut fx = Effects::default();
         let mut st = self.lock();
         let lost: Vec<Header> = st.in_flight.drain(..).collect();
         for (i, header) in lost.iter().enumerate() {
@@ -32,7 +40,7 @@ impl Relay {
                 ),
                 None => Default::default(),
             };
-            self.audit.record(&Record::ExecutionFinished {
+            fx.audit(self.audit.record(&Record::ExecutionFinished {
                 key,
                 kernel: self.id.clone(),
                 msg_id: Some(header.msg_id.clone()),
@@ -46,17 +54,18 @@ impl Relay {
                 output: preview,
                 truncated,
                 ran: Some(i == 0),
-            });
-            for out in gate::refusal(header, &self.session, &why) {
-                st.clients.route(out);
-            }
+            }));
+            fx.to_clients
+                .extend(gate::refusal(header, &self.session, &why));
         }
+        fx
     }
 
     /// The kernel is dead for good; `why` says why and what brings it back. Clients are told
     /// `dead`, execute requests held for the restart are answered with `why`, and so is
     /// every later one, until a restart brings the kernel back.
-    pub fn set_dead(&self, why: String) {
+    pub async fn set_dead(&self, why: String) {
+        let mut fx = Effects::default();
         let link = {
             let mut st = self.lock();
             let refusal = Refusal {
@@ -65,7 +74,7 @@ impl Relay {
             };
             for (channel, message) in std::mem::take(&mut st.backlog) {
                 if channel == Channel::Shell && message.kind() == MsgKind::ExecuteRequest {
-                    self.answer_in_place(&mut st, &message.header, "", None, &refusal);
+                    self.answer_in_place(&mut fx, &message.header, "", None, &refusal);
                 }
             }
             st.dead = Some(why);
@@ -74,6 +83,7 @@ impl Relay {
         if let Some(link) = link {
             link.close();
         }
+        let _ = self.carry_out(fx).await;
         self.set_state(ExecutionState::Dead, true);
     }
 }

@@ -5,8 +5,9 @@
 use super::*;
 
 impl Dispatch for Relay {
-    fn dispatch(&self, channel: Channel, message: Message) {
+    fn dispatch(&self, channel: Channel, message: Message) -> Option<Deferred> {
         let mut st = self.lock();
+        let mut finished_record = Written::default();
         st.last_activity = Utc::now();
         if channel == Channel::IoPub && message.kind() == MsgKind::Status {
             if let Ok(s) = message.content_as::<kernelgate_protocol::content::Status>() {
@@ -23,8 +24,8 @@ impl Dispatch for Relay {
             let reply = message.content_as::<ReplyStatus>().unwrap_or_default();
             if let Some(f) = finished {
                 metrics::execution_ended(&reply.status, f.took);
-                // Written before the reply is forwarded.
-                self.audit.record(&Record::ExecutionFinished {
+                // In the file before the reply is forwarded.
+                finished_record = self.audit.record(&Record::ExecutionFinished {
                     key: f.key,
                     kernel: self.id.clone(),
                     msg_id: message.parent_msg_id().map(str::to_owned),
@@ -45,7 +46,8 @@ impl Dispatch for Relay {
         if channel == Channel::IoPub {
             let verdict = st.executions.output(&message);
             for late in st.executions.take_late_output() {
-                self.audit.record(&Record::ExecutionOutput {
+                // Nothing waits for it: the output was forwarded as it came.
+                let _ = self.audit.record(&Record::ExecutionOutput {
                     key: late.key,
                     kernel: self.id.clone(),
                     msg_id: late.msg_id,
@@ -58,7 +60,7 @@ impl Dispatch for Relay {
                 Verdict::Relay => {}
                 Verdict::Drop => {
                     metrics::dropped(DropReason::OutputLimit, 1);
-                    return;
+                    return None;
                 }
                 Verdict::Truncate { kept, notice } => {
                     tracing::info!(kernel = %self.id, "execution output over --max-output-mb; the rest of it is dropped");
@@ -67,11 +69,23 @@ impl Dispatch for Relay {
                         None => metrics::dropped(DropReason::OutputLimit, 1),
                     }
                     st.clients.route(notice);
-                    return;
+                    return None;
                 }
             }
         }
-        st.clients.route(Outbound::new(channel, message));
+        let out = Outbound::new(channel, message);
+        if finished_record.is_pending() {
+            return Some(Deferred {
+                written: finished_record,
+                message: out,
+            });
+        }
+        st.clients.route(out);
+        None
+    }
+
+    fn forward(&self, message: Arc<Outbound>) {
+        self.lock().clients.route(message);
     }
 
     fn link_lost(&self, channel: Channel) {

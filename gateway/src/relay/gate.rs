@@ -9,6 +9,7 @@
 //! the agent API show it as a failed cell.
 
 use super::clients::Outbound;
+use crate::audit::Written;
 use kernelgate_protocol::{Channel, Header, Message, RawJson};
 use serde_json::json;
 use std::sync::Arc;
@@ -49,6 +50,15 @@ pub struct Held {
     pub key: String,
     pub code_sha256: Option<String>,
     pub gate: Gate,
+    /// The audit records about it so far: in the file before it leaves the queue.
+    pub written: Written,
+}
+
+impl Held {
+    /// Whether it waits for the approval `approval`.
+    pub fn waits_for(&self, approval: &str) -> bool {
+        matches!(&self.gate, Gate::Waiting { approval: id, .. } if id == approval)
+    }
 }
 
 /// The messages that answer a refused `execute_request` in the kernel's place. The cell

@@ -33,20 +33,27 @@ impl Relay {
     /// and clients are told the execution waits.
     pub(super) fn gate(
         self: &Arc<Self>,
-        st: &mut State,
+        fx: &mut Effects,
         key: &str,
         message: &Message,
         decision: Decision,
     ) -> Gate {
         match (decision, &self.guard) {
             (Decision::Deny(verdict), _) => {
-                self.audit_decision(key, message, "deny", Some(&verdict), None, None);
+                fx.audit(self.audit_decision(key, message, "deny", Some(&verdict), None, None));
                 Gate::Refuse(Refusal::policy(describe(&verdict)))
             }
             (Decision::Ask(verdict), Some(guard)) => {
                 let request: CodeRequest = message.content.parse().unwrap_or_default();
                 let approval = guard.hold(self.clone(), key, &request.code, &verdict.reason);
-                self.audit_decision(key, message, "ask", Some(&verdict), Some(&approval), None);
+                fx.audit(self.audit_decision(
+                    key,
+                    message,
+                    "ask",
+                    Some(&verdict),
+                    Some(&approval),
+                    None,
+                ));
                 let reason = describe(&verdict);
                 let text = format!(
                     "[kernelgate] This code waits for an administrator's approval: {reason}. \
@@ -54,9 +61,8 @@ impl Relay {
                      Interrupt the kernel to cancel it.\n",
                     guard.approval_timeout().as_secs()
                 );
-                for out in gate::awaiting(&message.header, &self.session, text) {
-                    st.clients.route(out);
-                }
+                fx.to_clients
+                    .extend(gate::awaiting(&message.header, &self.session, text));
                 Gate::Waiting { approval, reason }
             }
             _ => Gate::Pass,
@@ -64,21 +70,22 @@ impl Relay {
     }
 
     /// Answers a refused execution in the kernel's place (its audit record first).
-    pub(super) fn refuse(&self, st: &mut State, held: &Held, why: &Refusal) {
+    pub(super) fn refuse(&self, fx: &mut Effects, held: &Held, why: &Refusal) {
         let sha = held.code_sha256.clone();
-        self.answer_in_place(st, &held.message.header, &held.key, sha, why);
+        self.answer_in_place(fx, &held.message.header, &held.key, sha, why);
     }
 
-    /// Answers an execution that never reaches the kernel, as a failed cell.
+    /// Answers an execution that never reaches the kernel, as a failed cell: its
+    /// `execution_finished` record, then the messages of a failed cell.
     pub(super) fn answer_in_place(
         &self,
-        st: &mut State,
+        fx: &mut Effects,
         h: &Header,
         key: &str,
         code_sha256: Option<String>,
         why: &Refusal,
     ) {
-        self.audit.record(&Record::ExecutionFinished {
+        fx.audit(self.audit.record(&Record::ExecutionFinished {
             key: key.to_owned(),
             kernel: self.id.clone(),
             msg_id: Some(h.msg_id.clone()),
@@ -92,10 +99,8 @@ impl Relay {
             output: String::new(),
             truncated: false,
             ran: Some(false),
-        });
-        for out in gate::refusal(h, &self.session, why) {
-            st.clients.route(out);
-        }
+        }));
+        fx.to_clients.extend(gate::refusal(h, &self.session, why));
     }
 
     /// An administrator answered (or the timeout did) the approval `approval`; false if
@@ -105,75 +110,76 @@ impl Relay {
             .guard
             .as_ref()
             .map_or(0, |g| g.approval_timeout().as_secs());
+        let (word, by) = match &answer {
+            Answer::Approved { by } => ("approved", Some(by.as_str())),
+            Answer::Denied { by } => ("denied", Some(by.as_str())),
+            Answer::TimedOut => ("timed_out", None),
+        };
         let mut st = self.lock();
-        let Some(held) = st
-            .held
-            .iter_mut()
-            .find(|h| matches!(&h.gate, Gate::Waiting { approval: id, .. } if id == approval))
-        else {
+        let settled = st.holds.settle(approval, |reason| match &answer {
+            Answer::Approved { .. } => Gate::Pass,
+            Answer::Denied { by } => Gate::Refuse(Refusal::policy(format!(
+                "{reason}; an administrator ({by}) denied running it"
+            ))),
+            Answer::TimedOut => Gate::Refuse(Refusal::policy(format!(
+                "{reason}; nobody approved it within {timeout} s"
+            ))),
+        });
+        let Some(held) = settled else {
             return false;
         };
-        let reason = match &held.gate {
-            Gate::Waiting { reason, .. } => reason.clone(),
-            _ => String::new(),
-        };
-        let (word, by) = match &answer {
-            Answer::Approved { by } => {
-                held.gate = Gate::Pass;
-                ("approved", Some(by.as_str()))
-            }
-            Answer::Denied { by } => {
-                held.gate = Gate::Refuse(Refusal::policy(format!(
-                    "{reason}; an administrator ({by}) denied running it"
-                )));
-                ("denied", Some(by.as_str()))
-            }
-            Answer::TimedOut => {
-                held.gate = Gate::Refuse(Refusal::policy(format!(
-                    "{reason}; nobody approved it within {timeout} s"
-                )));
-                ("timed_out", None)
-            }
-        };
-        self.audit_decision(&held.key, &held.message, word, None, Some(approval), by);
+        let decided = self.audit_decision(&held.key, &held.message, word, None, Some(approval), by);
+        held.written = std::mem::take(&mut held.written).and(decided);
         self.start_release(&mut st);
         true
     }
 
+    /// An interrupt through the REST API: the executions waiting for approval are
+    /// cancelled, their clients told (the kernel itself is signalled by the caller).
+    pub async fn interrupted(self: &Arc<Self>) {
+        let fx = {
+            let mut st = self.lock();
+            let mut fx = Effects::default();
+            self.cancel_waiting(&mut st, &mut fx);
+            fx
+        };
+        // Nothing goes to the kernel: this cannot fail.
+        let _ = self.carry_out(fx).await;
+    }
+
     /// An interrupt cancels the executions waiting for approval: they never run.
-    pub fn cancel_waiting(self: &Arc<Self>) {
+    pub(super) fn cancel_waiting(self: &Arc<Self>, st: &mut State, fx: &mut Effects) {
         let Some(guard) = &self.guard else {
             return;
         };
-        let mut st = self.lock();
-        let mut cancelled = false;
-        for held in st.held.iter_mut() {
-            if let Gate::Waiting { approval, .. } = &held.gate {
-                guard.forget(approval);
-                self.audit_decision(
-                    &held.key,
-                    &held.message,
-                    "cancelled",
-                    None,
-                    Some(approval),
-                    None,
-                );
-                held.gate = Gate::Refuse(Refusal {
-                    ename: "KeyboardInterrupt",
-                    evalue: "interrupted while waiting for approval; the code never ran".into(),
-                });
-                cancelled = true;
-            }
+        let cancelled = st.holds.cancel_waiting(|| Refusal {
+            ename: "KeyboardInterrupt",
+            evalue: "interrupted while waiting for approval; the code never ran".into(),
+        });
+        if cancelled.is_empty() {
+            return;
         }
-        if cancelled {
-            self.start_release(&mut st);
+        for (approval, held) in cancelled {
+            guard.forget(&approval);
+            let record = self.audit_decision(
+                &held.key,
+                &held.message,
+                "cancelled",
+                None,
+                Some(&approval),
+                None,
+            );
+            held.written = std::mem::take(&mut held.written).and(record.clone());
+            fx.audit(record);
         }
+        self.start_release(st);
     }
 
     pub(super) fn start_release(self: &Arc<Self>, st: &mut State) {
-        if let (false, Some(guard)) = (st.releasing, &self.guard) {
-            st.releasing = true;
-            guard.tracker().spawn(self.clone().release());
+        if let Some(guard) = &self.guard {
+            if st.holds.begin_release() {
+                guard.tracker().spawn(self.clone().release());
+            }
         }
     }
 
@@ -181,37 +187,28 @@ impl Relay {
     /// still waits for approval.
     pub(super) async fn release(self: Arc<Self>) {
         loop {
-            let (link, message) = {
+            let fx = {
                 let mut st = self.lock();
-                let ready = st
-                    .held
-                    .front()
-                    .is_some_and(|h| !matches!(h.gate, Gate::Waiting { .. }));
-                let next = if ready { st.held.pop_front() } else { None };
-                let Some(held) = next else {
-                    st.releasing = false;
+                let Some(held) = st.holds.next_ready() else {
                     return;
                 };
+                let mut fx = Effects::default();
+                fx.audit(held.written.clone());
                 if let Gate::Refuse(why) = &held.gate {
-                    self.refuse(&mut st, &held, why);
-                    continue;
-                }
-                match self.route_to_kernel(
+                    self.refuse(&mut fx, &held, why);
+                } else if let Err(e) = self.route_to_kernel(
                     &mut st,
+                    &mut fx,
                     Channel::Shell,
                     held.message,
                     &held.key,
                     held.code_sha256,
                 ) {
-                    Ok(Some(sending)) => sending,
-                    Ok(None) => continue,
-                    Err(e) => {
-                        tracing::warn!(kernel = %self.id, error = %e, "a held message was not sent");
-                        continue;
-                    }
+                    tracing::warn!(kernel = %self.id, error = %e, "a held message was not sent");
                 }
+                fx
             };
-            if let Err(e) = link.send(Channel::Shell, message).await {
+            if let Err(e) = self.carry_out(fx).await {
                 tracing::warn!(kernel = %self.id, error = %e, "a held message was not sent");
             }
         }
@@ -226,7 +223,7 @@ impl Relay {
         verdict: Option<&kernelgate_policy::Verdict>,
         approval: Option<&str>,
         by: Option<&str>,
-    ) {
+    ) -> Written {
         self.audit.record(&Record::PolicyDecision {
             sender: self.sender(key, message),
             msg_type: message.msg_type().to_owned(),
@@ -236,7 +233,7 @@ impl Relay {
             matched: verdict.map(|v| v.matched.clone()),
             approval_id: approval.map(str::to_owned),
             by: by.map(str::to_owned),
-        });
+        })
     }
 }
 

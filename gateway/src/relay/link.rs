@@ -6,7 +6,9 @@
 //! errors instead of queueing, and only SUB reconnects. A `Link` is therefore made once
 //! per kernel process and replaced when the process restarts.
 
+use super::clients::Outbound;
 use super::KernelError;
+use crate::audit::Written;
 use crate::metrics::{self, DropReason};
 use bytes::Bytes;
 use kernelgate_protocol::{wire, Channel, ConnectionInfo, Message, SigningKey};
@@ -24,9 +26,22 @@ use zeromq::{
 /// Where a link delivers what the kernel sends. Called from the socket reader tasks: it
 /// must never wait on a client.
 pub trait Dispatch: Send + Sync + 'static {
-    fn dispatch(&self, channel: Channel, message: Message);
+    /// Takes one message. A message that may reach clients only after an audit record is
+    /// in the file comes back as [`Deferred`]: the reader waits for the record, hands it to
+    /// [`Dispatch::forward`], and only then reads the socket's next message, so the
+    /// socket's order holds.
+    fn dispatch(&self, channel: Channel, message: Message) -> Option<Deferred>;
+    /// Routes a deferred message to its clients.
+    fn forward(&self, message: Arc<Outbound>);
     /// A reader stopped (the kernel closed the socket or the process went away).
     fn link_lost(&self, channel: Channel);
+}
+
+/// A message from the kernel held back until its audit record is written.
+#[derive(Debug)]
+pub struct Deferred {
+    pub written: Written,
+    pub message: Arc<Outbound>,
 }
 
 /// Messages waiting to be written per channel; the sender waits (backpressure to the
@@ -109,7 +124,13 @@ impl Link {
                         r = socket.recv() => r,
                     };
                     match received {
-                        Ok(frames) => deliver(&*sink, &key, channel, frames, &mut complaints),
+                        Ok(frames) => {
+                            if let Some(d) = deliver(&*sink, &key, channel, frames, &mut complaints)
+                            {
+                                d.written.await;
+                                sink.forward(d.message);
+                            }
+                        }
                         // IOPub's SUB reconnects by itself and goes on with the next
                         // message; a DEALER does not, and its kernel counts as lost.
                         Err(e @ ZmqError::Codec(CodecError::MessageTooLarge { .. })) => {
@@ -197,7 +218,7 @@ fn deliver(
     channel: Channel,
     frames: ZmqMessage,
     complaints: &mut Complaints,
-) {
+) -> Option<Deferred> {
     let frames: Vec<Bytes> = frames.into_vec();
     match wire::decode(&frames, key) {
         Ok(w) => sink.dispatch(channel, w.message),
@@ -206,6 +227,7 @@ fn deliver(
         Err(e) => {
             metrics::dropped(DropReason::FromKernel, 1);
             complaints.note(channel, &e);
+            None
         }
     }
 }

@@ -8,21 +8,23 @@ mod dispatch;
 pub mod executions;
 pub mod gate;
 pub mod heartbeat;
+mod hold_queue;
 mod holding;
 pub mod link;
 mod requests;
 
-use crate::audit::{Audit, Record, Sender};
+use crate::audit::{Audit, Record, Sender, Written};
 use crate::metrics::{self, Direction, DropReason};
 use crate::policy::{Answer, Guard, Holder};
 use chrono::{DateTime, Utc};
 use clients::{ClientLimits, Clients, Outbound, Take, Ticket};
 use executions::{Executions, Verdict};
 use gate::{Gate, Held, Refusal};
+use hold_queue::HoldQueue;
 use kernelgate_policy::Decision;
 use kernelgate_protocol::content::{ExecutionState, KernelInfoReply};
 use kernelgate_protocol::{Channel, ConnectionInfo, Execution, Header, Message, MsgKind, RawJson};
-use link::{Dispatch, Link};
+use link::{Deferred, Dispatch, Link};
 use requests::CodeRequest;
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -61,9 +63,7 @@ struct State {
     /// Executions in flight: their start (for the metrics) and output (for the cap).
     executions: Executions,
     /// Shell messages held by the execution policy, in the order clients sent them.
-    held: VecDeque<Held>,
-    /// A task is sending the held messages whose turn came ([`Kernel::release`]).
-    releasing: bool,
+    holds: HoldQueue,
     /// Execute requests sent to the current process and not replied to, oldest first (the
     /// one running, then those queued behind it): answered by the gateway if it dies.
     in_flight: VecDeque<Header>,
@@ -114,8 +114,7 @@ impl Relay {
                 link: None,
                 backlog: Vec::new(),
                 executions: Executions::new(limits.output_bytes),
-                held: VecDeque::new(),
-                releasing: false,
+                holds: HoldQueue::default(),
                 in_flight: VecDeque::new(),
                 dead: None,
             }),
@@ -183,6 +182,8 @@ impl Relay {
             }
             backlog
         };
+        // Their audit records are in the file before the kernel sees them.
+        self.audit.made_so_far().await;
         for (channel, message) in backlog {
             link.send(channel, message).await?;
         }
@@ -265,9 +266,10 @@ impl Relay {
     pub fn close_clients(&self) {
         let mut st = self.lock();
         st.clients.close_all();
-        for held in st.held.drain(..) {
-            if let (Gate::Waiting { approval, .. }, Some(guard)) = (&held.gate, &self.guard) {
-                guard.forget(approval);
+        let open = st.holds.clear();
+        if let Some(guard) = &self.guard {
+            for approval in open {
+                guard.forget(&approval);
             }
         }
     }
@@ -300,60 +302,80 @@ impl Relay {
         message: Message,
     ) -> Result<(), KernelError> {
         let decision = self.screen(key, channel, &message).await;
-        if channel == Channel::Control && message.kind() == MsgKind::InterruptRequest {
-            self.cancel_waiting();
-        }
-        let (link, message) = {
+        let kind = message.kind();
+        let effects = {
             let mut st = self.lock();
+            let mut fx = Effects::default();
+            if channel == Channel::Control && kind == MsgKind::InterruptRequest {
+                self.cancel_waiting(&mut st, &mut fx);
+            }
             if matches!(channel, Channel::Shell | Channel::Control) {
                 st.clients.note_request(message.msg_id(), session);
             }
-            // Written before the code can reach the kernel.
-            let code_sha256 = self.audit_request(key, &message);
+            // In the file before the code can reach the kernel.
+            let (code_sha256, requested) = self.audit_request(key, &message);
+            fx.audit(requested.clone());
             metrics::relayed(Direction::ClientToKernel, wire_size(&message));
             st.last_activity = Utc::now();
-            if message.kind() == MsgKind::DebugRequest && self.guard.is_some() {
-                self.audit_decision(key, &message, "deny", None, None, None);
-                st.clients
-                    .route(gate::debug_refused(&message, &self.session));
-                return Ok(());
-            }
             // Behind a held message, or held itself: the policy keeps shell order.
             let hold = channel == Channel::Shell
-                && (!st.held.is_empty() || st.releasing || matches!(decision, Decision::Ask(_)));
-            if hold || matches!(decision, Decision::Deny(_)) {
-                let gate = self.gate(&mut st, key, &message, decision);
+                && st.holds.must_hold(matches!(decision, Decision::Ask(_)));
+            if kind == MsgKind::DebugRequest && self.guard.is_some() {
+                fx.audit(self.audit_decision(key, &message, "deny", None, None, None));
+                fx.to_clients
+                    .push(gate::debug_refused(&message, &self.session));
+            } else if hold || matches!(decision, Decision::Deny(_)) {
+                let gate = self.gate(&mut fx, key, &message, decision);
                 let held = Held {
                     message,
                     key: key.to_owned(),
                     code_sha256,
                     gate,
+                    written: fx.written.clone().and(requested),
                 };
                 if hold {
-                    st.held.push_back(held);
+                    st.holds.push(held);
                 } else if let Gate::Refuse(why) = &held.gate {
-                    self.refuse(&mut st, &held, why);
+                    self.refuse(&mut fx, &held, why);
                 }
-                return Ok(());
+            } else {
+                self.route_to_kernel(&mut st, &mut fx, channel, message, key, code_sha256)?;
             }
-            match self.route_to_kernel(&mut st, channel, message, key, code_sha256)? {
-                Some(sending) => sending,
-                None => return Ok(()),
-            }
+            fx
         };
-        link.send(channel, message).await
+        self.carry_out(effects).await
     }
 
-    /// The link to send a client message on, or `None` when it was queued for a kernel
-    /// that is (re)starting.
+    /// Carries out what was decided under the lock, once it is released: first the audit
+    /// records are awaited (in the file, and synced with `--audit-fsync`), then clients
+    /// get their messages, then the kernel its one.
+    async fn carry_out(&self, fx: Effects) -> Result<(), KernelError> {
+        if fx.written.is_pending() {
+            fx.written.await;
+        }
+        if !fx.to_clients.is_empty() {
+            let mut st = self.lock();
+            for out in fx.to_clients {
+                st.clients.route(out);
+            }
+        }
+        match fx.to_kernel {
+            Some((link, channel, message)) => link.send(channel, message).await,
+            None => Ok(()),
+        }
+    }
+
+    /// Decides where a client message goes: to the kernel's link, queued for a kernel that
+    /// is (re)starting, or, for a dead kernel, answered in its place.
     fn route_to_kernel(
         &self,
         st: &mut State,
+        fx: &mut Effects,
         channel: Channel,
         message: Message,
         key: &str,
         code_sha256: Option<String>,
-    ) -> Result<Option<(Arc<Link>, Message)>, KernelError> {
+    ) -> Result<(), KernelError> {
         let execute = message.kind() == MsgKind::ExecuteRequest;
         let queue = st.link.is_none()
             && matches!(
@@ -369,8 +391,8 @@ impl Relay {
                         ename: "KernelUnavailable",
                         evalue: why,
                     };
-                    self.answer_in_place(st, &message.header, key, code_sha256, &refusal);
-                    Ok(None)
+                    self.answer_in_place(fx, &message.header, key, code_sha256, &refusal);
+                    Ok(())
                 }
                 Some(why) => Err(KernelError::Dead(why)),
                 None => Err(KernelError::KernelGone),
@@ -385,13 +407,27 @@ impl Relay {
                 if execute {
                     track(&mut st.in_flight, &message.header);
                 }
-                Ok(Some((link, message)))
+                fx.to_kernel = Some((link, channel, message));
             }
-            None => {
-                st.backlog.push((channel, message));
-                Ok(None)
-            }
+            None => st.backlog.push((channel, message)),
         }
+        Ok(())
+    }
+}
+
+/// What a step of the relay decided while holding the kernel's lock, carried out after it
+/// is released ([`Relay::carry_out`]): no write, sync or send happens under the lock.
+#[derive(Debug, Default)]
+struct Effects {
+    /// The last audit record made; waiting for it covers the earlier ones.
+    written: Written,
+    to_clients: Vec<Arc<Outbound>>,
+    to_kernel: Option<(Arc<Link>, Channel, Message)>,
+}
+
+impl Effects {
+    fn audit(&mut self, record: Written) {
+        self.written = std::mem::take(&mut self.written).and(record);
     }
 }
 

@@ -15,9 +15,6 @@ pub(super) struct CodeRequest {
 }
 
 impl Relay {
-    /// Audits a client request that runs code or talks to kernel-side objects: execute
-    /// requests (code and user expressions), debug requests and comm messages. Returns the
-    /// code's SHA-256 for an execute request.
     /// Who sent a message, as every audit record about it starts.
     pub(super) fn sender(&self, key: &str, message: &Message) -> Sender {
         let h = &message.header;
@@ -31,31 +28,34 @@ impl Relay {
         }
     }
 
-    pub(super) fn audit_request(&self, key: &str, message: &Message) -> Option<String> {
+    /// Audits a client request that runs code or talks to kernel-side objects: execute
+    /// requests (code and user expressions), debug requests and comm messages. Returns the
+    /// code's SHA-256 for an execute request, and the record to wait for.
+    pub(super) fn audit_request(&self, key: &str, message: &Message) -> (Option<String>, Written) {
         if !self.audit.enabled() {
-            return None;
+            return (None, Written::default());
         }
         let sender = self.sender(key, message);
         match message.kind() {
             MsgKind::ExecuteRequest => {
                 let req: CodeRequest = message.content.parse().unwrap_or_default();
                 let sha = crate::audit::sha256(&req.code);
-                self.audit.record(&Record::ExecutionRequested {
+                let written = self.audit.record(&Record::ExecutionRequested {
                     sender,
                     code_sha256: sha.clone(),
                     code: req.code,
                     user_expressions: req.user_expressions,
                     silent: req.silent,
                 });
-                Some(sha)
+                (Some(sha), written)
             }
             MsgKind::DebugRequest => {
                 let content: serde_json::Value = message.content.parse().unwrap_or_default();
-                self.audit.record(&Record::DebugRequest {
+                let written = self.audit.record(&Record::DebugRequest {
                     sender,
                     request: content,
                 });
-                None
+                (None, written)
             }
             MsgKind::Comm => {
                 let content: serde_json::Value = message.content.parse().unwrap_or_default();
@@ -63,16 +63,16 @@ impl Relay {
                     .get("data")
                     .map(|d| d.to_string())
                     .unwrap_or_default();
-                self.audit.record(&Record::Comm {
+                let written = self.audit.record(&Record::Comm {
                     sender,
                     msg_type: message.msg_type().to_owned(),
                     comm_id: content.get("comm_id").cloned(),
                     target_name: content.get("target_name").cloned(),
                     data_sha256: crate::audit::sha256(&data),
                 });
-                None
+                (None, written)
             }
-            _ => None,
+            _ => (None, Written::default()),
         }
     }
 }
