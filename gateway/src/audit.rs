@@ -2,12 +2,14 @@
 //! restarted, deleted, died or culled; executions requested and finished; files written,
 //! read or deleted; authentication refused).
 //!
-//! Each record is written with one `write(2)` on a file opened with `O_APPEND`, before the
-//! gateway goes on: an execution's `requested` record is in the file before its code is sent
-//! to the kernel, its `finished` record before its reply is forwarded. A `kill -9` of the
-//! gateway therefore loses nothing a client saw. With `--audit-fsync` a writer also waits
-//! until an `fdatasync` covers its record (group commit: one sync serves every writer that
-//! came before it), for power-loss durability.
+//! Records go to one writer thread, in the order they are made, and reach the file opened
+//! with `O_APPEND` with one `write(2)` for all those waiting. Whoever must not go on before a
+//! record is in the file awaits its [`Written`]: an execution's `requested` record is in the
+//! file before its code is sent to the kernel, its `finished` record before its reply is
+//! forwarded, so a `kill -9` of the gateway loses nothing a client saw. Nobody writes or syncs
+//! while holding a kernel's lock, and no runtime worker blocks on the disk. With
+//! `--audit-fsync` the writer also syncs (`fdatasync`) once per write before waking the
+//! waiters (group commit), for power-loss durability.
 
 use serde::Serialize;
 use serde_json::{Map, Value};
@@ -614,6 +616,7 @@ fn one_line(text: &str, max: usize) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
 
     #[tokio::test]
     async fn records_are_json_lines_in_a_private_file() {
@@ -726,6 +729,52 @@ mod tests {
         assert!(!Audit::disabled()
             .record(&Record::KernelCulled { kernel: "x".into() })
             .is_pending());
+    }
+
+    #[tokio::test]
+    async fn a_log_that_takes_no_writes_blocks_no_one_who_makes_records() {
+        use std::io::Read;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let fifo = dir.path().join("audit.fifo");
+        let made = std::process::Command::new("mkfifo").arg(&fifo).status();
+        assert!(made.expect("mkfifo").success());
+        let (go, wait) = std::sync::mpsc::channel::<()>();
+        let reader = {
+            let fifo = fifo.clone();
+            std::thread::spawn(move || {
+                let mut pipe = std::fs::File::open(&fifo).expect("open the fifo");
+                wait.recv().expect("go");
+                let mut text = String::new();
+                let mut buf = vec![0; 1 << 16];
+                while text.lines().count() < 2000 {
+                    let n = pipe.read(&mut buf).expect("read");
+                    assert!(n > 0, "the writer closed early");
+                    text.push_str(std::str::from_utf8(&buf[..n]).expect("utf-8"));
+                }
+                text
+            })
+        };
+        let audit = Audit::open(&fifo, false).expect("open");
+        // About 500 KB: far more than a pipe holds, so the writer is stuck until it is read.
+        let last = (0..2000)
+            .map(|i| {
+                audit.record(&Record::KernelCulled {
+                    kernel: format!("{i:04}-{}", "x".repeat(200)),
+                })
+            })
+            .fold(Written::default(), Written::and);
+        assert!(last.is_pending());
+        let early = tokio::time::timeout(Duration::from_millis(300), last.clone()).await;
+        assert!(early.is_err(), "written before anyone read the pipe");
+        go.send(()).expect("go");
+        last.await;
+        let text = reader.join().expect("reader");
+        let order: Vec<&str> = text
+            .lines()
+            .map(|l| &l[l.find("\"kernel\":\"").expect("kernel") + 10..][..4])
+            .collect();
+        let expected: Vec<String> = (0..2000).map(|i| format!("{i:04}")).collect();
+        assert_eq!(order, expected);
     }
 
     /// The table of events and fields in docs/audit.md, rendered from [`Record`]'s schema
