@@ -75,7 +75,7 @@ pub async fn connect(
     // Attached before the 101 goes out: a client that has its 101 receives everything the
     // kernel publishes after it (it may run code through the agent API at once), not only
     // what comes once the upgrade task has run.
-    let attachment = live.kernel.attach(&session, false, &caller.0.name);
+    let attachment = live.relay.attach(&session, false, &caller.0.name);
     Ok(ws.on_upgrade(move |socket: WebSocket| async move {
         tracing::debug!(kernel = %live.id(), %session, ?encoding, "client connected");
         metrics::websocket_opened();
@@ -105,7 +105,7 @@ where
             incoming = stream.next() => match incoming {
                 None => return,
                 Some(Err(e)) => {
-                    let kernel = attachment.kernel().id();
+                    let kernel = attachment.relay().id();
                     let error = e.to_string();
                     // The WebSocket layer refuses a message over --max-message-mb this way.
                     if error.contains("too long") {
@@ -159,7 +159,7 @@ where
 /// Decodes, completes and forwards one client message. Bad input is logged and skipped;
 /// the connection stays open.
 async fn from_client(attachment: &Attachment, encoding: Encoding, frame: Frame, session: &str) {
-    let kernel = attachment.kernel().id();
+    let kernel = attachment.relay().id();
     let (channel, mut message) = match websocket::decode(encoding, &frame) {
         Ok(decoded) => decoded,
         Err(e) => {

@@ -45,7 +45,7 @@ fn execution_state_schema() -> utoipa::openapi::Object {
 
 impl KernelModel {
     pub fn of(live: &LiveKernel) -> KernelModel {
-        let k = &live.kernel;
+        let k = &live.relay;
         KernelModel {
             id: live.id().to_owned(),
             name: live.name.clone(),

@@ -76,7 +76,7 @@ impl Kernels {
             }
             Ok(live) => {
                 live.cancel.cancel();
-                live.kernel.disconnect();
+                live.relay.disconnect();
                 false
             }
             Err(e) => {

@@ -74,7 +74,7 @@ struct Process {
 /// One kernel of the table.
 #[derive(Debug)]
 pub struct LiveKernel {
-    pub kernel: Arc<Relay>,
+    pub relay: Arc<Relay>,
     pub name: String,
     process: Mutex<Process>,
     /// Serializes restarts with the death watcher.
@@ -83,7 +83,7 @@ pub struct LiveKernel {
     epoch: AtomicU64,
     /// Wakes the watcher when the kernel moved into another process.
     rearm: Notify,
-    /// Queues the runs of [`run`] (agent API, MCP) so concurrent calls go one at a time,
+    /// Queues the jobs of [`runner`] (agent API, MCP) so concurrent calls go one at a time,
     /// in the order they were made (tokio's mutex is fair).
     pub runs: Arc<tokio::sync::Mutex<()>>,
     cancel: CancellationToken,
@@ -97,7 +97,7 @@ pub struct LiveKernel {
 
 impl LiveKernel {
     pub fn id(&self) -> &str {
-        self.kernel.id()
+        self.relay.id()
     }
 
     /// The tenant that owns it (empty for a warm kernel nobody took yet).
@@ -439,9 +439,9 @@ impl Kernels {
         let mut buffered = 0;
         for live in t.live.values() {
             *states
-                .entry(live.kernel.execution_state().as_str())
+                .entry(live.relay.execution_state().as_str())
                 .or_default() += 1;
-            buffered += live.kernel.buffered_bytes();
+            buffered += live.relay.buffered_bytes();
         }
         TableSnapshot {
             states: states.into_iter().collect(),
@@ -531,7 +531,7 @@ impl Kernels {
             return Err(e);
         }
         let live = Arc::new(LiveKernel {
-            kernel,
+            relay: kernel,
             name: name.to_owned(),
             process: Mutex::new(Process { handle, connection }),
             ops: tokio::sync::Mutex::new(()),
@@ -585,7 +585,7 @@ impl Kernels {
     /// Interrupts the kernel's process (SIGINT); executions still waiting for approval are
     /// cancelled.
     pub async fn interrupt(&self, live: &LiveKernel) -> Result<(), BackendError> {
-        live.kernel.interrupted().await;
+        live.relay.interrupted().await;
         self.backend.interrupt(&live.handle()).await
     }
 
@@ -631,9 +631,9 @@ impl Kernels {
 
     async fn discard(&self, live: &LiveKernel) -> Result<(), BackendError> {
         live.cancel.cancel();
-        live.kernel.set_state(ExecutionState::Dead, true);
-        live.kernel.disconnect();
-        live.kernel.close_clients();
+        live.relay.set_state(ExecutionState::Dead, true);
+        live.relay.disconnect();
+        live.relay.close_clients();
         self.backend.remove(&live.handle()).await
     }
 

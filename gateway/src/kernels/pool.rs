@@ -42,10 +42,10 @@ impl Kernels {
         let pooled = self.lock().pool.get_mut(spec).and_then(VecDeque::pop_front);
         self.pool_wanted.notify_waiters();
         let live = pooled?;
-        if live.kernel.execution_state() != ExecutionState::Dead {
+        if live.relay.execution_state() != ExecutionState::Dead {
             match self.set_env(&live, env).await {
                 Ok(()) => {
-                    live.kernel.touch();
+                    live.relay.touch();
                     return Some(live);
                 }
                 Err(why) => {
@@ -78,13 +78,13 @@ impl Kernels {
         request.silent = true;
         request.store_history = false;
         request.allow_stdin = false;
-        let me = live.kernel.attach(
+        let me = live.relay.attach(
             &format!("kernelgate-env-{}", uuid::Uuid::new_v4()),
             true,
             crate::relay::GATEWAY_KEY,
         );
         let message = live
-            .kernel
+            .relay
             .request("execute_request", RawJson::from_value(&request));
         let mut execution = Execution::new(message.msg_id());
         me.send(Channel::Shell, message)

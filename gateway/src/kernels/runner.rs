@@ -82,7 +82,7 @@ async fn execute<F>(
         },
     };
     let started = Instant::now();
-    let me = live.kernel.attach(
+    let me = live.relay.attach(
         &format!("kernelgate-execute-{}", uuid::Uuid::new_v4()),
         true,
         &run.key,
@@ -91,7 +91,7 @@ async fn execute<F>(
     // Nobody could answer input(): make it fail fast instead of hanging the run.
     request.allow_stdin = false;
     let mut message = live
-        .kernel
+        .relay
         .request("execute_request", RawJson::from_value(&request));
     if let Some(agent) = run.agent_id {
         message.header.extra.insert("agent_id".into(), agent.into());

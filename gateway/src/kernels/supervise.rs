@@ -94,7 +94,7 @@ impl Kernels {
             async move {
                 let _ops = live.ops.lock().await;
                 live.epoch.fetch_add(1, Ordering::SeqCst);
-                live.kernel
+                live.relay
                     .lost_executions("KernelRestarted", "the kernel was restarted")
                     .await;
                 me.restart_locked(&live, false).await
@@ -112,8 +112,8 @@ impl Kernels {
         live: &Arc<LiveKernel>,
         announce: bool,
     ) -> Result<(), CreateError> {
-        live.kernel.set_state(ExecutionState::Restarting, announce);
-        live.kernel.disconnect();
+        live.relay.set_state(ExecutionState::Restarting, announce);
+        live.relay.disconnect();
         let started = Instant::now();
         let mut tries = 0;
         let failure = loop {
@@ -126,12 +126,12 @@ impl Kernels {
                 Err(e) => {
                     // What was sent to the process that failed (held during the restart)
                     // went down with it.
-                    live.kernel
+                    live.relay
                         .lost_executions("KernelDied", &cause_of(&e))
                         .await;
                     // The failed process may have reported a state of its own: messages
                     // sent from now on wait for the next try.
-                    live.kernel.set_state(ExecutionState::Restarting, false);
+                    live.relay.set_state(ExecutionState::Restarting, false);
                     tracing::warn!(kernel = %live.id(), tries, error = %e, "a restart try failed");
                     if tries >= RESTART_TRIES || !retryable(&e) {
                         break e;
@@ -144,7 +144,7 @@ impl Kernels {
             }
         };
         if matches!(failure, CreateError::ShuttingDown) {
-            live.kernel.set_state(ExecutionState::Dead, true);
+            live.relay.set_state(ExecutionState::Dead, true);
             return Err(failure);
         }
         let why = format!(
@@ -162,7 +162,7 @@ impl Kernels {
                 why: failure.to_string(),
             })
             .await;
-        live.kernel.set_dead(why.clone()).await;
+        live.relay.set_dead(why.clone()).await;
         match failure {
             // Its own status (504) for one that did not answer in time.
             e @ CreateError::Kernel(crate::relay::KernelError::NotReady(_)) => Err(e),
@@ -184,7 +184,7 @@ impl Kernels {
         let Process { handle, connection } = live.process();
         self.backend.restart(&handle).await?;
         self.connect_watched(
-            &live.kernel,
+            &live.relay,
             &handle,
             &connection,
             live.cancel.child_token(),
@@ -203,12 +203,12 @@ impl Kernels {
     ) -> Result<(), CreateError> {
         // The warm kernel's own watcher and link go; its process serves `live` now.
         warm.cancel.cancel();
-        warm.kernel.disconnect();
+        warm.relay.disconnect();
         let (old, new) = (live.process(), warm.process());
         live.set_process(new.clone());
         let connected = self
             .connect_watched(
-                &live.kernel,
+                &live.relay,
                 &new.handle,
                 &new.connection,
                 live.cancel.child_token(),
@@ -297,9 +297,9 @@ impl Kernels {
                     restarting: self.settings.autorestart,
                 })
                 .await;
-            live.kernel.lost_executions("KernelDied", &cause).await;
+            live.relay.lost_executions("KernelDied", &cause).await;
             if !self.settings.autorestart {
-                live.kernel
+                live.relay
                     .set_dead(format!(
                         "{cause}; restart it with POST /api/kernels/{}/restart or delete it",
                         live.id()
@@ -340,7 +340,7 @@ impl Kernels {
                 .list()
                 .into_iter()
                 .filter(|l| {
-                    let k = &l.kernel;
+                    let k = &l.relay;
                     let quiet = (now - k.last_activity()).to_std().unwrap_or_default();
                     k.connections() == 0
                         && k.execution_state() != ExecutionState::Busy

@@ -229,12 +229,12 @@ async fn a_dead_kernel_is_restarted_or_reported_dead() {
             if autorestart {
                 eventually(&format!("restarted ({case})"), || async {
                     fake.records()[&handle].restarts == 1
-                        && live.kernel.execution_state() == ExecutionState::Idle
+                        && live.relay.execution_state() == ExecutionState::Idle
                 })
                 .await;
             } else {
                 eventually(&format!("reported dead ({case})"), || async {
-                    live.kernel.execution_state() == ExecutionState::Dead
+                    live.relay.execution_state() == ExecutionState::Dead
                 })
                 .await;
                 assert_eq!(fake.records()[&handle].restarts, 0, "{case}");
@@ -268,7 +268,7 @@ async fn restart_keeps_the_id_and_answers_again() {
     kernels.restart(&live, "alice").await.expect("restarted");
     let (_, record) = fake.record_of(live.id()).expect("launched");
     assert_eq!(record.restarts, 1);
-    assert_eq!(live.kernel.execution_state(), ExecutionState::Idle);
+    assert_eq!(live.relay.execution_state(), ExecutionState::Idle);
     assert_eq!(kernels.list().len(), 1);
     kernels.shutdown().await;
     assert_eq!(fake.running(), 0);
@@ -297,10 +297,10 @@ async fn abandoned_deletes_and_restarts_complete() {
         let records = fake.records();
         records[&deleted_handle].removed
             && records[&restarted_handle].restarts == 1
-            && restarted.kernel.execution_state() == ExecutionState::Idle
+            && restarted.relay.execution_state() == ExecutionState::Idle
     })
     .await;
-    assert_eq!(deleted.kernel.execution_state(), ExecutionState::Dead);
+    assert_eq!(deleted.relay.execution_state(), ExecutionState::Dead);
     assert_eq!(fake.running(), 1);
 }
 
@@ -395,8 +395,8 @@ async fn a_key_limit_holds_under_concurrent_creates_and_owners_are_kept() {
 async fn run_code(live: &LiveKernel, code: &str) -> (String, String, String) {
     use kernelgate_protocol::content::ExecuteRequest;
     use kernelgate_protocol::{Channel, Execution, RawJson};
-    let me = live.kernel.attach("test-client", true, "admin");
-    let message = live.kernel.request(
+    let me = live.relay.attach("test-client", true, "admin");
+    let message = live.relay.request(
         "execute_request",
         RawJson::from_value(&ExecuteRequest::new(code)),
     );
@@ -436,7 +436,7 @@ async fn a_kernel_that_dies_again_while_it_restarts_is_tried_again() {
     fake.oom(&handle);
     eventually("back after a second try", || async {
         fake.records()[&handle].restarts == 2
-            && live.kernel.execution_state() == ExecutionState::Idle
+            && live.relay.execution_state() == ExecutionState::Idle
     })
     .await;
     let took = started.elapsed();
@@ -461,7 +461,7 @@ async fn a_restart_that_keeps_failing_gives_up_fast_and_says_what_to_do() {
     fake.doom_next_starts(supervise::RESTART_TRIES);
     fake.oom(&handle);
     eventually("declared dead", || async {
-        live.kernel.execution_state() == ExecutionState::Dead
+        live.relay.execution_state() == ExecutionState::Dead
     })
     .await;
     let took = started.elapsed();
@@ -550,7 +550,7 @@ async fn a_restart_moves_the_kernel_into_a_warm_one_when_one_fits() {
     // Its death is watched in its new process.
     fake.kill(&warm);
     eventually("restarted again", || async {
-        live.handle() != warm && live.kernel.execution_state() == ExecutionState::Idle
+        live.handle() != warm && live.relay.execution_state() == ExecutionState::Idle
     })
     .await;
 

@@ -1,5 +1,5 @@
 //! This process's kernel table as the place of MCP's kernels (`/mcp`, `kernelgate mcp`):
-//! runs go through [`crate::kernels::run`], files through [`crate::kernels::files`], and
+//! runs go through [`crate::kernels::runner`], files through [`crate::kernels::files`], and
 //! deletions and restarts are recorded in the audit trail.
 
 use super::{KernelRef, Place, Seen};
@@ -69,7 +69,7 @@ impl Place for Local {
     fn seen(&self, id: &str) -> Option<Seen> {
         Some(match self.0.get(id) {
             None => Seen::Gone,
-            Some(l) if l.kernel.execution_state() == ExecutionState::Busy => Seen::Busy,
+            Some(l) if l.relay.execution_state() == ExecutionState::Busy => Seen::Busy,
             Some(_) => Seen::Idle,
         })
     }

@@ -9,7 +9,7 @@
 //! `kernel_id`; such a kernel is deleted after `--mcp-idle-timeout` without use. A key sees
 //! only its own sessions and kernels.
 //!
-//! Executions go through [`crate::kernels::run`], like the agent API's: one at a time per
+//! Executions go through [`crate::kernels::runner`], like the agent API's: one at a time per
 //! kernel, the timeout interrupts, the kernel relay applies the policy, the output cap and
 //! the audit trail, with the MCP session id as the agent id.
 //!

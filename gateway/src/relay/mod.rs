@@ -288,7 +288,7 @@ impl Relay {
     pub fn attach(self: &Arc<Self>, session: &str, internal: bool, key: &str) -> Attachment {
         let ticket = self.lock().clients.attach(session, internal);
         Attachment {
-            kernel: self.clone(),
+            relay: self.clone(),
             ticket,
             key: key.to_owned(),
         }
@@ -453,7 +453,7 @@ pub const GATEWAY_KEY: &str = "kernelgate";
 /// detaches the session (kept for replay unless internal).
 #[derive(Debug)]
 pub struct Attachment {
-    kernel: Arc<Relay>,
+    relay: Arc<Relay>,
     ticket: Ticket,
     key: String,
 }
@@ -463,7 +463,7 @@ impl Attachment {
     /// session over.
     pub async fn recv(&self) -> Option<Vec<Arc<Outbound>>> {
         loop {
-            match self.kernel.lock().clients.take(&self.ticket) {
+            match self.relay.lock().clients.take(&self.ticket) {
                 Take::Superseded => return None,
                 Take::Messages(m) if !m.is_empty() => return Some(m),
                 Take::Messages(_) => {}
@@ -474,18 +474,18 @@ impl Attachment {
 
     /// Sends a client message to the kernel; replies come back through [`Self::recv`].
     pub async fn send(&self, channel: Channel, message: Message) -> Result<(), KernelError> {
-        self.kernel
+        self.relay
             .send(&self.ticket.session, &self.key, channel, message)
             .await
     }
 
-    pub fn kernel(&self) -> &Arc<Relay> {
-        &self.kernel
+    pub fn relay(&self) -> &Arc<Relay> {
+        &self.relay
     }
 }
 
 impl Drop for Attachment {
     fn drop(&mut self) {
-        self.kernel.lock().clients.detach(&self.ticket);
+        self.relay.lock().clients.detach(&self.ticket);
     }
 }
