@@ -153,6 +153,7 @@ async fn kernel_table(
     let settings = Settings {
         audit,
         guard: guard.clone(),
+        ledger: None,
         max_kernels: config.max_kernels,
         startup_timeout: Duration::from_secs(config.startup_timeout),
         autorestart: config.autorestart,

@@ -29,6 +29,8 @@ pub struct ErrorBody {
 pub struct ApiError {
     pub status: StatusCode,
     pub message: String,
+    /// Seconds to wait before trying again (`Retry-After`), for a condition that passes.
+    pub retry_after: Option<u32>,
 }
 
 impl ApiError {
@@ -36,7 +38,14 @@ impl ApiError {
         ApiError {
             status,
             message: message.into(),
+            retry_after: None,
         }
+    }
+
+    /// The answer says when to try again.
+    pub fn retry_after(mut self, seconds: u32) -> Self {
+        self.retry_after = Some(seconds);
+        self
     }
 
     pub fn no_kernel(id: &str) -> Self {
@@ -57,7 +66,13 @@ impl IntoResponse for ApiError {
             reason: self.status.canonical_reason().unwrap_or("Error").to_owned(),
             message: self.message,
         };
-        (self.status, Json(body)).into_response()
+        let mut response = (self.status, Json(body)).into_response();
+        if let Some(seconds) = self.retry_after {
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, seconds.into());
+        }
+        response
     }
 }
 
@@ -209,6 +224,11 @@ impl From<CreateError> for ApiError {
             ),
             CreateError::Backend(b) => b.into(),
             CreateError::Kernel(k) => k.into(),
+            CreateError::Unregistered(_) => ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("{e}; try again shortly"),
+            )
+            .retry_after(5),
         }
     }
 }

@@ -357,6 +357,7 @@ mod tests {
             specs: Arc::new(specs),
             audit: crate::audit::Audit::disabled(),
             guard: None,
+            ledger: None,
             limits: ClientLimits {
                 kernel_message_bytes: 1 << 20,
                 buffer_bytes: 1 << 20,

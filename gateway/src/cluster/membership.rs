@@ -11,12 +11,52 @@
 
 use super::registry::{Event, Lease, Registry, RegistryError, Revision};
 use super::{kernel_key, node_key, KernelRecord, Key, NodeRecord, PREFIX};
+use crate::kernels::ledger::{ClaimRefused, Ledger};
+use futures::future::BoxFuture;
 use futures::StreamExt;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
+
+/// The kernel table's records go to the registry: a create is refused unless its kernel is
+/// claimed, and the node's load follows its kernels.
+impl<R: Registry + Clone + std::fmt::Debug> Ledger for Membership<R> {
+    fn claim<'a>(
+        &'a self,
+        id: &'a str,
+        owner: &'a str,
+        spec: &'a str,
+    ) -> BoxFuture<'a, Result<(), ClaimRefused>> {
+        Box::pin(async move {
+            let record = self.record_of(owner, spec);
+            Membership::claim(self, id, &record)
+                .await
+                .map_err(|e| ClaimRefused(e.to_string()))?;
+            self.publish_load().await;
+            Ok(())
+        })
+    }
+
+    fn adopt(&self, id: &str, owner: &str, spec: &str) {
+        let record = self.record_of(owner, spec);
+        Membership::adopt(self, id, &record);
+        let mut own = self.own();
+        own.node.load = u32::try_from(own.kernels.len()).unwrap_or(u32::MAX);
+    }
+
+    fn release<'a>(&'a self, id: &'a str) -> BoxFuture<'a, ()> {
+        Box::pin(async move {
+            if let Err(e) = Membership::release(self, id).await {
+                // Its lease takes it when this node stops; until then others may still
+                // route to it and get this node's 404.
+                tracing::warn!(kernel = %id, error = %e, "cannot remove the kernel's record from the cluster registry");
+            }
+            self.publish_load().await;
+        })
+    }
+}
 
 /// Everyone's records, as this node last saw them.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -158,6 +198,32 @@ impl<R: Registry + Clone> Membership<R> {
         };
         self.registry.delete_if(&kernel_key(id), &bytes).await?;
         Ok(())
+    }
+
+    /// A record of kernel `id`, owned by this node's incarnation.
+    fn record_of(&self, owner: &str, spec: &str) -> KernelRecord {
+        KernelRecord {
+            node: self.node_id.clone(),
+            incarnation: self.own().node.incarnation.clone(),
+            tenant: owner.to_owned(),
+            spec: spec.to_owned(),
+            created: crate::time::now_iso(),
+        }
+    }
+
+    /// Puts this node's record again with its load: the kernels it holds now.
+    async fn publish_load(&self) {
+        let (lease, bytes) = {
+            let mut own = self.own();
+            own.node.load = u32::try_from(own.kernels.len()).unwrap_or(u32::MAX);
+            (own.lease, serde_json::to_vec(&own.node).unwrap_or_default())
+        };
+        if let Some(lease) = lease {
+            let key = node_key(&self.node_id);
+            if let Err(e) = self.registry.put(&key, &bytes, lease).await {
+                tracing::warn!(error = %e, "cannot update this node's load in the cluster registry");
+            }
+        }
     }
 
     /// Updates this node's own record (its load, say) in the registry.

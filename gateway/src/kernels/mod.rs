@@ -10,6 +10,7 @@ use crate::relay::clients::ClientLimits;
 
 mod adopt;
 pub mod files;
+pub mod ledger;
 mod pool;
 pub mod runner;
 mod supervise;
@@ -44,6 +45,9 @@ pub enum CreateError {
     ShuttingDown,
     #[error("the kernel started but did not answer: {0}")]
     Kernel(#[from] KernelError),
+    /// The cluster registry did not take the kernel: it was removed again.
+    #[error("the kernel could not be registered in the cluster: {0}")]
+    Unregistered(#[from] ledger::ClaimRefused),
 }
 
 /// What governs kernels, taken from the configuration.
@@ -60,6 +64,8 @@ pub struct Settings {
     pub audit: Audit,
     /// The execution policy (`--policy`), shared by every kernel.
     pub guard: Option<Arc<crate::policy::Guard>>,
+    /// Where the table's own kernels are recorded beyond this process (cluster mode).
+    pub ledger: Option<Arc<dyn ledger::Ledger>>,
 }
 
 /// The kernel process a [`LiveKernel`] runs in now: a restart may move it into a warm
@@ -347,6 +353,16 @@ impl Kernels {
                     me.abandon(&live).await;
                     return;
                 }
+                if let Some(ledger) = &me.settings.ledger {
+                    if let Err(refused) = ledger.claim(live.id(), &owner, &name).await {
+                        let taken = me.lock().live.remove(live.id());
+                        if let Some(taken) = taken {
+                            me.abandon(&taken).await;
+                        }
+                        let _ = tx.send(Err(refused.into()));
+                        return;
+                    }
+                }
                 me.settings.audit.record(&Record::KernelCreated {
                     kernel: live.id().to_owned(),
                     key: owner.to_string(),
@@ -599,6 +615,9 @@ impl Kernels {
     ) -> Option<Result<(), BackendError>> {
         let live = self.lock().live.remove(id)?;
         let owner = live.owner().to_owned();
+        if let Some(ledger) = &self.settings.ledger {
+            ledger.release(id).await;
+        }
         self.settings
             .audit
             .record(&match why {
