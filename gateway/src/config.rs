@@ -380,4 +380,49 @@ pub struct Config {
     /// images that do not fit are replaced by notes. Clients refuse messages over 1 MiB.
     #[arg(long, env = "KERNELGATE_MCP_MAX_RESULT_KB", default_value_t = 256, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(16..=65536))]
     pub mcp_max_result_kb: usize,
+
+    #[command(flatten)]
+    pub cluster: ClusterArgs,
+}
+
+/// Cluster mode: this gateway is one node of several that clients see as one
+/// (docs/cluster.md). Without `--etcd` the gateway is a single node and none of these apply.
+#[derive(Debug, Clone, Default, Args)]
+pub struct ClusterArgs {
+    /// The cluster registry: etcd's client URLs (`http://host:2379`), comma-separated.
+    #[arg(
+        long,
+        env = "KERNELGATE_ETCD",
+        value_delimiter = ',',
+        value_name = "URL[,URL]"
+    )]
+    pub etcd: Vec<String>,
+
+    /// This node's name in the cluster; default: the host name.
+    #[arg(long, env = "KERNELGATE_NODE_ID")]
+    pub node_id: Option<String>,
+
+    /// How the other nodes reach this one (`http://host:port`).
+    #[arg(long, env = "KERNELGATE_ADVERTISE", value_name = "URL")]
+    pub advertise: Option<String>,
+
+    /// A file holding the secret every node signs and checks node-to-node calls with (the
+    /// same on every node, at least 32 bytes; a trailing newline is ignored).
+    #[arg(long, env = "KERNELGATE_CLUSTER_SECRET_FILE", value_name = "PATH")]
+    pub cluster_secret_file: Option<PathBuf>,
+
+    /// Seconds a node's records outlive it in the registry: how soon the others see a node
+    /// gone, against how long an etcd hiccup may last before a node counts as cut off.
+    #[arg(long, env = "KERNELGATE_LEASE_TTL", default_value_t = 10, value_parser = clap::value_parser!(u64).range(2..=3600))]
+    pub lease_ttl: u64,
+}
+
+impl ClusterArgs {
+    /// Whether any cluster flag was given (`kernelgate mcp` refuses them all).
+    pub fn any(&self) -> bool {
+        !self.etcd.is_empty()
+            || self.node_id.is_some()
+            || self.advertise.is_some()
+            || self.cluster_secret_file.is_some()
+    }
 }

@@ -125,6 +125,11 @@ impl KernelSpecs {
     }
 
     /// The names, for messages: `python3, sklearn`.
+    /// The spec names, sorted.
+    pub fn names_list(&self) -> Vec<String> {
+        self.specs.keys().cloned().collect()
+    }
+
     pub fn names(&self) -> String {
         self.specs.keys().cloned().collect::<Vec<_>>().join(", ")
     }

@@ -10,6 +10,7 @@ use kernelgate::audit::Audit;
 use kernelgate::backend::docker::lock::{LockError, RuntimeDirLock};
 use kernelgate::backend::docker::{DockerBackend, DockerSettings};
 use kernelgate::backend::KernelBackend;
+use kernelgate::cluster::node::{ClusterNode, Offer};
 use kernelgate::config::{Cli, Command, Config, KeysAction, KeysArgs, LogFormat, McpArgs};
 use kernelgate::kernels::{HeartbeatCheck, Kernels, Settings};
 use kernelgate::kernelspecs::KernelSpecs;
@@ -69,6 +70,7 @@ struct Prepared {
     audit: Audit,
     audit_path: std::path::PathBuf,
     guard: Option<Arc<kernelgate::policy::Guard>>,
+    cluster: Option<Arc<ClusterNode>>,
 }
 
 fn prepare(
@@ -113,11 +115,21 @@ fn prepare(
             ))
         }
     };
+    let cluster = ClusterNode::from_args(
+        &config.cluster,
+        Offer {
+            capacity: config.max_kernels,
+            specs: specs.names_list(),
+        },
+        tracker,
+        cancel,
+    )?;
     Ok(Prepared {
         specs,
         audit,
         audit_path,
         guard,
+        cluster,
     })
 }
 
@@ -127,6 +139,7 @@ struct Table {
     runtime: &'static str,
     guard: Option<Arc<kernelgate::policy::Guard>>,
     audit_path: std::path::PathBuf,
+    cluster: Option<Arc<ClusterNode>>,
 }
 
 /// Connects to Docker and starts the table: containers of an earlier run are re-adopted
@@ -142,6 +155,7 @@ async fn kernel_table(
         audit,
         audit_path,
         guard,
+        cluster,
     } = prepared;
     let backend = DockerBackend::connect(DockerSettings::from(config))
         .await
@@ -153,7 +167,9 @@ async fn kernel_table(
     let settings = Settings {
         audit,
         guard: guard.clone(),
-        ledger: None,
+        ledger: cluster
+            .as_ref()
+            .map(|c| c.membership.clone() as Arc<dyn kernelgate::kernels::ledger::Ledger>),
         max_kernels: config.max_kernels,
         startup_timeout: Duration::from_secs(config.startup_timeout),
         autorestart: config.autorestart,
@@ -175,6 +191,7 @@ async fn kernel_table(
         runtime,
         guard,
         audit_path,
+        cluster,
     })
 }
 
@@ -197,7 +214,12 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         runtime,
         guard,
         audit_path,
+        cluster,
     } = kernel_table(&config, prepared, &tracker, &cancel).await?;
+    if let Some(node) = &cluster {
+        node.start(&tracker, &cancel);
+        tracing::info!(node = %node.node_id, etcd = ?config.cluster.etcd, "cluster mode");
+    }
     let mcp = kernelgate::mcp::Mcp::new(
         kernels.clone(),
         tracker.clone(),
@@ -224,6 +246,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
             mcp,
             config.max_message_mb * 1024 * 1024,
         )),
+        cluster,
     };
     let url = format!("http://{}/", config.listen);
     match generated {
@@ -256,6 +279,9 @@ async fn serve(config: Config) -> anyhow::Result<()> {
 /// engine, until EOF or a signal; then every kernel it started is removed.
 async fn mcp_stdio(args: McpArgs) -> anyhow::Result<()> {
     let mut config = args.config;
+    if config.cluster.any() {
+        bail!("--etcd, --node-id, --advertise and --cluster-secret-file belong to `kernelgate serve`; `kernelgate mcp` runs its own kernels, or uses a gateway's with --url");
+    }
     if let Some(url) = &args.url {
         let token = match &args.token_file {
             Some(path) => Some(kernelgate::mcp::remote::read_token_file(path)?),

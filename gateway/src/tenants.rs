@@ -281,6 +281,21 @@ impl Keys {
         Ok(revoked)
     }
 
+    /// The tenant of this name, if it holds a key now (a call another node forwarded names
+    /// its key; this node checks it against its own file).
+    pub fn tenant_named(&self, name: &str) -> Option<Arc<Tenant>> {
+        if let Some(anon) = &self.anonymous {
+            return Some(anon.clone());
+        }
+        if let Some((_, t)) = self.token.as_ref().filter(|(_, t)| t.name == name) {
+            return Some(t.clone());
+        }
+        let keys = self.from_file.read().unwrap_or_else(|e| e.into_inner());
+        keys.iter()
+            .find(|(_, t)| t.name == name)
+            .map(|(_, t)| t.clone())
+    }
+
     /// Whether a tenant of this name holds a key now (a kernel's owner that is not is
     /// an orphan of a revoked key).
     pub fn knows(&self, name: &str) -> bool {

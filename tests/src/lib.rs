@@ -123,7 +123,8 @@ pub struct Gateway {
 
 impl Gateway {
     /// Starts a gateway with a fresh token, no warm pool and its own runtime directory,
-    /// plus `extra` flags; returns once it serves HTTP.
+    /// plus `extra` flags (`{port}` in one stands for the port it listens on); returns once
+    /// it serves HTTP.
     pub async fn start(extra: &[&str]) -> Result<Gateway> {
         Self::launch(extra, true).await
     }
@@ -174,7 +175,7 @@ impl Gateway {
                 log
             }
         };
-        args.extend(extra.iter().map(|s| s.to_string()));
+        args.extend(extra.iter().map(|s| s.replace("{port}", &port.to_string())));
         let logs = Arc::new(Mutex::new(Vec::new()));
         let kept = logs.clone();
         let process = serve

@@ -9,6 +9,8 @@
 use super::error::ApiError;
 use super::AppState;
 use crate::audit::Record;
+use crate::cluster::node::ClusterNode;
+use crate::cluster::signing::HEADER_PREFIX;
 use crate::tenants::Tenant;
 use axum::extract::{ConnectInfo, FromRequestParts, Request, State};
 use axum::http::request::Parts;
@@ -204,6 +206,11 @@ pub async fn require_token(
     mut req: Request,
     next: Next,
 ) -> Result<Response, Response> {
+    if let Some(cluster) = &state.cluster {
+        if is_forwarded(&req) {
+            return forwarded_call(&state, cluster, req, next).await;
+        }
+    }
     if let Some(tenant) = state.keys.authenticate(presented_token(&req).as_deref()) {
         // The bare tenant too, for handlers outside this module (MCP's).
         req.extensions_mut().insert(tenant.clone());
@@ -241,6 +248,71 @@ pub async fn require_token(
          or is a key of --keys)",
     )
     .into_response())
+}
+
+/// Whether a request says it was forwarded by another node (carries an internal header).
+fn is_forwarded(req: &Request) -> bool {
+    req.headers()
+        .keys()
+        .any(|name| name.as_str().starts_with(HEADER_PREFIX))
+}
+
+/// A call another node forwarded: its signature is checked (the cluster secret, a replay
+/// window), then the key it names must be a key of this node's own keys file. A forged or
+/// replayed one is refused, audited as a refused authentication.
+async fn forwarded_call(
+    state: &AppState,
+    cluster: &ClusterNode,
+    mut req: Request,
+    next: Next,
+) -> Result<Response, Response> {
+    let path = req
+        .uri()
+        .path_and_query()
+        .map_or_else(|| req.uri().path().to_owned(), |p| p.as_str().to_owned());
+    let checked = cluster.signer.verify(
+        req.method().as_str(),
+        &path,
+        req.headers(),
+        chrono::Utc::now().timestamp(),
+    );
+    let addr = req
+        .extensions()
+        .get::<ConnectInfo<SocketAddr>>()
+        .map(|c| c.0.ip());
+    let refused_path = req.uri().path().to_owned();
+    let refused = |why: String| async move {
+        tracing::warn!(client = ?addr, %why, "forwarded call refused");
+        state
+            .kernels
+            .audit()
+            .record(&Record::AuthRefused {
+                client: addr.map(|a| a.to_string()),
+                path: refused_path,
+            })
+            .await;
+        Err(ApiError::new(StatusCode::FORBIDDEN, why).into_response())
+    };
+    let who = match checked {
+        Ok(who) => who,
+        Err(e) => {
+            return refused(format!(
+                "{e}: x-kernelgate-* headers are for calls between the cluster's nodes"
+            ))
+            .await
+        }
+    };
+    let Some(tenant) = state.keys.tenant_named(&who.key) else {
+        return refused(format!(
+            "the key {:?} is not in this node's keys file; every node must load the same file",
+            who.key
+        ))
+        .await;
+    };
+    req.extensions_mut().insert(tenant.clone());
+    req.extensions_mut().insert(Caller(tenant));
+    req.extensions_mut().insert(who);
+    Ok(next.run(req).await)
 }
 
 #[cfg(test)]

@@ -5,6 +5,7 @@
 pub mod approvals;
 pub mod auth;
 pub mod channels;
+pub mod cluster;
 pub mod error;
 pub mod execute;
 pub mod extract;
@@ -57,6 +58,8 @@ pub struct AppState {
     pub guard: Option<Arc<crate::policy::Guard>>,
     /// The MCP server at `/mcp`.
     pub mcp: Arc<crate::mcp::http::Endpoint>,
+    /// This gateway as a node of a cluster (`--etcd`); none for a single gateway.
+    pub cluster: Option<Arc<crate::cluster::node::ClusterNode>>,
 }
 
 /// Every route, public or behind a token. The router and the OpenAPI document
@@ -123,10 +126,16 @@ pub fn router(state: AppState) -> Router {
     let Surface { public, protected } = surface();
     let (public, _, _) = public.split();
     let (protected, _, _) = protected.split();
-    let protected = protected.route_layer(middleware::from_fn_with_state(
-        state.clone(),
-        auth::require_token,
-    ));
+    // Authentication first, then (in cluster mode) the node that serves it.
+    let protected = protected
+        .route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            cluster::route,
+        ))
+        .route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            auth::require_token,
+        ));
     let api = public
         .merge(protected)
         .fallback(not_found)
@@ -227,6 +236,21 @@ pub struct GatewayInfo {
     runtime: &'static str,
     /// An execution policy (`--policy`) is in force.
     policy: bool,
+    /// In cluster mode: this node and the nodes it sees.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    cluster: Option<ClusterInfo>,
+}
+
+/// A node of a cluster, as it sees the cluster.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ClusterInfo {
+    /// This node's id (`--node-id`).
+    #[schema(example = "node-1")]
+    node: String,
+    /// The nodes registered now, this one included, by id.
+    nodes: Vec<String>,
+    /// Whether this node holds its lease (false: cut off from the registry).
+    registered: bool,
 }
 
 /// Jupyter Server's version, public as there; with a valid key also the runtime and policy.
@@ -241,6 +265,15 @@ async fn version(State(state): State<AppState>, req: Request) -> Json<Version> {
         version: env!("CARGO_PKG_VERSION"),
         runtime: state.runtime,
         policy: state.guard.is_some(),
+        cluster: state.cluster.as_ref().map(|c| ClusterInfo {
+            node: c.node_id.clone(),
+            nodes: {
+                let mut nodes: Vec<String> = c.membership.view().nodes.into_keys().collect();
+                nodes.sort();
+                nodes
+            },
+            registered: c.membership.registered(),
+        }),
     });
     Json(Version {
         version: env!("CARGO_PKG_VERSION"),

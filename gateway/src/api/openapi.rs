@@ -392,6 +392,7 @@ mod tests {
             origins: Arc::new(OriginPolicy::default()),
             runtime: "runc",
             guard: None,
+            cluster: None,
         }
     }
 

@@ -17,6 +17,7 @@ pub mod etcd;
 pub mod forward;
 pub mod membership;
 pub mod memory;
+pub mod node;
 pub mod placement;
 pub mod registry;
 pub mod signing;

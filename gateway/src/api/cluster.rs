@@ -1,0 +1,242 @@
+//! Cluster mode in front of the handlers: a request about a kernel another node owns is
+//! forwarded to it; a create goes to the node with the most free room; the kernel list is
+//! the cluster's. A call another node forwarded here is served here, as sent. Single-node
+//! mode (no `--etcd`) passes every request straight through.
+
+use super::auth::Caller;
+use super::error::ApiError;
+use super::AppState;
+use crate::cluster::forward::ForwardError;
+use crate::cluster::node::ClusterNode;
+use crate::cluster::placement;
+use crate::cluster::signing::Forwarded;
+use axum::body::{to_bytes, Body};
+use axum::extract::{Request, State};
+use axum::http::{Method, StatusCode};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use serde_json::Value;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// How long the list waits for another node's kernels before it shows their registry rows.
+const LIST_TIMEOUT: Duration = Duration::from_secs(1);
+/// Seconds a client is told to wait when a node is not there now.
+const RETRY_AFTER: u32 = 3;
+/// The largest create body kept to retry on the next node.
+const MAX_CREATE_BODY: usize = 1 << 20;
+
+/// Middleware behind authentication: see the module's documentation.
+pub async fn route(State(state): State<AppState>, req: Request, next: Next) -> Response {
+    let Some(cluster) = state.cluster.clone() else {
+        return next.run(req).await;
+    };
+    if req.extensions().get::<Forwarded>().is_some() {
+        return next.run(req).await;
+    }
+    let Some(caller) = req.extensions().get::<Caller>().cloned() else {
+        return next.run(req).await;
+    };
+    let path = req.uri().path().to_owned();
+    if let Some(id) = kernel_of(&path) {
+        if state.kernels.get(id).is_some() {
+            return next.run(req).await;
+        }
+        let view = cluster.membership.view();
+        let owner = match view.kernels.get(id) {
+            Some(record) if record.node != cluster.node_id => record.node.clone(),
+            // Unknown, or this node's own and not in its table: the handler's 404.
+            _ => return next.run(req).await,
+        };
+        let Some(node) = view.nodes.get(&owner) else {
+            return unavailable(format!(
+                "the node that runs kernel {id} ({owner}) is not in the cluster now; try again shortly"
+            ));
+        };
+        return forward(&cluster, &node.address, &caller, req).await;
+    }
+    if path == "/api/kernels" && req.method() == Method::POST {
+        return place(&cluster, &caller, req, next).await;
+    }
+    if path == "/api/kernels" && req.method() == Method::GET {
+        return list(&cluster, &caller, req, next).await;
+    }
+    next.run(req).await
+}
+
+/// The kernel id of a path about one kernel (`/api/kernels/{id}` and below).
+fn kernel_of(path: &str) -> Option<&str> {
+    path.strip_prefix("/api/kernels/")
+        .and_then(|rest| rest.split('/').next())
+        .filter(|id| !id.is_empty())
+}
+
+fn unavailable(message: String) -> Response {
+    ApiError::new(StatusCode::SERVICE_UNAVAILABLE, message)
+        .retry_after(RETRY_AFTER)
+        .into_response()
+}
+
+fn request_id(req: &Request) -> String {
+    req.headers()
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned)
+        .unwrap_or_else(|| uuid::Uuid::new_v4().simple().to_string())
+}
+
+async fn forward(cluster: &ClusterNode, base: &str, caller: &Caller, req: Request) -> Response {
+    let id = request_id(&req);
+    match cluster
+        .forwarder
+        .forward(base, &caller.0.name, &id, req)
+        .await
+    {
+        Ok(response) => response,
+        Err(e @ ForwardError::Unreachable { .. }) => unavailable(format!("{e}; try again shortly")),
+        Err(e @ ForwardError::BadAnswer { .. }) => {
+            ApiError::new(StatusCode::BAD_GATEWAY, e.to_string()).into_response()
+        }
+    }
+}
+
+/// A request made anew from its parts, for one more try.
+fn again(
+    method: &Method,
+    uri: &axum::http::Uri,
+    headers: &axum::http::HeaderMap,
+    body: &axum::body::Bytes,
+) -> Request {
+    let mut req = Request::new(Body::from(body.clone()));
+    *req.method_mut() = method.clone();
+    *req.uri_mut() = uri.clone();
+    *req.headers_mut() = headers.clone();
+    req
+}
+
+/// A create: on the node with the most free room that offers the spec, the next one when
+/// that one is full or cannot be reached. Refused while this node is cut off from the
+/// registry: a guess could place a kernel where the cluster does not know it.
+async fn place(cluster: &ClusterNode, caller: &Caller, req: Request, next: Next) -> Response {
+    if !cluster.membership.registered() {
+        return unavailable(
+            "this node is cut off from the cluster registry and cannot place kernels now; try again shortly".into(),
+        );
+    }
+    let (parts, body) = req.into_parts();
+    let Ok(bytes) = to_bytes(body, MAX_CREATE_BODY).await else {
+        return ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!("a create body is at most {MAX_CREATE_BODY} bytes"),
+        )
+        .into_response();
+    };
+    let spec = serde_json::from_slice::<Value>(&bytes)
+        .ok()
+        .and_then(|v| v.get("name").and_then(Value::as_str).map(str::to_owned))
+        .filter(|n| !n.is_empty())
+        .unwrap_or_else(|| crate::kernelspecs::DEFAULT_SPEC.to_owned());
+    let view = cluster.membership.view();
+    let candidates = placement::candidates(&view, &spec);
+    let mut local = Some(parts);
+    let mut last = None;
+    for node in &candidates {
+        if *node == cluster.node_id {
+            if let Some(parts) = local.take() {
+                let response = next
+                    .run(Request::from_parts(parts, Body::from(bytes)))
+                    .await;
+                return response;
+            }
+            continue;
+        }
+        let Some(record) = view.nodes.get(node) else {
+            continue;
+        };
+        let Some(parts) = local.as_ref() else { break };
+        let req = again(&parts.method, &parts.uri, &parts.headers, &bytes);
+        let response = forward(cluster, &record.address, caller, req).await;
+        // Full since the view was made, or gone: the next node.
+        let status = response.status();
+        if status == StatusCode::FORBIDDEN || status == StatusCode::SERVICE_UNAVAILABLE {
+            last = Some(response);
+            continue;
+        }
+        return response;
+    }
+    match (local, last) {
+        // No other node took it: this node answers (a full node's answer, or its own
+        // refusal of a spec it does not offer).
+        (Some(parts), _) => {
+            next.run(Request::from_parts(parts, Body::from(bytes)))
+                .await
+        }
+        (None, Some(response)) => response,
+        (None, None) => unavailable("no node of the cluster can take a kernel now".into()),
+    }
+}
+
+/// The cluster's kernels: this node's own, and each other node's as it reports them
+/// (asked in parallel, a short timeout each). A node that does not answer in time shows
+/// its kernels as the registry knows them, with `execution_state` `unknown`.
+async fn list(cluster: &Arc<ClusterNode>, caller: &Caller, req: Request, next: Next) -> Response {
+    let view = cluster.membership.view();
+    let (method, uri, headers) = (
+        req.method().clone(),
+        req.uri().clone(),
+        req.headers().clone(),
+    );
+    let local = next.run(req).await;
+    if !local.status().is_success() {
+        return local;
+    }
+    let Ok(bytes) = to_bytes(local.into_body(), usize::MAX).await else {
+        return unavailable("cannot read this node's kernel list".into());
+    };
+    let mut rows: Vec<Value> = serde_json::from_slice(&bytes).unwrap_or_default();
+    let others: Vec<(String, String)> = view
+        .nodes
+        .iter()
+        .filter(|(id, _)| **id != cluster.node_id)
+        .filter(|(id, _)| {
+            view.kernels
+                .values()
+                .any(|k| k.node == **id && caller.0.may_use(&k.tenant))
+        })
+        .map(|(id, n)| (id.clone(), n.address.clone()))
+        .collect();
+    let asks = others.iter().map(|(node, address)| {
+        let req = again(&method, &uri, &headers, &axum::body::Bytes::new());
+        async move {
+            let answer = tokio::time::timeout(LIST_TIMEOUT, async {
+                let response = forward(cluster, address, caller, req).await;
+                if !response.status().is_success() {
+                    return None;
+                }
+                let body = to_bytes(response.into_body(), usize::MAX).await.ok()?;
+                serde_json::from_slice::<Vec<Value>>(&body).ok()
+            })
+            .await
+            .ok()
+            .flatten();
+            (node.clone(), answer)
+        }
+    });
+    for (node, answer) in futures::future::join_all(asks).await {
+        match answer {
+            Some(theirs) => rows.extend(theirs),
+            None => rows.extend(
+                view.kernels
+                    .iter()
+                    .filter(|(_, k)| k.node == node && caller.0.may_use(&k.tenant))
+                    .map(|(id, k)| {
+                        serde_json::json!({
+                            "id": id, "name": k.spec, "last_activity": k.created,
+                            "execution_state": "unknown", "connections": 0,
+                        })
+                    }),
+            ),
+        }
+    }
+    axum::Json(rows).into_response()
+}

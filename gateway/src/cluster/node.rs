@@ -1,0 +1,126 @@
+//! This gateway as a node of a cluster: its flags checked, its membership in the registry
+//! (which is also the kernel table's [`Ledger`](crate::kernels::ledger::Ledger)), the
+//! signer of node-to-node calls and the forwarder. Made before the kernel table, started
+//! once the listener is bound.
+
+use super::etcd::Etcd;
+use super::forward::Forwarder;
+use super::membership::Membership;
+use super::signing::Signer;
+use super::NodeRecord;
+use crate::config::ClusterArgs;
+use anyhow::{bail, Context};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+/// The shortest cluster secret accepted.
+const MIN_SECRET_BYTES: usize = 32;
+
+/// One node of the cluster.
+#[derive(Debug)]
+pub struct ClusterNode {
+    pub node_id: String,
+    pub membership: Arc<Membership<Etcd>>,
+    pub signer: Arc<Signer>,
+    pub forwarder: Forwarder,
+}
+
+/// What the node's own record says of it at start.
+#[derive(Debug)]
+pub struct Offer {
+    pub capacity: usize,
+    pub specs: Vec<String>,
+}
+
+impl ClusterNode {
+    /// The node the flags ask for, or `None` without `--etcd` (a single node). Checks
+    /// every cluster flag; contacts nothing yet.
+    pub fn from_args(
+        args: &ClusterArgs,
+        offer: Offer,
+        tracker: &TaskTracker,
+        cancel: &CancellationToken,
+    ) -> anyhow::Result<Option<Arc<ClusterNode>>> {
+        if args.etcd.is_empty() {
+            if args.any() {
+                bail!(
+                    "--node-id, --advertise and --cluster-secret-file belong to cluster mode: \
+                     give --etcd too, or leave them out for a single gateway"
+                );
+            }
+            return Ok(None);
+        }
+        for url in &args.etcd {
+            if !(url.starts_with("http://") || url.starts_with("https://")) {
+                bail!("--etcd {url:?}: give etcd's client URL, like http://etcd:2379");
+            }
+            if url.starts_with("https://") {
+                bail!("--etcd {url:?}: this build reaches etcd over plain HTTP only; put etcd on a private network (docs/cluster.md)");
+            }
+        }
+        let Some(advertise) = args.advertise.clone() else {
+            bail!("--etcd needs --advertise: the URL other nodes reach this one at (http://host:port)");
+        };
+        if !advertise.starts_with("http://") {
+            bail!("--advertise {advertise:?}: give http://host:port");
+        }
+        let Some(secret_file) = &args.cluster_secret_file else {
+            bail!("--etcd needs --cluster-secret-file: a file with the secret every node shares (at least {MIN_SECRET_BYTES} bytes)");
+        };
+        let secret = std::fs::read(secret_file)
+            .with_context(|| format!("cannot read the cluster secret {}", secret_file.display()))?;
+        let secret = secret.strip_suffix(b"\n").unwrap_or(&secret).to_vec();
+        if secret.len() < MIN_SECRET_BYTES {
+            bail!(
+                "the cluster secret in {} has {} bytes; give at least {MIN_SECRET_BYTES} (e.g. `openssl rand -hex 32`)",
+                secret_file.display(),
+                secret.len()
+            );
+        }
+        let node_id = match &args.node_id {
+            Some(id) => id.clone(),
+            None => hostname()?,
+        };
+        if node_id.is_empty() || node_id.contains('/') || node_id.len() > 128 {
+            bail!("--node-id {node_id:?}: give a name without '/' of at most 128 characters");
+        }
+        let registry = Etcd::new(args.etcd.clone(), reqwest::Client::builder())
+            .map_err(|e| anyhow::anyhow!("--etcd: {e}"))?;
+        let record = NodeRecord {
+            address: advertise.trim_end_matches('/').to_owned(),
+            incarnation: uuid::Uuid::new_v4().simple().to_string(),
+            capacity: u32::try_from(offer.capacity).unwrap_or(u32::MAX),
+            load: 0,
+            version: env!("CARGO_PKG_VERSION").to_owned(),
+            specs: offer.specs,
+            warm: Default::default(),
+        };
+        let ttl = Duration::from_secs(args.lease_ttl);
+        let membership = Membership::new(registry, &node_id, record, ttl);
+        let signer = Arc::new(Signer::new(&secret));
+        let forwarder = Forwarder::new(signer.clone(), &node_id, tracker.clone(), cancel.clone())
+            .context("cannot set up node-to-node calls")?;
+        Ok(Some(Arc::new(ClusterNode {
+            node_id,
+            membership,
+            signer,
+            forwarder,
+        })))
+    }
+
+    /// Keeps the lease and follows the registry until `cancel`.
+    pub fn start(&self, tracker: &TaskTracker, cancel: &CancellationToken) {
+        tracker.spawn(self.membership.clone().keep(cancel.clone(), |lost| {
+            tracing::error!(kernels = ?lost, "kernels of this node were claimed by another node while it was cut off; they stay here but unregistered");
+        }));
+        tracker.spawn(self.membership.clone().follow(cancel.clone()));
+    }
+}
+
+fn hostname() -> anyhow::Result<String> {
+    let name = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .context("cannot read the host name; give --node-id")?;
+    Ok(name.trim().to_owned())
+}

@@ -1,0 +1,314 @@
+//! Cluster mode end to end: three gateway nodes on loopback, one real etcd (Debian's
+//! `etcd-server`), real kernels. Clients reach any node and get the same answers as from
+//! the kernel's owner. Runs under runc only: nodes and kernels are the same under gVisor,
+//! and the suite is run once.
+
+use anyhow::{Context, Result};
+use kernelgate_tests::etcd::EtcdServer;
+use kernelgate_tests::{runtime, Gateway};
+use reqwest::Method;
+use serde_json::json;
+use std::time::{Duration, Instant};
+
+struct Cluster {
+    nodes: Vec<Gateway>,
+    _etcd: EtcdServer,
+    _dir: tempfile::TempDir,
+}
+
+/// Three nodes of at most two kernels each, with a 3 s lease, sharing `keys` (a keys file).
+async fn cluster(keys: &str) -> Result<Cluster> {
+    let etcd = EtcdServer::start().await?;
+    let dir = tempfile::tempdir()?;
+    let secret = dir.path().join("cluster.secret");
+    std::fs::write(
+        &secret,
+        format!("{}\n", uuid::Uuid::new_v4().simple().to_string().repeat(2)),
+    )?;
+    let keys_file = dir.path().join("keys.toml");
+    std::fs::write(&keys_file, keys)?;
+    let (secret, keys_file, url) = (
+        secret.display().to_string(),
+        keys_file.display().to_string(),
+        etcd.url(),
+    );
+    let mut nodes = Vec::new();
+    for n in 0..3 {
+        let id = format!("node-{n}");
+        nodes.push(
+            Gateway::start(&[
+                "--etcd",
+                &url,
+                "--node-id",
+                &id,
+                "--advertise",
+                "http://127.0.0.1:{port}",
+                "--cluster-secret-file",
+                &secret,
+                "--keys",
+                &keys_file,
+                "--lease-ttl",
+                "3",
+                "--max-kernels",
+                "2",
+            ])
+            .await?,
+        );
+    }
+    let c = Cluster {
+        nodes,
+        _etcd: etcd,
+        _dir: dir,
+    };
+    c.settle("every node sees the three", |c| async move {
+        for node in &c.nodes {
+            let (_, api) = node.get_json("/api").await?;
+            if api["kernelgate"]["cluster"]["nodes"]
+                .as_array()
+                .map(Vec::len)
+                != Some(3)
+            {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    })
+    .await?;
+    Ok(c)
+}
+
+impl Cluster {
+    /// Polls `done` every 50 ms for up to 10 s.
+    async fn settle<'a, F, Fut>(&'a self, what: &str, done: F) -> Result<Duration>
+    where
+        F: Fn(&'a Cluster) -> Fut,
+        Fut: std::future::Future<Output = Result<bool>>,
+    {
+        let start = Instant::now();
+        while start.elapsed() < Duration::from_secs(10) {
+            if done(self).await? {
+                return Ok(start.elapsed());
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        anyhow::bail!("not within 10 s: {what}")
+    }
+
+    /// The kernel ids each node lists, sorted.
+    async fn lists(&self) -> Result<Vec<Vec<String>>> {
+        let mut all = Vec::new();
+        for node in &self.nodes {
+            let (status, list) = node.get_json("/api/kernels").await?;
+            anyhow::ensure!(status == 200, "list answered {status}: {list}");
+            let mut ids: Vec<String> = list
+                .as_array()
+                .context("a list")?
+                .iter()
+                .filter_map(|k| k["id"].as_str().map(str::to_owned))
+                .collect();
+            ids.sort();
+            all.push(ids);
+        }
+        Ok(all)
+    }
+
+    /// The node whose audit trail says it created `id`.
+    fn owner_of(&self, id: &str) -> Result<usize> {
+        let owners: Vec<usize> = (0..self.nodes.len())
+            .filter(|&n| {
+                std::fs::read_to_string(&self.nodes[n].audit_log).is_ok_and(|log| {
+                    log.lines()
+                        .any(|l| l.contains("\"event\":\"kernel_created\"") && l.contains(id))
+                })
+            })
+            .collect();
+        anyhow::ensure!(owners.len() == 1, "kernel {id} created by nodes {owners:?}");
+        Ok(owners[0])
+    }
+}
+
+const KEYS: &str = r#"
+[[key]]
+name = "alice"
+token_sha256 = "9c220f200955d76c0a38d308225e0ef10c5f971acaf2f8d1d8f732affa5bd1dc"
+
+[[key]]
+name = "bob"
+token_sha256 = "97dd3707015dcf069cf73022ed7173b1165db6eff24b441cb57fd069a8c4e525"
+"#;
+
+#[tokio::test]
+async fn any_node_answers_for_any_kernel_as_its_owner_does() -> Result<()> {
+    if runtime() != "runc" {
+        eprintln!("the cluster suite runs once, under runc");
+        return Ok(());
+    }
+    let c = cluster(KEYS).await?;
+    let entry = &c.nodes[0];
+
+    // Three creates through one node: one kernel on each node.
+    let mut ids = Vec::new();
+    for _ in 0..3 {
+        ids.push(
+            entry.create_kernel().await?["id"]
+                .as_str()
+                .context("id")?
+                .to_owned(),
+        );
+    }
+    let mut owners: Vec<usize> = ids.iter().map(|id| c.owner_of(id)).collect::<Result<_>>()?;
+    owners.sort();
+    assert_eq!(owners, [0, 1, 2], "spread over the nodes");
+
+    // Every node lists the same kernels, soon.
+    let mut expected = ids.clone();
+    expected.sort();
+    c.settle("every node lists the three", |c| {
+        let expected = expected.clone();
+        async move { Ok(c.lists().await?.iter().all(|l| *l == expected)) }
+    })
+    .await?;
+
+    // A kernel another node owns, through the two that do not own it.
+    let id = ids
+        .iter()
+        .find(|id| c.owner_of(id).ok() == Some(2))
+        .context("a kernel of node-2")?
+        .clone();
+    let (status, model) = c.nodes[0].get_json(&format!("/api/kernels/{id}")).await?;
+    assert_eq!((status, model["id"].as_str()), (200, Some(id.as_str())));
+    c.nodes[0].execute(&id, "x = 41").await?;
+    let answer = c.nodes[1].execute(&id, "print(x + 1)").await?;
+    assert_eq!(answer["stdout"], "42\n", "{answer}");
+    let owner_view = c.nodes[2].execute(&id, "print(x)").await?;
+    assert_eq!(
+        owner_view["stdout"], "41\n",
+        "the owner sees the same kernel"
+    );
+
+    // Its channels WebSocket, through a non-owner: the owner answers the upgrade.
+    let mut ws = c.nodes[1].channels(&id, "cluster-session").await?;
+    let outcome = ws.execute("x * 2").await?;
+    assert_eq!(outcome.result_text().as_deref(), Some("82"));
+    ws.close().await?;
+
+    // Interrupt, restart and delete through non-owners.
+    let (status, _) = c.nodes[0]
+        .post_json(&format!("/api/kernels/{id}/interrupt"), json!({}))
+        .await?;
+    assert_eq!(status, 204);
+    let (status, _) = c.nodes[1]
+        .post_json(&format!("/api/kernels/{id}/restart"), json!({}))
+        .await?;
+    assert_eq!(status, 200);
+    assert_eq!(c.nodes[0].delete_kernel(&id).await?, 204);
+    let gone = c.nodes[1].get_json(&format!("/api/kernels/{id}")).await?;
+    assert_eq!(gone.0, 404, "{}", gone.1);
+    expected.retain(|k| *k != id);
+    let took = c
+        .settle("every node lists the two left", |c| {
+            let expected = expected.clone();
+            async move { Ok(c.lists().await?.iter().all(|l| *l == expected)) }
+        })
+        .await?;
+    assert!(took < Duration::from_secs(1), "lists agreed after {took:?}");
+
+    // A call that pretends to come from another node is refused.
+    let forged = reqwest::Client::new()
+        .get(entry.url("/api/kernels"))
+        .header("x-kernelgate-key", "admin")
+        .header("x-kernelgate-entry", "node-9")
+        .header("x-kernelgate-request-id", "r1")
+        .header("x-kernelgate-timestamp", now_seconds().to_string())
+        .header("x-kernelgate-signature", "00".repeat(32))
+        .send()
+        .await?;
+    assert_eq!(forged.status(), 403);
+
+    // Tenants: bob cannot reach alice's kernel through any node.
+    let (status, alices) = entry
+        .call_as("alice-token", Method::POST, "/api/kernels", Some(json!({})))
+        .await?;
+    assert_eq!(status, 201, "{alices}");
+    let alices = alices["id"].as_str().context("id")?.to_owned();
+    for node in &c.nodes {
+        let (status, _) = node
+            .call_as(
+                "bob-token",
+                Method::GET,
+                &format!("/api/kernels/{alices}"),
+                None,
+            )
+            .await?;
+        assert_eq!(status, 404);
+        let (_, listed) = node
+            .call_as("bob-token", Method::GET, "/api/kernels", None)
+            .await?;
+        assert!(!listed.to_string().contains(&alices), "{listed}");
+        let (status, _) = node
+            .call_as(
+                "alice-token",
+                Method::GET,
+                &format!("/api/kernels/{alices}"),
+                None,
+            )
+            .await?;
+        assert_eq!(status, 200);
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn cluster_flags_are_checked_before_anything_starts() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let short = dir.path().join("short.secret");
+    std::fs::write(&short, "too short")?;
+    let short = short.display().to_string();
+    for (args, says) in [
+        (vec!["--advertise", "http://127.0.0.1:1"], "give --etcd too"),
+        (vec!["--etcd", "http://127.0.0.1:1"], "--advertise"),
+        (
+            vec![
+                "--etcd",
+                "http://127.0.0.1:1",
+                "--advertise",
+                "http://127.0.0.1:1",
+            ],
+            "--cluster-secret-file",
+        ),
+        (
+            vec![
+                "--etcd",
+                "http://127.0.0.1:1",
+                "--advertise",
+                "http://127.0.0.1:1",
+                "--cluster-secret-file",
+                &short,
+            ],
+            "at least 32",
+        ),
+    ] {
+        let out = std::process::Command::new(kernelgate_tests::binary())
+            .arg("serve")
+            .args(["--listen", "127.0.0.1:0", "--no-auth", "--audit-log", "off"])
+            .arg("--runtime-dir")
+            .arg(dir.path().join("run"))
+            .args(&args)
+            .output()?;
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} started");
+        assert!(stderr.contains(says), "{args:?}: {stderr}");
+    }
+    let out = std::process::Command::new(kernelgate_tests::binary())
+        .args(["mcp", "--etcd", "http://127.0.0.1:1"])
+        .output()?;
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("belong to `kernelgate serve`"));
+    Ok(())
+}
+
+fn now_seconds() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
