@@ -216,6 +216,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         audit_path,
         cluster,
     } = kernel_table(&config, prepared, &tracker, &cancel).await?;
+    let cluster_mode = cluster.is_some();
     if let Some(node) = &cluster {
         node.start(&tracker, &cancel);
         tracing::info!(node = %node.node_id, etcd = ?config.cluster.etcd, "cluster mode");
@@ -267,10 +268,16 @@ async fn serve(config: Config) -> anyhow::Result<()> {
     ));
     api::serve(listener, state, async {
         stop_signal().await;
-        tracing::info!("shutting down: removing kernels");
+        tracing::info!("shutting down");
     })
     .await?;
-    kernels.shutdown().await;
+    if cluster_mode {
+        // Another node may be asked for them meanwhile (503 until this one is back); this
+        // node re-adopts them when it starts again on the same runtime directory.
+        tracing::info!("cluster mode: the kernels keep running for this node's return");
+    } else {
+        kernels.shutdown().await;
+    }
     drain(&tracker).await;
     Ok(())
 }

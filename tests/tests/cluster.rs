@@ -12,8 +12,35 @@ use std::time::{Duration, Instant};
 
 struct Cluster {
     nodes: Vec<Gateway>,
-    _etcd: EtcdServer,
+    etcd: EtcdServer,
+    /// The flags every node is started with (its id and address come on top).
+    flags: Vec<String>,
     _dir: tempfile::TempDir,
+}
+
+/// In cluster mode a stopped node leaves its kernels running for its return: the test
+/// removes them once its nodes are stopped.
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        let dirs: Vec<std::path::PathBuf> =
+            self.nodes.iter().map(|n| n.runtime_dir.clone()).collect();
+        self.nodes.clear();
+        for dir in dirs {
+            kernelgate_tests::remove_leftovers(&dir);
+        }
+    }
+}
+
+/// The flags of node `n` beyond the shared ones.
+fn node_flags(flags: &[String], n: usize) -> Vec<String> {
+    let mut all = flags.to_vec();
+    all.extend([
+        "--node-id".into(),
+        format!("node-{n}"),
+        "--advertise".into(),
+        "http://127.0.0.1:{port}".into(),
+    ]);
+    all
 }
 
 /// Three nodes of at most two kernels each, with a 3 s lease, sharing `keys` (a keys file).
@@ -27,37 +54,35 @@ async fn cluster(keys: &str) -> Result<Cluster> {
     )?;
     let keys_file = dir.path().join("keys.toml");
     std::fs::write(&keys_file, keys)?;
-    let (secret, keys_file, url) = (
-        secret.display().to_string(),
-        keys_file.display().to_string(),
-        etcd.url(),
-    );
+    let policy = dir.path().join("policy.toml");
+    std::fs::write(&policy, include_str!("../fixtures/policy.toml"))?;
+    let flags: Vec<String> = [
+        "--etcd",
+        &etcd.url(),
+        "--cluster-secret-file",
+        &secret.display().to_string(),
+        "--keys",
+        &keys_file.display().to_string(),
+        "--policy",
+        &policy.display().to_string(),
+        "--lease-ttl",
+        "3",
+        "--max-kernels",
+        "2",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
     let mut nodes = Vec::new();
     for n in 0..3 {
-        let id = format!("node-{n}");
-        nodes.push(
-            Gateway::start(&[
-                "--etcd",
-                &url,
-                "--node-id",
-                &id,
-                "--advertise",
-                "http://127.0.0.1:{port}",
-                "--cluster-secret-file",
-                &secret,
-                "--keys",
-                &keys_file,
-                "--lease-ttl",
-                "3",
-                "--max-kernels",
-                "2",
-            ])
-            .await?,
-        );
+        let args = node_flags(&flags, n);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        nodes.push(Gateway::start(&args).await?);
     }
     let c = Cluster {
         nodes,
-        _etcd: etcd,
+        etcd,
+        flags,
         _dir: dir,
     };
     c.settle("every node sees the three", |c| async move {
@@ -192,6 +217,36 @@ async fn any_node_answers_for_any_kernel_as_its_owner_does() -> Result<()> {
     assert_eq!(outcome.result_text().as_deref(), Some("82"));
     ws.close().await?;
 
+    // The policy's approvals through a third node: code held on node-1's kernel, sent
+    // through node-0, listed and approved through node-2.
+    let on_1 = ids
+        .iter()
+        .find(|id| c.owner_of(id).ok() == Some(1))
+        .context("a kernel of node-1")?
+        .clone();
+    let held = c.nodes[0].execute(&on_1, "import socket\nprint('approved')");
+    let approve = async {
+        let start = Instant::now();
+        let approval = loop {
+            let (_, list) = c.nodes[2].get_json("/api/kernelgate/approvals").await?;
+            if let Some(id) = list[0]["id"].as_str() {
+                break id.to_owned();
+            }
+            anyhow::ensure!(start.elapsed() < Duration::from_secs(10), "nothing held");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        let (status, _) = c.nodes[2]
+            .post_json(
+                &format!("/api/kernelgate/approvals/{approval}"),
+                json!({"approve": true}),
+            )
+            .await?;
+        Ok(status)
+    };
+    let (ran, approved) = tokio::join!(held, approve);
+    assert_eq!(approved?, 204);
+    assert_eq!(ran?["stdout"], "approved\n");
+
     // Interrupt, restart and delete through non-owners.
     let (status, _) = c.nodes[0]
         .post_json(&format!("/api/kernels/{id}/interrupt"), json!({}))
@@ -255,6 +310,103 @@ async fn any_node_answers_for_any_kernel_as_its_owner_does() -> Result<()> {
             .await?;
         assert_eq!(status, 200);
     }
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_node_that_dies_or_an_etcd_that_stops_costs_no_kernel() -> Result<()> {
+    if runtime() != "runc" {
+        eprintln!("the cluster suite runs once, under runc");
+        return Ok(());
+    }
+    let mut c = cluster(KEYS).await?;
+    let mut ids = Vec::new();
+    for _ in 0..3 {
+        ids.push(
+            c.nodes[0].create_kernel().await?["id"]
+                .as_str()
+                .context("id")?
+                .to_owned(),
+        );
+    }
+    let on_2 = ids
+        .iter()
+        .find(|id| c.owner_of(id).ok() == Some(2))
+        .context("a kernel of node-2")?
+        .clone();
+    c.nodes[0].execute(&on_2, "kept = 'state'").await?;
+
+    // kill -9 of the owner: within the lease's TTL (3 s) and 2 s more, the others say 404.
+    let dead = c.nodes.remove(2);
+    let killed = Instant::now();
+    let crashed = dead.crash().await?;
+    loop {
+        let (status, _) = c.nodes[0].get_json(&format!("/api/kernels/{on_2}")).await?;
+        if status == 404 {
+            break;
+        }
+        assert!(
+            killed.elapsed() < Duration::from_secs(5),
+            "still {status} after {:?}",
+            killed.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let lists = c.lists().await?;
+    assert!(lists.iter().all(|l| !l.contains(&on_2)), "{lists:?}");
+
+    // Back on its runtime directory, it re-adopts the kernel, state and all.
+    let args = node_flags(&c.flags, 2);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    c.nodes.push(crashed.restart(&args).await?);
+    c.settle("the kernel is back", |c| {
+        let on_2 = on_2.clone();
+        async move {
+            Ok(c.nodes[0]
+                .get_json(&format!("/api/kernels/{on_2}"))
+                .await?
+                .0
+                == 200)
+        }
+    })
+    .await?;
+    let answer = c.nodes[1].execute(&on_2, "print(kept)").await?;
+    assert_eq!(answer["stdout"], "state\n", "{answer}");
+
+    // etcd stops for longer than the TTL: kernels keep answering, creates get 503.
+    c.etcd.kill()?;
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let answer = c.nodes[0].execute(&on_2, "print(kept)").await?;
+    assert_eq!(answer["stdout"], "state\n", "{answer}");
+    let refused = c.nodes[1]
+        .request(Method::POST, "/api/kernels")
+        .json(&json!({}))
+        .send()
+        .await?;
+    assert_eq!(refused.status(), 503);
+    assert!(refused.headers().contains_key("retry-after"));
+
+    // etcd is back: every node registers again and no kernel is lost.
+    c.etcd.resume().await?;
+    c.settle("every node registered again", |c| async move {
+        for node in &c.nodes {
+            let (_, api) = node.get_json("/api").await?;
+            if api["kernelgate"]["cluster"]["registered"] != true {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    })
+    .await?;
+    let mut expected = ids.clone();
+    expected.sort();
+    c.settle("every node lists the three", |c| {
+        let expected = expected.clone();
+        async move { Ok(c.lists().await?.iter().all(|l| *l == expected)) }
+    })
+    .await?;
+    let (status, made) = c.nodes[1].post_json("/api/kernels", json!({})).await?;
+    assert_eq!(status, 201, "{made}");
     Ok(())
 }
 

@@ -1,7 +1,8 @@
 //! Cluster mode in front of the handlers: a request about a kernel another node owns is
-//! forwarded to it; a create goes to the node with the most free room; the kernel list is
-//! the cluster's. A call another node forwarded here is served here, as sent. Single-node
-//! mode (no `--etcd`) passes every request straight through.
+//! forwarded to it; a create goes to the node with the most free room; the kernel list and
+//! the approvals are the cluster's, and an approval is answered by the node that holds it.
+//! A call another node forwarded here is served here, as sent. Single-node mode (no
+//! `--etcd`) passes every request straight through.
 
 use super::auth::Caller;
 use super::error::ApiError;
@@ -60,6 +61,12 @@ pub async fn route(State(state): State<AppState>, req: Request, next: Next) -> R
     }
     if path == "/api/kernels" && req.method() == Method::GET {
         return list(&cluster, &caller, req, next).await;
+    }
+    if path == "/api/kernelgate/approvals" && req.method() == Method::GET {
+        return approvals(&cluster, &caller, req, next).await;
+    }
+    if path.starts_with("/api/kernelgate/approvals/") && req.method() == Method::POST {
+        return answer(&cluster, &caller, req, next).await;
     }
     next.run(req).await
 }
@@ -205,24 +212,8 @@ async fn list(cluster: &Arc<ClusterNode>, caller: &Caller, req: Request, next: N
         })
         .map(|(id, n)| (id.clone(), n.address.clone()))
         .collect();
-    let asks = others.iter().map(|(node, address)| {
-        let req = again(&method, &uri, &headers, &axum::body::Bytes::new());
-        async move {
-            let answer = tokio::time::timeout(LIST_TIMEOUT, async {
-                let response = forward(cluster, address, caller, req).await;
-                if !response.status().is_success() {
-                    return None;
-                }
-                let body = to_bytes(response.into_body(), usize::MAX).await.ok()?;
-                serde_json::from_slice::<Vec<Value>>(&body).ok()
-            })
-            .await
-            .ok()
-            .flatten();
-            (node.clone(), answer)
-        }
-    });
-    for (node, answer) in futures::future::join_all(asks).await {
+    let asks = ask_others(cluster, caller, &method, &uri, &headers, &others).await;
+    for (node, answer) in asks {
         match answer {
             Some(theirs) => rows.extend(theirs),
             None => rows.extend(
@@ -239,4 +230,114 @@ async fn list(cluster: &Arc<ClusterNode>, caller: &Caller, req: Request, next: N
         }
     }
     axum::Json(rows).into_response()
+}
+
+/// Asks each of `others` (node id, address) the same `GET`, in parallel, [`LIST_TIMEOUT`]
+/// each: their JSON arrays, `None` for a node that did not answer one in time.
+async fn ask_others(
+    cluster: &ClusterNode,
+    caller: &Caller,
+    method: &Method,
+    uri: &axum::http::Uri,
+    headers: &axum::http::HeaderMap,
+    others: &[(String, String)],
+) -> Vec<(String, Option<Vec<Value>>)> {
+    let asks = others.iter().map(|(node, address)| {
+        let req = again(method, uri, headers, &axum::body::Bytes::new());
+        async move {
+            let answer = tokio::time::timeout(LIST_TIMEOUT, async {
+                let response = forward(cluster, address, caller, req).await;
+                if !response.status().is_success() {
+                    return None;
+                }
+                let body = to_bytes(response.into_body(), usize::MAX).await.ok()?;
+                serde_json::from_slice::<Vec<Value>>(&body).ok()
+            })
+            .await
+            .ok()
+            .flatten();
+            (node.clone(), answer)
+        }
+    });
+    futures::future::join_all(asks).await
+}
+
+/// Every other node of the view: (id, address).
+fn other_nodes(cluster: &ClusterNode) -> Vec<(String, String)> {
+    let mut others: Vec<(String, String)> = cluster
+        .membership
+        .view()
+        .nodes
+        .into_iter()
+        .filter(|(id, _)| *id != cluster.node_id)
+        .map(|(id, n)| (id, n.address))
+        .collect();
+    others.sort();
+    others
+}
+
+/// The executions waiting for approval on every node: this node's and the others' (a
+/// node that does not answer in time is left out), oldest first.
+async fn approvals(cluster: &ClusterNode, caller: &Caller, req: Request, next: Next) -> Response {
+    let (method, uri, headers) = (
+        req.method().clone(),
+        req.uri().clone(),
+        req.headers().clone(),
+    );
+    let local = next.run(req).await;
+    if !local.status().is_success() {
+        return local;
+    }
+    let Ok(bytes) = to_bytes(local.into_body(), usize::MAX).await else {
+        return unavailable("cannot read this node's approvals".into());
+    };
+    let mut rows: Vec<Value> = serde_json::from_slice(&bytes).unwrap_or_default();
+    let others = other_nodes(cluster);
+    for (_, theirs) in ask_others(cluster, caller, &method, &uri, &headers, &others).await {
+        rows.extend(theirs.unwrap_or_default());
+    }
+    rows.sort_by(|a, b| {
+        let at = |v: &Value| v["requested_at"].as_str().unwrap_or_default().to_owned();
+        at(a).cmp(&at(b))
+    });
+    axum::Json(rows).into_response()
+}
+
+/// An answer to an approval: the node that holds it takes it. This node first, then each
+/// other; the first that knows the approval answers.
+async fn answer(cluster: &ClusterNode, caller: &Caller, req: Request, next: Next) -> Response {
+    let (parts, body) = req.into_parts();
+    let Ok(bytes) = to_bytes(body, MAX_CREATE_BODY).await else {
+        return ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "an answer is `{\"approve\": true|false}`",
+        )
+        .into_response();
+    };
+    let (method, uri, headers) = (
+        parts.method.clone(),
+        parts.uri.clone(),
+        parts.headers.clone(),
+    );
+    let local = next
+        .run(Request::from_parts(parts, Body::from(bytes.clone())))
+        .await;
+    if local.status() != StatusCode::NOT_FOUND {
+        return local;
+    }
+    for (_, address) in other_nodes(cluster) {
+        let response = forward(
+            cluster,
+            &address,
+            caller,
+            again(&method, &uri, &headers, &bytes),
+        )
+        .await;
+        if response.status() != StatusCode::NOT_FOUND
+            && response.status() != StatusCode::SERVICE_UNAVAILABLE
+        {
+            return response;
+        }
+    }
+    local
 }

@@ -24,9 +24,10 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// The most an owner's answer to an upgrade may hold before its body.
 const MAX_HEAD: usize = 64 * 1024;
 
-/// Headers that describe one hop, not the request (RFC 9110 §7.6.1), and the client's
-/// credentials, which stay at the entry node.
-const NOT_FORWARDED: [&str; 10] = [
+/// Headers that describe one hop, not the request (RFC 9110 §7.6.1), the client's
+/// credentials, which stay at the entry node, and its `Origin`, checked there against the
+/// entry node's own host (the owner's host differs, and would refuse a browser's request).
+const NOT_FORWARDED: [&str; 11] = [
     "connection",
     "keep-alive",
     "proxy-authenticate",
@@ -37,6 +38,7 @@ const NOT_FORWARDED: [&str; 10] = [
     "upgrade",
     "host",
     "authorization",
+    "origin",
 ];
 
 #[derive(Debug, thiserror::Error)]

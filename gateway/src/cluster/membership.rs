@@ -10,7 +10,7 @@
 //! create-if-absent, so re-registering never takes a kernel another node claimed meanwhile.
 
 use super::registry::{Event, Lease, Registry, RegistryError, Revision};
-use super::{kernel_key, node_key, KernelRecord, Key, NodeRecord, PREFIX};
+use super::{kernel_key, node_key, quota_key, KernelRecord, Key, NodeRecord, PREFIX};
 use crate::kernels::ledger::{ClaimRefused, Ledger};
 use futures::future::BoxFuture;
 use futures::StreamExt;
@@ -28,12 +28,25 @@ impl<R: Registry + Clone + std::fmt::Debug> Ledger for Membership<R> {
         id: &'a str,
         owner: &'a str,
         spec: &'a str,
+        max_kernels: Option<usize>,
     ) -> BoxFuture<'a, Result<(), ClaimRefused>> {
         Box::pin(async move {
+            let unavailable = |e: ClaimError| ClaimRefused::Unavailable(e.to_string());
+            if let Some(max) = max_kernels {
+                if !self.claim_slot(owner, id, max).await.map_err(unavailable)? {
+                    return Err(ClaimRefused::Quota {
+                        key: owner.to_owned(),
+                        max,
+                    });
+                }
+            }
             let record = self.record_of(owner, spec);
-            Membership::claim(self, id, &record)
-                .await
-                .map_err(|e| ClaimRefused(e.to_string()))?;
+            if let Err(e) = Membership::claim(self, id, &record).await {
+                if let Err(e) = self.release_slot(id).await {
+                    tracing::warn!(kernel = %id, error = %e, "cannot give a quota slot back; it goes with this node's lease");
+                }
+                return Err(unavailable(e));
+            }
             self.publish_load().await;
             Ok(())
         })
@@ -117,6 +130,8 @@ struct Own {
     node: NodeRecord,
     /// This node's kernel records, serialized once: removal compares these exact bytes.
     kernels: HashMap<String, Vec<u8>>,
+    /// The quota slot each of its kernels holds, by kernel id (tenants with `max_kernels`).
+    slots: HashMap<String, String>,
     /// Times the lease was found lost and the records registered again.
     reregistrations: u64,
 }
@@ -142,6 +157,7 @@ impl<R: Registry + Clone> Membership<R> {
                 renewed: None,
                 node,
                 kernels: HashMap::new(),
+                slots: HashMap::new(),
                 reregistrations: 0,
             }),
             view: Mutex::new(View::default()),
@@ -183,6 +199,30 @@ impl<R: Registry + Clone> Membership<R> {
         Ok(())
     }
 
+    /// Takes one of `tenant`'s `max` quota slots for kernel `id`: a key per slot, claimed
+    /// with create-if-absent, so that creates through different nodes at the same moment
+    /// never hold more kernels than the key may have. `Ok(false)` when every slot is taken.
+    pub async fn claim_slot(&self, tenant: &str, id: &str, max: usize) -> Result<bool, ClaimError> {
+        let lease = self.own().lease.ok_or(ClaimError::CutOff)?;
+        for n in 0..max {
+            let key = quota_key(tenant, n);
+            if self.registry.create(&key, id.as_bytes(), lease).await? {
+                self.own().slots.insert(id.to_owned(), key);
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
+
+    /// Gives kernel `id`'s quota slot back, if it holds one.
+    async fn release_slot(&self, id: &str) -> Result<(), RegistryError> {
+        let Some(key) = self.own().slots.remove(id) else {
+            return Ok(());
+        };
+        self.registry.delete_if(&key, id.as_bytes()).await?;
+        Ok(())
+    }
+
     /// Keeps kernel `id`'s record without registering it now (re-adoption at start: the
     /// lease loop registers it with the rest).
     pub fn adopt(&self, id: &str, record: &KernelRecord) {
@@ -191,8 +231,9 @@ impl<R: Registry + Clone> Membership<R> {
         }
     }
 
-    /// Removes kernel `id`'s record, if it is still this node's.
+    /// Removes kernel `id`'s record (and its quota slot), if it is still this node's.
     pub async fn release(&self, id: &str) -> Result<(), RegistryError> {
+        self.release_slot(id).await?;
         let Some(bytes) = self.own().kernels.remove(id) else {
             return Ok(());
         };
@@ -249,11 +290,12 @@ impl<R: Registry + Clone> Membership<R> {
     /// returned, for the caller to deal with.
     async fn register(&self) -> Result<Vec<String>, RegistryError> {
         let lease = self.registry.grant(self.ttl).await?;
-        let (node, kernels) = {
+        let (node, kernels, slots) = {
             let own = self.own();
             (
                 serde_json::to_vec(&own.node).unwrap_or_default(),
                 own.kernels.clone(),
+                own.slots.clone(),
             )
         };
         self.registry
@@ -265,9 +307,15 @@ impl<R: Registry + Clone> Membership<R> {
                 lost.push(id.clone());
             }
         }
+        for (id, key) in &slots {
+            if !self.registry.create(key, id.as_bytes(), lease).await? {
+                tracing::warn!(kernel = %id, slot = %key, "a quota slot was taken while this node was cut off: its key may hold one kernel too many until one ends");
+            }
+        }
         let mut own = self.own();
         for id in &lost {
             own.kernels.remove(id);
+            own.slots.remove(id);
         }
         own.lease = Some(lease);
         own.renewed = Some(Instant::now());

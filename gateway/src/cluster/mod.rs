@@ -8,6 +8,7 @@
 //! |---|---|---|
 //! | `/kernelgate/v1/nodes/<node id>` | [`NodeRecord`] | the node's |
 //! | `/kernelgate/v1/kernels/<kernel id>` | [`KernelRecord`] | its owner's |
+//! | `/kernelgate/v1/quota/<tenant>/<n>` | the id of the kernel holding slot `n` | its owner's |
 //!
 //! A kernel's key is claimed with a create-if-absent transaction and removed only by a
 //! transaction that compares the whole record, so that no kernel ever has two owners and no
@@ -37,6 +38,12 @@ pub fn node_key(id: &str) -> String {
 /// The key of kernel `id`'s record.
 pub fn kernel_key(id: &str) -> String {
     format!("{PREFIX}kernels/{id}")
+}
+
+/// The key of `tenant`'s quota slot `n` (0 to its `max_kernels` - 1); its value is the id
+/// of the kernel that holds it.
+pub fn quota_key(tenant: &str, n: usize) -> String {
+    format!("{PREFIX}quota/{tenant}/{n}")
 }
 
 /// What a key of this layout names.

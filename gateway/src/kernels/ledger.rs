@@ -7,18 +7,27 @@ use futures::future::BoxFuture;
 
 /// Why a kernel could not be claimed: the create is refused and the kernel removed.
 #[derive(Debug, Clone, thiserror::Error)]
-#[error("{0}")]
-pub struct ClaimRefused(pub String);
+pub enum ClaimRefused {
+    /// The registry cannot take it now (cut off, unreachable).
+    #[error("{0}")]
+    Unavailable(String),
+    /// The key holds `max` kernels across the cluster already.
+    #[error("key {key:?} may run at most {max} kernels")]
+    Quota { key: String, max: usize },
+}
 
 /// A table's record of the kernels it owns, kept elsewhere.
 pub trait Ledger: Send + Sync + std::fmt::Debug {
-    /// Claims a kernel just created, before its creator hears of it. An error refuses the
-    /// create: no kernel may run that the others cannot find or that another node holds.
+    /// Claims a kernel just created, before its creator hears of it, within the owner's
+    /// `max_kernels` (its keys file's, counted everywhere the ledger reaches). An error
+    /// refuses the create: no kernel may run that the others cannot find, that another
+    /// node holds, or past its key's quota.
     fn claim<'a>(
         &'a self,
         id: &'a str,
         owner: &'a str,
         spec: &'a str,
+        max_kernels: Option<usize>,
     ) -> BoxFuture<'a, Result<(), ClaimRefused>>;
 
     /// A kernel found running at start: kept, and registered with the rest of the node's.

@@ -47,7 +47,7 @@ pub enum CreateError {
     Kernel(#[from] KernelError),
     /// The cluster registry did not take the kernel: it was removed again.
     #[error("the kernel could not be registered in the cluster: {0}")]
-    Unregistered(#[from] ledger::ClaimRefused),
+    Unregistered(String),
 }
 
 /// What governs kernels, taken from the configuration.
@@ -324,6 +324,7 @@ impl Kernels {
             cpus: tenant.max_cpus,
         };
         let owner = tenant.name.clone();
+        let max_kernels = tenant.max_kernels;
         self.tracker.spawn(
             async move {
                 let started = std::time::Instant::now();
@@ -354,12 +355,18 @@ impl Kernels {
                     return;
                 }
                 if let Some(ledger) = &me.settings.ledger {
-                    if let Err(refused) = ledger.claim(live.id(), &owner, &name).await {
+                    let claimed = ledger.claim(live.id(), &owner, &name, max_kernels).await;
+                    if let Err(refused) = claimed {
                         let taken = me.lock().live.remove(live.id());
                         if let Some(taken) = taken {
                             me.abandon(&taken).await;
                         }
-                        let _ = tx.send(Err(refused.into()));
+                        let _ = tx.send(Err(match refused {
+                            ledger::ClaimRefused::Quota { key, max } => {
+                                CreateError::TooManyForKey { key, max }
+                            }
+                            ledger::ClaimRefused::Unavailable(why) => CreateError::Unregistered(why),
+                        }));
                         return;
                     }
                 }

@@ -775,3 +775,45 @@ async fn store_has(store: &crate::cluster::memory::Memory, id: &str) -> bool {
         .expect("list");
     !listing.entries.is_empty()
 }
+
+#[tokio::test]
+async fn a_keys_quota_holds_across_nodes_under_concurrent_creates() {
+    let store = crate::cluster::memory::Memory::new();
+    let cancel = CancellationToken::new();
+    let (a, a_member) = cluster_node(&store, "a", &cancel).await;
+    let (b, b_member) = cluster_node(&store, "b", &cancel).await;
+    eventually("both registered", || async {
+        a_member.registered() && b_member.registered()
+    })
+    .await;
+    let carol = tenant("carol", Some(2));
+    let no_env = BTreeMap::new();
+    let creates = [&a, &a, &b, &b].map(|node| node.create(None, &no_env, &carol));
+    let results = futures::future::join_all(creates).await;
+    let made: Vec<&Arc<LiveKernel>> = results.iter().filter_map(|r| r.as_ref().ok()).collect();
+    assert_eq!(made.len(), 2, "{results:?}");
+    for refused in results.iter().filter_map(|r| r.as_ref().err()) {
+        assert!(
+            matches!(refused, CreateError::TooManyForKey { max: 2, .. }),
+            "{refused:?}"
+        );
+    }
+    assert_eq!(
+        a.list().len() + b.list().len(),
+        2,
+        "the refused kernels were removed"
+    );
+
+    // A kernel gone gives its slot back.
+    let first = made[0].id().to_owned();
+    let owner = if a.get(&first).is_some() { &a } else { &b };
+    owner
+        .delete(&first, Removal::AskedBy("carol".into()))
+        .await
+        .expect("was there")
+        .expect("removed");
+    a.create(None, &BTreeMap::new(), &carol)
+        .await
+        .expect("a slot is free again");
+    cancel.cancel();
+}

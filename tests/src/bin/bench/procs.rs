@@ -273,6 +273,10 @@ impl Drop for Server {
                 std::thread::sleep(Duration::from_millis(100));
             }
         }
+        // Empty once the gateway removed its kernels (else kept, to look at).
+        if let Some(dir) = &self.runtime_dir {
+            let _ = std::fs::remove_dir(dir);
+        }
     }
 }
 
