@@ -8,6 +8,7 @@ include mk/image.mk
 include mk/protocol.mk
 include mk/bench.mk
 include mk/python.mk
+include mk/gateway-image.mk
 
 .PHONY: all build run test lint unit e2e e2e-runc e2e-gvisor gvisor debug-build test-tools leftovers test-stamp
 
