@@ -206,6 +206,13 @@ async fn serve(config: Config) -> anyhow::Result<()> {
     let tracker = TaskTracker::new();
     let cancel = CancellationToken::new();
     let prepared = prepare(&config, &tracker, &cancel)?;
+    if let Some(node) = &prepared.cluster {
+        if !kernelgate::metrics::set_node(&node.node_id) {
+            tracing::warn!(
+                "metrics were recorded before the node was known: they carry no node label"
+            );
+        }
+    }
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("cannot listen on {}", config.listen))?;

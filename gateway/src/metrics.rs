@@ -105,8 +105,27 @@ struct Metrics {
     docker_errors: Family<CallLabel, Counter>,
 }
 
+/// This node's id in cluster mode: every series carries it as `node`.
+static NODE: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+/// Labels every series with `node` (cluster mode). Call before the first metric is
+/// recorded; false if that was too late.
+pub fn set_node(id: &str) -> bool {
+    NODE.set(id.to_owned()).is_ok() && !MADE.load(std::sync::atomic::Ordering::SeqCst)
+}
+
+/// Whether the registry was made (its labels are fixed from then on).
+static MADE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
 static METRICS: LazyLock<Metrics> = LazyLock::new(|| {
-    let mut registry = Registry::with_prefix("kernelgate");
+    MADE.store(true, std::sync::atomic::Ordering::SeqCst);
+    let labels = NODE.get().map(|node| {
+        (
+            std::borrow::Cow::Borrowed("node"),
+            std::borrow::Cow::Owned(node.clone()),
+        )
+    });
+    let mut registry = Registry::with_prefix_and_labels("kernelgate", labels.into_iter());
     let m = Metrics {
         kernels: Family::default(),
         creates: Family::default(),

@@ -268,6 +268,22 @@ async fn any_node_answers_for_any_kernel_as_its_owner_does() -> Result<()> {
         .await?;
     assert!(took < Duration::from_secs(1), "lists agreed after {took:?}");
 
+    // Each node's metrics are its own, labelled with its id.
+    for (n, node) in c.nodes.iter().enumerate() {
+        let text = node.metrics().await?;
+        let label = format!("node=\"node-{n}\"");
+        assert!(
+            text.lines().any(|l| l.starts_with("kernelgate_kernels")),
+            "{text}"
+        );
+        assert!(
+            text.lines()
+                .filter(|l| l.starts_with("kernelgate_"))
+                .all(|l| l.contains(&label)),
+            "{text}"
+        );
+    }
+
     // A call that pretends to come from another node is refused.
     let forged = reqwest::Client::new()
         .get(entry.url("/api/kernels"))
