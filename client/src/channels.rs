@@ -161,7 +161,14 @@ impl Channels {
             return Ok(Some(match frame {
                 WsMessage::Text(t) => Frame::Text(t.as_str().to_owned()),
                 WsMessage::Binary(b) => Frame::Binary(b),
-                WsMessage::Close(_) => return Err(closed()),
+                WsMessage::Close(Some(close)) => {
+                    return Err(ChannelsError(format!(
+                        "the gateway closed it ({}: {})",
+                        u16::from(close.code),
+                        close.reason
+                    )))
+                }
+                WsMessage::Close(None) => return Err(closed()),
                 // Pings are answered by tungstenite.
                 _ => continue,
             }));

@@ -352,6 +352,11 @@ async fn a_node_that_dies_or_an_etcd_that_stops_costs_no_kernel() -> Result<()> 
         .clone();
     c.nodes[0].execute(&on_2, "kept = 'state'").await?;
 
+    // A WebSocket through node-0 to the kernel: it closes with 1001 (going away) when the
+    // owner dies, so that its client reconnects.
+    let mut ws = c.nodes[0].channels(&on_2, "through-node-0").await?;
+    ws.kernel_info().await?;
+
     // kill -9 of the owner: within the lease's TTL (3 s) and 2 s more, the others say 404.
     let dead = c.nodes.remove(2);
     let killed = Instant::now();
@@ -370,6 +375,13 @@ async fn a_node_that_dies_or_an_etcd_that_stops_costs_no_kernel() -> Result<()> 
     }
     let lists = c.lists().await?;
     assert!(lists.iter().all(|l| !l.contains(&on_2)), "{lists:?}");
+    let ended = loop {
+        match ws.recv(Duration::from_secs(5)).await {
+            Ok(_) => continue,
+            Err(e) => break e.to_string(),
+        }
+    };
+    assert!(ended.contains("1001"), "{ended}");
 
     // Back on its runtime directory, it re-adopts the kernel, state and all.
     let args = node_flags(&c.flags, 2);

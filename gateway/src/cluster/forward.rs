@@ -302,13 +302,7 @@ impl Forwarder {
                 return;
             };
             let mut client = TokioIo::new(upgraded);
-            if !rest.is_empty() && client.write_all(&rest).await.is_err() {
-                return;
-            }
-            tokio::select! {
-                _ = cancel.cancelled() => {}
-                _ = tokio::io::copy_bidirectional(&mut client, &mut owner) => {}
-            }
+            splice(&mut client, owner, &rest, cancel).await;
         });
         answer
             .body(Body::empty())
@@ -318,9 +312,129 @@ impl Forwarder {
     }
 }
 
+/// The close frame the entry node sends when the owner's side ends without one (the owner
+/// died, or this node stops): 1001, going away, so that clients reconnect.
+const GOING_AWAY: [u8; 4] = [0x88, 0x02, 0x03, 0xE9];
+
+/// Copies bytes both ways until either side ends. The owner's bytes are only watched (frame
+/// boundaries and opcodes, never changed): when they end without a close frame, between
+/// frames, the client gets [`GOING_AWAY`] instead of a bare end of its connection.
+async fn splice<C>(client: &mut C, owner: TcpStream, first: &[u8], cancel: CancellationToken)
+where
+    C: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    let (mut from_owner, mut to_owner) = owner.into_split();
+    let (mut from_client, mut to_client) = tokio::io::split(client);
+    let mut frames = Frames::default();
+    let down = async {
+        let mut buf = vec![0u8; 64 * 1024];
+        let mut chunk: &[u8] = first;
+        loop {
+            if !chunk.is_empty() {
+                frames.watch(chunk);
+                if to_client.write_all(chunk).await.is_err() {
+                    return false;
+                }
+            }
+            match from_owner.read(&mut buf).await {
+                Ok(0) | Err(_) => return true,
+                Ok(n) => chunk = &buf[..n],
+            }
+        }
+    };
+    let up = tokio::io::copy(&mut from_client, &mut to_owner);
+    let owner_ended = tokio::select! {
+        _ = cancel.cancelled() => true,
+        ended = down => ended,
+        _ = up => false,
+    };
+    if owner_ended && frames.between() && !frames.closed {
+        let _ = to_client.write_all(&GOING_AWAY).await;
+    }
+    let _ = to_client.shutdown().await;
+}
+
+/// Where the owner's stream of WebSocket frames (unmasked, server to client) stands.
+#[derive(Debug, Default)]
+struct Frames {
+    /// The header bytes of the frame being read, until it is whole.
+    head: Vec<u8>,
+    /// Payload bytes still to come of the current frame.
+    left: u64,
+    /// A close frame went by.
+    closed: bool,
+}
+
+impl Frames {
+    fn watch(&mut self, mut bytes: &[u8]) {
+        while !bytes.is_empty() {
+            if self.left > 0 {
+                let n = usize::try_from(self.left)
+                    .unwrap_or(usize::MAX)
+                    .min(bytes.len());
+                self.left -= n as u64;
+                bytes = &bytes[n..];
+                continue;
+            }
+            self.head.push(bytes[0]);
+            bytes = &bytes[1..];
+            if let Some((opcode, length)) = header(&self.head) {
+                self.closed |= opcode == 0x8;
+                self.left = length;
+                self.head.clear();
+            }
+        }
+    }
+
+    /// Whether the stream stands between two frames.
+    fn between(&self) -> bool {
+        self.head.is_empty() && self.left == 0
+    }
+}
+
+/// A complete frame header's opcode and payload length; `None` while it is partial.
+fn header(head: &[u8]) -> Option<(u8, u64)> {
+    let (first, second) = (*head.first()?, *head.get(1)?);
+    let masked = second & 0x80 != 0;
+    let (length, at) = match second & 0x7f {
+        126 => (
+            u64::from(u16::from_be_bytes([*head.get(2)?, *head.get(3)?])),
+            4,
+        ),
+        127 => {
+            let bytes: [u8; 8] = head.get(2..10)?.try_into().ok()?;
+            (u64::from_be_bytes(bytes), 10)
+        }
+        n => (u64::from(n), 2),
+    };
+    let total = at + if masked { 4 } else { 0 };
+    (head.len() >= total).then_some((first & 0x0f, length))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn frames_are_followed_across_any_split_of_the_reads() {
+        let mut stream = vec![0x81, 0x03, b'a', b'b', b'c'];
+        stream.extend([0x82, 126, 0x01, 0x00]);
+        stream.extend([7u8; 256]);
+        for split in 0..=stream.len() {
+            let mut f = Frames::default();
+            f.watch(&stream[..split]);
+            let at_boundary = [0, 5, stream.len()].contains(&split);
+            assert_eq!(f.between(), at_boundary, "split at {split}");
+            f.watch(&stream[split..]);
+            assert!(f.between() && !f.closed, "split at {split}");
+        }
+        let mut f = Frames::default();
+        f.watch(&stream);
+        f.watch(&[0x88, 0x02, 0x03]);
+        assert!(!f.between());
+        f.watch(&[0xE8]);
+        assert!(f.closed && f.between());
+    }
     use crate::cluster::signing::{KEY_HEADER, SIGNATURE_HEADER};
     use axum::extract::ws::{Message as WsFrame, WebSocketUpgrade};
     use axum::routing::{any, get, post};
