@@ -435,6 +435,47 @@ async fn a_node_that_dies_or_an_etcd_that_stops_costs_no_kernel() -> Result<()> 
     .await?;
     let (status, made) = c.nodes[1].post_json("/api/kernels", json!({})).await?;
     assert_eq!(status, 201, "{made}");
+
+    // A node stopped for an update (SIGTERM): its kernels keep running; through the others
+    // they answer 503 with Retry-After until it is back, with their state.
+    let on_1 = ids
+        .iter()
+        .find(|id| c.owner_of(id).ok() == Some(1))
+        .context("a kernel of node-1")?
+        .clone();
+    c.nodes[2].execute(&on_1, "kept_1 = 'one'").await?;
+    let stopped = c.nodes.remove(1);
+    let dir = stopped.runtime_dir.display().to_string();
+    let down = Instant::now();
+    assert!(stopped.stop().await?.success());
+    let away = c.nodes[0]
+        .request(Method::GET, &format!("/api/kernels/{on_1}"))
+        .send()
+        .await?;
+    assert_eq!(away.status(), 503);
+    assert!(away.headers().contains_key("retry-after"));
+    let mut args = node_flags(&c.flags, 1);
+    args.extend(["--runtime-dir".to_owned(), dir]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    c.nodes.insert(1, Gateway::start(&args).await?);
+    c.settle("node-1's kernel answers again", |c| {
+        let on_1 = on_1.clone();
+        async move {
+            Ok(c.nodes[0]
+                .get_json(&format!("/api/kernels/{on_1}"))
+                .await?
+                .0
+                == 200)
+        }
+    })
+    .await?;
+    eprintln!("node-1's kernel was unavailable for {:?}", down.elapsed());
+    let answer = c.nodes[0].execute(&on_1, "print(kept_1)").await?;
+    assert_eq!(answer["stdout"], "one\n", "{answer}");
+    // Its records moved to its new lease: the old one's end (a TTL later) leaves them.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let (status, _) = c.nodes[0].get_json(&format!("/api/kernels/{on_1}")).await?;
+    assert_eq!(status, 200, "node-1's kernel still registered");
     Ok(())
 }
 

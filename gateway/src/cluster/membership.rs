@@ -303,12 +303,17 @@ impl<R: Registry + Clone> Membership<R> {
             .await?;
         let mut lost = Vec::new();
         for (id, bytes) in &kernels {
-            if !self.registry.create(&kernel_key(id), bytes, lease).await? {
+            // Held by this node's previous run (its lease not yet expired): this node's.
+            let ours = |held: &[u8]| {
+                serde_json::from_slice::<KernelRecord>(held).is_ok_and(|r| r.node == self.node_id)
+            };
+            if !self.take(&kernel_key(id), bytes, lease, ours).await? {
                 lost.push(id.clone());
             }
         }
         for (id, key) in &slots {
-            if !self.registry.create(key, id.as_bytes(), lease).await? {
+            let ours = |held: &[u8]| held == id.as_bytes();
+            if !self.take(key, id.as_bytes(), lease, ours).await? {
                 tracing::warn!(kernel = %id, slot = %key, "a quota slot was taken while this node was cut off: its key may hold one kernel too many until one ends");
             }
         }
@@ -320,6 +325,28 @@ impl<R: Registry + Clone> Membership<R> {
         own.lease = Some(lease);
         own.renewed = Some(Instant::now());
         Ok(lost)
+    }
+
+    /// Puts `key` under `lease` if it is free, or if what holds it is `ours` (this node's
+    /// own record from before a restart, under its old lease); false if another node's.
+    async fn take(
+        &self,
+        key: &str,
+        value: &[u8],
+        lease: Lease,
+        ours: impl Fn(&[u8]) -> bool,
+    ) -> Result<bool, RegistryError> {
+        if self.registry.create(key, value, lease).await? {
+            return Ok(true);
+        }
+        let listing = self.registry.list(key).await?;
+        match listing.entries.iter().find(|e| e.key == key) {
+            Some(held) if !ours(&held.value) => Ok(false),
+            _ => {
+                self.registry.put(key, value, lease).await?;
+                Ok(true)
+            }
+        }
     }
 
     /// The lease loop, until `cancel`: registers, renews every TTL/3, registers again when
@@ -570,6 +597,40 @@ mod tests {
         assert_eq!(*lost.lock().expect("lock"), vec!["k1".to_owned()]);
         let listing = store.list(&kernel_key("k1")).await.expect("list");
         assert_eq!(listing.entries[0].value, theirs, "never two owners");
+        cancel.cancel();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_node_back_before_its_old_lease_ran_out_takes_its_records_back() {
+        let store = Memory::new();
+        let cancel = CancellationToken::new();
+        let ttl = Duration::from_secs(3);
+        // Its previous run holds k1 under a lease that has not run out.
+        let old_lease = store.grant(Duration::from_secs(60)).await.expect("grant");
+        let before = serde_json::to_vec(&kernel("a")).expect("json");
+        assert!(store
+            .create(&kernel_key("k1"), &before, old_lease)
+            .await
+            .expect("create"));
+        let mut again = node("http://a");
+        again.incarnation = "i2".into();
+        let a = Membership::new(store.clone(), "a", again, ttl);
+        let mut adopted = kernel("a");
+        adopted.incarnation = "i2".into();
+        a.adopt("k1", &adopted);
+        let lost = Arc::new(Mutex::new(Vec::new()));
+        let heard = lost.clone();
+        tokio::spawn(a.clone().keep(cancel.clone(), move |ids| {
+            heard.lock().expect("lock").extend(ids)
+        }));
+        settle().await;
+        assert!(a.registered());
+        assert!(lost.lock().expect("lock").is_empty(), "k1 is still a's");
+        // The record is the new run's, under its lease: the old lease's end leaves it.
+        store.revoke(old_lease).await.expect("revoke");
+        let listing = store.list(&kernel_key("k1")).await.expect("list");
+        let held: KernelRecord = serde_json::from_slice(&listing.entries[0].value).expect("json");
+        assert_eq!((held.node.as_str(), held.incarnation.as_str()), ("a", "i2"));
         cancel.cancel();
     }
 }
