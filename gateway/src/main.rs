@@ -225,7 +225,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
     } = kernel_table(&config, prepared, &tracker, &cancel).await?;
     let cluster_mode = cluster.is_some();
     if let Some(node) = &cluster {
-        node.start(&tracker, &cancel);
+        node.start(&kernels, &tracker, &cancel);
         tracing::info!(node = %node.node_id, etcd = ?config.cluster.etcd, "cluster mode");
     }
     let mcp = kernelgate::mcp::Mcp::new(

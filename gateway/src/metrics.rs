@@ -78,6 +78,11 @@ struct CallLabel {
     call: String,
 }
 
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct FixLabel {
+    fix: &'static str,
+}
+
 fn seconds_histogram() -> Histogram {
     // 1 ms .. about 16 min.
     Histogram::new(prometheus_client::metrics::histogram::exponential_buckets(
@@ -103,6 +108,7 @@ struct Metrics {
     pool_kernels: Gauge,
     pool_refills: Counter,
     docker_errors: Family<CallLabel, Counter>,
+    reconciled: Family<FixLabel, Counter>,
 }
 
 /// This node's id in cluster mode: every series carries it as `node`.
@@ -141,6 +147,7 @@ static METRICS: LazyLock<Metrics> = LazyLock::new(|| {
         pool_kernels: Gauge::default(),
         pool_refills: Counter::default(),
         docker_errors: Family::default(),
+        reconciled: Family::default(),
         registry: Registry::default(),
     };
     registry.register(
@@ -207,6 +214,13 @@ static METRICS: LazyLock<Metrics> = LazyLock::new(|| {
         "docker_errors",
         "Docker calls that failed, by call",
         m.docker_errors.clone(),
+    );
+    registry.register(
+        "cluster_reconciled",
+        "Differences between this node's kernels and the cluster registry that the periodic \
+         reconcile fixed: a record of a kernel this node no longer has (stale_record), or a \
+         kernel of this node the registry did not know (unregistered_kernel)",
+        m.reconciled.clone(),
     );
     let relayed = [Direction::KernelToClient, Direction::ClientToKernel].map(|d| {
         let label = DirectionLabel {
@@ -302,6 +316,14 @@ pub fn docker_error(call: &str) {
             call: call.to_owned(),
         })
         .inc();
+}
+
+/// A difference the cluster reconcile fixed: `stale_record` or `unregistered_kernel`.
+pub fn reconciled(fix: &'static str, count: u64) {
+    METRICS
+        .reconciled
+        .get_or_create(&FixLabel { fix })
+        .inc_by(count);
 }
 
 /// The state of the kernel table, set just before a scrape.

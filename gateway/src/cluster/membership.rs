@@ -110,6 +110,13 @@ impl View {
     }
 }
 
+/// What one reconcile fixed.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Reconciled {
+    pub stale_records: u64,
+    pub unregistered_kernels: u64,
+}
+
 /// Why a kernel could not be claimed.
 #[derive(Debug, thiserror::Error)]
 pub enum ClaimError {
@@ -192,7 +199,12 @@ impl<R: Registry + Clone> Membership<R> {
             ClaimError::Registry(RegistryError::Malformed(format!("a kernel record: {e}")))
         })?;
         let lease = self.own().lease.ok_or(ClaimError::CutOff)?;
-        if !self.registry.create(&kernel_key(id), &bytes, lease).await? {
+        // This node's own record may be there already (the reconcile found the kernel
+        // first): it is overwritten; another node's never is.
+        let ours = |held: &[u8]| {
+            serde_json::from_slice::<KernelRecord>(held).is_ok_and(|r| r.node == self.node_id)
+        };
+        if !self.take(&kernel_key(id), &bytes, lease, ours).await? {
             return Err(ClaimError::Taken(id.to_owned()));
         }
         self.own().kernels.insert(id.to_owned(), bytes);
@@ -325,6 +337,48 @@ impl<R: Registry + Clone> Membership<R> {
         own.lease = Some(lease);
         own.renewed = Some(Instant::now());
         Ok(lost)
+    }
+
+    /// Compares the registry with `local`, the kernels this node runs now (id, owner,
+    /// spec), both ways: a record of this node's whose kernel is gone is removed, a kernel
+    /// the registry does not name is registered. Returns how many of each it fixed.
+    pub async fn reconcile(
+        &self,
+        local: &[(String, String, String)],
+    ) -> Result<Reconciled, RegistryError> {
+        let Some(lease) = self.own().lease else {
+            return Ok(Reconciled::default());
+        };
+        let mut fixed = Reconciled::default();
+        let listing = self.registry.list(&format!("{PREFIX}kernels/")).await?;
+        for entry in &listing.entries {
+            let Some(Key::Kernel(id)) = Key::parse(&entry.key) else {
+                continue;
+            };
+            let mine = serde_json::from_slice::<KernelRecord>(&entry.value)
+                .is_ok_and(|r| r.node == self.node_id);
+            let gone = mine && !local.iter().any(|(l, _, _)| l == id);
+            if gone && self.registry.delete_if(&entry.key, &entry.value).await? {
+                self.own().kernels.remove(id);
+                fixed.stale_records += 1;
+            }
+        }
+        for (id, owner, spec) in local {
+            let named = listing.entries.iter().any(|e| e.key == kernel_key(id));
+            if named {
+                continue;
+            }
+            let record = self.record_of(owner, spec);
+            let bytes = serde_json::to_vec(&record).unwrap_or_default();
+            let ours = |held: &[u8]| {
+                serde_json::from_slice::<KernelRecord>(held).is_ok_and(|r| r.node == self.node_id)
+            };
+            if self.take(&kernel_key(id), &bytes, lease, ours).await? {
+                self.own().kernels.insert(id.clone(), bytes);
+                fixed.unregistered_kernels += 1;
+            }
+        }
+        Ok(fixed)
     }
 
     /// Puts `key` under `lease` if it is free, or if what holds it is `ours` (this node's
@@ -631,6 +685,53 @@ mod tests {
         let listing = store.list(&kernel_key("k1")).await.expect("list");
         let held: KernelRecord = serde_json::from_slice(&listing.entries[0].value).expect("json");
         assert_eq!((held.node.as_str(), held.incarnation.as_str()), ("a", "i2"));
+        cancel.cancel();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_reconcile_removes_stale_records_and_registers_what_is_missing() {
+        let store = Memory::new();
+        let cancel = CancellationToken::new();
+        let ttl = Duration::from_secs(3);
+        let a = Membership::new(store.clone(), "a", node("http://a"), ttl);
+        let b = Membership::new(store.clone(), "b", node("http://b"), ttl);
+        for m in [&a, &b] {
+            tokio::spawn(m.clone().keep(cancel.clone(), |_| {}));
+        }
+        settle().await;
+        a.claim("gone", &kernel("a")).await.expect("claim");
+        b.claim("bs", &kernel("b")).await.expect("claim");
+        // a runs "running" and "bs" is b's: a's view of its own kernels is what it runs.
+        let local = [(
+            "running".to_owned(),
+            "admin".to_owned(),
+            "python3".to_owned(),
+        )];
+        let fixed = a.reconcile(&local).await.expect("reconcile");
+        assert_eq!(
+            fixed,
+            Reconciled {
+                stale_records: 1,
+                unregistered_kernels: 1
+            }
+        );
+        let keys: Vec<String> = store
+            .list(&format!("{PREFIX}kernels/"))
+            .await
+            .expect("list")
+            .entries
+            .into_iter()
+            .map(|e| e.key)
+            .collect();
+        assert_eq!(
+            keys,
+            [kernel_key("bs"), kernel_key("running")],
+            "b's record stays"
+        );
+        let again = a.reconcile(&local).await.expect("reconcile");
+        assert_eq!(again, Reconciled::default(), "nothing left to fix");
+        // A claim after the reconcile registered the kernel is still this node's.
+        a.claim("running", &kernel("a")).await.expect("claim");
         cancel.cancel();
     }
 }

@@ -9,11 +9,15 @@ use super::membership::Membership;
 use super::signing::Signer;
 use super::NodeRecord;
 use crate::config::ClusterArgs;
+use crate::kernels::Kernels;
 use anyhow::{bail, Context};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
+
+/// How often the registry is compared with the kernel table.
+const RECONCILE_EVERY: Duration = Duration::from_secs(30);
 
 /// The shortest cluster secret accepted.
 const MIN_SECRET_BYTES: usize = 32;
@@ -110,12 +114,51 @@ impl ClusterNode {
         })))
     }
 
-    /// Keeps the lease and follows the registry until `cancel`.
-    pub fn start(&self, tracker: &TaskTracker, cancel: &CancellationToken) {
+    /// Keeps the lease, follows the registry and reconciles it with `kernels` until
+    /// `cancel`.
+    pub fn start(&self, kernels: &Arc<Kernels>, tracker: &TaskTracker, cancel: &CancellationToken) {
         tracker.spawn(self.membership.clone().keep(cancel.clone(), |lost| {
             tracing::error!(kernels = ?lost, "kernels of this node were claimed by another node while it was cut off; they stay here but unregistered");
         }));
         tracker.spawn(self.membership.clone().follow(cancel.clone()));
+        tracker.spawn(reconcile(
+            self.membership.clone(),
+            kernels.clone(),
+            cancel.clone(),
+        ));
+    }
+}
+
+/// Every [`RECONCILE_EVERY`], the registry against the kernel table, both ways (see
+/// [`Membership::reconcile`]); what it fixes is logged and counted in the metrics.
+async fn reconcile(
+    membership: Arc<Membership<Etcd>>,
+    kernels: Arc<Kernels>,
+    cancel: CancellationToken,
+) {
+    loop {
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = tokio::time::sleep(RECONCILE_EVERY) => {}
+        }
+        let local: Vec<(String, String, String)> = kernels
+            .list()
+            .iter()
+            .map(|k| (k.id().to_owned(), k.owner().to_owned(), k.name.clone()))
+            .collect();
+        match membership.reconcile(&local).await {
+            Ok(fixed) => {
+                if fixed.stale_records > 0 || fixed.unregistered_kernels > 0 {
+                    tracing::warn!(
+                        ?fixed,
+                        "the cluster registry differed from this node's kernels; fixed"
+                    );
+                }
+                crate::metrics::reconciled("stale_record", fixed.stale_records);
+                crate::metrics::reconciled("unregistered_kernel", fixed.unregistered_kernels);
+            }
+            Err(e) => tracing::debug!(error = %e, "cannot reconcile with the cluster registry now"),
+        }
     }
 }
 
