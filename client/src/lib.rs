@@ -4,12 +4,14 @@
 //!
 //! By concern: [`gateway`] is the HTTP API (the token, the kernels REST API, the agent
 //! API's execute in JSON and streamed as NDJSON, the files API); [`channels`] is one
-//! session on a kernel's channels WebSocket; [`serve`] starts a `kernelgate serve` of our
+//! session on a kernel's channels WebSocket; [`mcp`] is a minimal MCP session at `/mcp`;
+//! [`serve`] starts a `kernelgate serve` of our
 //! own on a free loopback port and waits until it listens; [`notebook`] is `kernelgate
 //! run`, a notebook executed through a gateway.
 
 pub mod channels;
 pub mod gateway;
+pub mod mcp;
 pub mod notebook;
 pub mod serve;
 

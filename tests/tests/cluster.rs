@@ -4,6 +4,7 @@
 //! and the suite is run once.
 
 use anyhow::{Context, Result};
+use kernelgate_client::mcp::McpSession;
 use kernelgate_tests::etcd::EtcdServer;
 use kernelgate_tests::{runtime, Gateway};
 use reqwest::Method;
@@ -216,6 +217,16 @@ async fn any_node_answers_for_any_kernel_as_its_owner_does() -> Result<()> {
     let outcome = ws.execute("x * 2").await?;
     assert_eq!(outcome.result_text().as_deref(), Some("82"));
     ws.close().await?;
+
+    // An MCP session opened through node-0 answers through the other nodes too.
+    let mut mcp = McpSession::open(c.nodes[0].client()).await?;
+    assert_eq!(mcp.run_python("y = 6 * 7\ny").await?, "42");
+    let mut via_1 = mcp.through(c.nodes[1].client());
+    assert_eq!(via_1.run_python("y + 1").await?, "43");
+    let via_2 = mcp.through(c.nodes[2].client());
+    via_2.close().await?;
+    let after = mcp.through(c.nodes[1].client()).run_python("y").await;
+    assert!(after.is_err(), "the session ended everywhere: {after:?}");
 
     // The policy's approvals through a third node: code held on node-1's kernel, sent
     // through node-0, listed and approved through node-2.

@@ -39,6 +39,19 @@ pub async fn route(State(state): State<AppState>, req: Request, next: Next) -> R
         return next.run(req).await;
     };
     let path = req.uri().path().to_owned();
+    if path == "/mcp" {
+        let session = req
+            .headers()
+            .get("mcp-session-id")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned);
+        return match session {
+            Some(id) if !state.mcp.holds(&id) => {
+                mcp_elsewhere(&cluster, &caller, &id, state.max_message_bytes, req, next).await
+            }
+            _ => next.run(req).await,
+        };
+    }
     if let Some(id) = kernel_of(&path) {
         if state.kernels.get(id).is_some() {
             return next.run(req).await;
@@ -340,4 +353,66 @@ async fn answer(cluster: &ClusterNode, caller: &Caller, req: Request, next: Next
         }
     }
     local
+}
+
+/// Most MCP sessions of other nodes remembered; past this the memory starts afresh.
+const MAX_REMEMBERED_SESSIONS: usize = 10_000;
+
+/// A request for an MCP session this node does not hold: the node that holds it answers
+/// (remembered once found; every other node is asked otherwise). A session no node holds
+/// gets this node's own answer (404, start a new one).
+async fn mcp_elsewhere(
+    cluster: &ClusterNode,
+    caller: &Caller,
+    session: &str,
+    max_body: usize,
+    req: Request,
+    next: Next,
+) -> Response {
+    let (parts, body) = req.into_parts();
+    let Ok(bytes) = to_bytes(body, max_body).await else {
+        return ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!("an MCP message is at most {max_body} bytes (--max-message-mb)"),
+        )
+        .into_response();
+    };
+    let remembered = cluster
+        .mcp_sessions
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .get(session)
+        .cloned();
+    // The node remembered first, then the others.
+    let mut order: Vec<(String, String)> = other_nodes(cluster);
+    if let Some(node) = &remembered {
+        order.sort_by_key(|(id, _)| id != node);
+    }
+    for (node, address) in order {
+        let req = again(&parts.method, &parts.uri, &parts.headers, &bytes);
+        let response = forward(cluster, &address, caller, req).await;
+        let status = response.status();
+        if status != StatusCode::NOT_FOUND && status != StatusCode::SERVICE_UNAVAILABLE {
+            let mut known = cluster
+                .mcp_sessions
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            if known.len() >= MAX_REMEMBERED_SESSIONS {
+                known.clear();
+            }
+            if parts.method == Method::DELETE {
+                known.remove(session);
+            } else {
+                known.insert(session.to_owned(), node);
+            }
+            return response;
+        }
+    }
+    cluster
+        .mcp_sessions
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .remove(session);
+    next.run(Request::from_parts(parts, Body::from(bytes)))
+        .await
 }

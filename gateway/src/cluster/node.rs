@@ -29,6 +29,8 @@ pub struct ClusterNode {
     pub membership: Arc<Membership<Etcd>>,
     pub signer: Arc<Signer>,
     pub forwarder: Forwarder,
+    /// MCP sessions found on other nodes: session id to node id.
+    pub mcp_sessions: std::sync::Mutex<std::collections::HashMap<String, String>>,
 }
 
 /// What the node's own record says of it at start.
@@ -111,6 +113,7 @@ impl ClusterNode {
             membership,
             signer,
             forwarder,
+            mcp_sessions: Default::default(),
         })))
     }
 

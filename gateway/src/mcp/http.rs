@@ -65,6 +65,11 @@ impl Endpoint {
         self.owners.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Whether the session `id` lives here (cluster mode: another node's is forwarded).
+    pub fn holds(&self, id: &str) -> bool {
+        self.owners().contains_key(id)
+    }
+
     /// Handles one request of `tenant` (who is also in its extensions).
     pub async fn serve(&self, tenant: &Tenant, req: Request<Body>) -> Response<Body> {
         let session = req
