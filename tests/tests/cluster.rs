@@ -120,6 +120,15 @@ impl Cluster {
         anyhow::bail!("not within 10 s: {what}")
     }
 
+    /// Whether node `n` answers 200 for kernel `id`.
+    async fn answers(&self, n: usize, id: &str) -> Result<bool> {
+        Ok(self.nodes[n]
+            .get_json(&format!("/api/kernels/{id}"))
+            .await?
+            .0
+            == 200)
+    }
+
     /// The kernel ids each node lists, sorted.
     async fn lists(&self) -> Result<Vec<Vec<String>>> {
         let mut all = Vec::new();
@@ -398,17 +407,8 @@ async fn a_node_that_dies_or_an_etcd_that_stops_costs_no_kernel() -> Result<()> 
     let args = node_flags(&c.flags, 2);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     c.nodes.push(crashed.restart(&args).await?);
-    c.settle("the kernel is back", |c| {
-        let on_2 = on_2.clone();
-        async move {
-            Ok(c.nodes[0]
-                .get_json(&format!("/api/kernels/{on_2}"))
-                .await?
-                .0
-                == 200)
-        }
-    })
-    .await?;
+    c.settle("the kernel is back", |c| c.answers(0, &on_2))
+        .await?;
     let answer = c.nodes[1].execute(&on_2, "print(kept)").await?;
     assert_eq!(answer["stdout"], "state\n", "{answer}");
 
@@ -469,17 +469,8 @@ async fn a_node_that_dies_or_an_etcd_that_stops_costs_no_kernel() -> Result<()> 
     args.extend(["--runtime-dir".to_owned(), dir]);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     c.nodes.insert(1, Gateway::start(&args).await?);
-    c.settle("node-1's kernel answers again", |c| {
-        let on_1 = on_1.clone();
-        async move {
-            Ok(c.nodes[0]
-                .get_json(&format!("/api/kernels/{on_1}"))
-                .await?
-                .0
-                == 200)
-        }
-    })
-    .await?;
+    c.settle("node-1's kernel answers again", |c| c.answers(0, &on_1))
+        .await?;
     eprintln!("node-1's kernel was unavailable for {:?}", down.elapsed());
     let answer = c.nodes[0].execute(&on_1, "print(kept_1)").await?;
     assert_eq!(answer["stdout"], "one\n", "{answer}");

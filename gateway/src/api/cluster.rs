@@ -206,14 +206,10 @@ async fn list(cluster: &Arc<ClusterNode>, caller: &Caller, req: Request, next: N
         req.uri().clone(),
         req.headers().clone(),
     );
-    let local = next.run(req).await;
-    if !local.status().is_success() {
-        return local;
-    }
-    let Ok(bytes) = to_bytes(local.into_body(), usize::MAX).await else {
-        return unavailable("cannot read this node's kernel list".into());
+    let mut rows = match local_rows(req, next).await {
+        Ok(rows) => rows,
+        Err(answer) => return answer,
     };
-    let mut rows: Vec<Value> = serde_json::from_slice(&bytes).unwrap_or_default();
     let others: Vec<(String, String)> = view
         .nodes
         .iter()
@@ -243,6 +239,18 @@ async fn list(cluster: &Arc<ClusterNode>, caller: &Caller, req: Request, next: N
         }
     }
     axum::Json(rows).into_response()
+}
+
+/// This node's own answer to a list request, as its rows; a refusal as it is.
+async fn local_rows(req: Request, next: Next) -> Result<Vec<Value>, Response> {
+    let local = next.run(req).await;
+    if !local.status().is_success() {
+        return Err(local);
+    }
+    let Ok(bytes) = to_bytes(local.into_body(), usize::MAX).await else {
+        return Err(unavailable("cannot read this node's own list".into()));
+    };
+    Ok(serde_json::from_slice(&bytes).unwrap_or_default())
 }
 
 /// Asks each of `others` (node id, address) the same `GET`, in parallel, [`LIST_TIMEOUT`]
@@ -297,14 +305,10 @@ async fn approvals(cluster: &ClusterNode, caller: &Caller, req: Request, next: N
         req.uri().clone(),
         req.headers().clone(),
     );
-    let local = next.run(req).await;
-    if !local.status().is_success() {
-        return local;
-    }
-    let Ok(bytes) = to_bytes(local.into_body(), usize::MAX).await else {
-        return unavailable("cannot read this node's approvals".into());
+    let mut rows = match local_rows(req, next).await {
+        Ok(rows) => rows,
+        Err(answer) => return answer,
     };
-    let mut rows: Vec<Value> = serde_json::from_slice(&bytes).unwrap_or_default();
     let others = other_nodes(cluster);
     for (_, theirs) in ask_others(cluster, caller, &method, &uri, &headers, &others).await {
         rows.extend(theirs.unwrap_or_default());
