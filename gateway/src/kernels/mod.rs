@@ -13,6 +13,8 @@ pub mod files;
 pub mod ledger;
 mod pool;
 pub mod runner;
+mod slot;
+use slot::Slot;
 mod supervise;
 use crate::audit::{self, Audit, Record};
 use crate::relay::{KernelError, Relay};
@@ -126,40 +128,6 @@ impl LiveKernel {
 
     fn set_process(&self, process: Process) {
         *self.process.lock().unwrap_or_else(|e| e.into_inner()) = process;
-    }
-}
-
-/// A slot of the kernel limit taken by a create under way; given back when dropped
-/// unless the kernel was registered in it.
-struct Slot {
-    kernels: Arc<Kernels>,
-    owner: String,
-    filled: bool,
-}
-
-impl Slot {
-    /// Registers the kernel in the slot, under the same lock, so the count never dips.
-    /// Refused (false) once shutdown began: the final sweep of [`Kernels::shutdown`] takes
-    /// the lock after the cancellation, so a kernel registered then would outlive it.
-    fn fill(mut self, live: &Arc<LiveKernel>) -> bool {
-        let mut t = self.kernels.lock();
-        t.release(&self.owner);
-        self.filled = true;
-        if self.kernels.cancel.is_cancelled() {
-            return false;
-        }
-        // A kernel is registered once, so the owner is unset here.
-        let _ = live.owner.set(self.owner.clone());
-        t.live.insert(live.id().to_owned(), live.clone());
-        true
-    }
-}
-
-impl Drop for Slot {
-    fn drop(&mut self) {
-        if !self.filled {
-            self.kernels.lock().release(&self.owner);
-        }
     }
 }
 
@@ -706,6 +674,8 @@ pub fn kernel_env(env: &BTreeMap<String, String>) -> Result<BTreeMap<String, Str
     Ok(out)
 }
 
+#[cfg(test)]
+mod cluster_tests;
 #[cfg(test)]
 pub(crate) mod fake;
 #[cfg(test)]

@@ -11,11 +11,11 @@ fn specs(extra: &[&str], pools: &[&str]) -> Arc<KernelSpecs> {
     Arc::new(KernelSpecs::parse("kernel:1", &strings(extra), &strings(pools)).expect("valid"))
 }
 
-fn admin() -> Arc<Tenant> {
+pub(super) fn admin() -> Arc<Tenant> {
     Tenant::admin("admin")
 }
 
-fn settings() -> Settings {
+pub(super) fn settings() -> Settings {
     Settings {
         max_kernels: 4,
         startup_timeout: Duration::from_secs(10),
@@ -35,7 +35,7 @@ fn settings() -> Settings {
     }
 }
 
-async fn table(settings: Settings) -> (Arc<Kernels>, Arc<FakeBackend>) {
+pub(super) async fn table(settings: Settings) -> (Arc<Kernels>, Arc<FakeBackend>) {
     let fake = FakeBackend::new();
     let kernels = Kernels::new(
         fake.clone(),
@@ -48,7 +48,7 @@ async fn table(settings: Settings) -> (Arc<Kernels>, Arc<FakeBackend>) {
 }
 
 /// Polls `done` every 20 ms for up to 10 s.
-async fn eventually<F: Future<Output = bool>>(what: &str, mut done: impl FnMut() -> F) {
+pub(super) async fn eventually<F: Future<Output = bool>>(what: &str, mut done: impl FnMut() -> F) {
     for _ in 0..500 {
         if done().await {
             return;
@@ -346,7 +346,7 @@ fn env_keeps_only_kernel_vars() {
     assert!(matches!(kernel_env(&bad), Err(CreateError::BadEnv { .. })));
 }
 
-fn tenant(name: &str, max_kernels: Option<usize>) -> Arc<Tenant> {
+pub(super) fn tenant(name: &str, max_kernels: Option<usize>) -> Arc<Tenant> {
     Arc::new(Tenant {
         name: name.into(),
         admin: false,
@@ -658,162 +658,4 @@ async fn a_kernel_that_dies_while_it_starts_fails_its_create_at_once() {
     })
     .await;
     assert!(kernels.list().is_empty());
-}
-
-/// A node of a cluster: its table with the registry as its ledger, over `store`.
-async fn cluster_node(
-    store: &crate::cluster::memory::Memory,
-    id: &str,
-    cancel: &CancellationToken,
-) -> (
-    Arc<Kernels>,
-    Arc<crate::cluster::membership::Membership<crate::cluster::memory::Memory>>,
-) {
-    use crate::cluster::membership::Membership;
-    let node = crate::cluster::NodeRecord {
-        address: format!("http://{id}"),
-        incarnation: format!("{id}-1"),
-        capacity: 4,
-        load: 0,
-        version: "0".into(),
-        specs: vec!["python3".into()],
-        warm: Default::default(),
-    };
-    let membership = Membership::new(store.clone(), id, node, Duration::from_secs(3));
-    tokio::spawn(membership.clone().keep(cancel.clone(), |_| {}));
-    tokio::spawn(membership.clone().follow(cancel.clone()));
-    let (kernels, _) = table(Settings {
-        ledger: Some(membership.clone()),
-        ..settings()
-    })
-    .await;
-    (kernels, membership)
-}
-
-#[tokio::test]
-async fn in_a_cluster_the_table_registers_its_kernels_and_removes_their_records() {
-    let store = crate::cluster::memory::Memory::new();
-    let cancel = CancellationToken::new();
-    let (a, a_member) = cluster_node(&store, "a", &cancel).await;
-    let (_b, b_member) = cluster_node(&store, "b", &cancel).await;
-    eventually("both registered", || async {
-        a_member.registered() && b_member.registered()
-    })
-    .await;
-    let alice = tenant("alice", None);
-    let live = a
-        .create(None, &BTreeMap::new(), &alice)
-        .await
-        .expect("created");
-    let id = live.id().to_owned();
-    eventually("the other node sees the kernel", || async {
-        b_member.view().kernels.contains_key(&id)
-    })
-    .await;
-    let view = b_member.view();
-    let record = &view.kernels[&id];
-    assert_eq!(
-        (record.node.as_str(), record.incarnation.as_str()),
-        ("a", "a-1")
-    );
-    assert_eq!(
-        (record.tenant.as_str(), record.spec.as_str()),
-        ("alice", "python3")
-    );
-    eventually("a's load is 1", || async {
-        b_member.view().nodes.get("a").is_some_and(|n| n.load == 1)
-    })
-    .await;
-
-    a.delete(&id, Removal::AskedBy("alice".into()))
-        .await
-        .expect("was there")
-        .expect("removed");
-    eventually("the record is gone", || async {
-        !b_member.view().kernels.contains_key(&id)
-    })
-    .await;
-    eventually("a's load is 0", || async {
-        b_member.view().nodes.get("a").is_some_and(|n| n.load == 0)
-    })
-    .await;
-    cancel.cancel();
-}
-
-#[tokio::test]
-async fn a_node_cut_off_from_the_registry_refuses_creates_and_runs_nothing() {
-    let store = crate::cluster::memory::Memory::new();
-    let cancel = CancellationToken::new();
-    // Never registered: the registry is down from the start.
-    store.set_down(true);
-    let (a, a_member) = cluster_node(&store, "a", &cancel).await;
-    let refused = a.create(None, &BTreeMap::new(), &admin()).await;
-    let Err(e @ CreateError::Unregistered(_)) = refused else {
-        panic!("created while cut off: {refused:?}");
-    };
-    assert!(e.to_string().contains("cut off"), "{e}");
-    assert!(!a_member.registered());
-    assert_eq!(a.list().len(), 0, "the kernel was removed again");
-    store.set_down(false);
-    eventually("registered once the registry is back", || async {
-        a_member.registered()
-    })
-    .await;
-    let live = a
-        .create(None, &BTreeMap::new(), &admin())
-        .await
-        .expect("created once registered");
-    assert!(store_has(&store, live.id()).await);
-    cancel.cancel();
-}
-
-async fn store_has(store: &crate::cluster::memory::Memory, id: &str) -> bool {
-    use crate::cluster::Registry;
-    let listing = store
-        .list(&crate::cluster::kernel_key(id))
-        .await
-        .expect("list");
-    !listing.entries.is_empty()
-}
-
-#[tokio::test]
-async fn a_keys_quota_holds_across_nodes_under_concurrent_creates() {
-    let store = crate::cluster::memory::Memory::new();
-    let cancel = CancellationToken::new();
-    let (a, a_member) = cluster_node(&store, "a", &cancel).await;
-    let (b, b_member) = cluster_node(&store, "b", &cancel).await;
-    eventually("both registered", || async {
-        a_member.registered() && b_member.registered()
-    })
-    .await;
-    let carol = tenant("carol", Some(2));
-    let no_env = BTreeMap::new();
-    let creates = [&a, &a, &b, &b].map(|node| node.create(None, &no_env, &carol));
-    let results = futures::future::join_all(creates).await;
-    let made: Vec<&Arc<LiveKernel>> = results.iter().filter_map(|r| r.as_ref().ok()).collect();
-    assert_eq!(made.len(), 2, "{results:?}");
-    for refused in results.iter().filter_map(|r| r.as_ref().err()) {
-        assert!(
-            matches!(refused, CreateError::TooManyForKey { max: 2, .. }),
-            "{refused:?}"
-        );
-    }
-    assert_eq!(
-        a.list().len() + b.list().len(),
-        2,
-        "the refused kernels were removed"
-    );
-
-    // A kernel gone gives its slot back.
-    let first = made[0].id().to_owned();
-    let owner = if a.get(&first).is_some() { &a } else { &b };
-    owner
-        .delete(&first, Removal::AskedBy("carol".into()))
-        .await
-        .expect("was there")
-        .expect("removed");
-    a.create(None, &BTreeMap::new(), &carol)
-        .await
-        .expect("a slot is free again");
-    cancel.cancel();
 }

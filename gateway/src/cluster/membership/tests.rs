@@ -1,0 +1,194 @@
+//! A node's membership against the in-memory registry: views, one owner per kernel,
+//! outages, a restarted node's records, the reconcile.
+use super::*;
+use crate::cluster::memory::Memory;
+
+fn node(address: &str) -> NodeRecord {
+    NodeRecord {
+        address: address.into(),
+        incarnation: "i1".into(),
+        capacity: 2,
+        load: 0,
+        version: "0".into(),
+        specs: vec!["python3".into()],
+        warm: Default::default(),
+    }
+}
+
+fn kernel(node: &str) -> KernelRecord {
+    KernelRecord {
+        node: node.into(),
+        incarnation: "i1".into(),
+        tenant: "admin".into(),
+        spec: "python3".into(),
+        created: "2026-01-01T00:00:00.000000Z".into(),
+    }
+}
+
+async fn settle() {
+    for _ in 0..50 {
+        tokio::task::yield_now().await;
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn nodes_see_each_other_and_a_kernel_has_one_owner() {
+    let store = Memory::new();
+    let cancel = CancellationToken::new();
+    let ttl = Duration::from_secs(3);
+    let a = Membership::new(store.clone(), "a", node("http://a"), ttl);
+    let b = Membership::new(store.clone(), "b", node("http://b"), ttl);
+    for m in [&a, &b] {
+        tokio::spawn(m.clone().keep(cancel.clone(), |_| {}));
+        tokio::spawn(m.clone().follow(cancel.clone()));
+    }
+    settle().await;
+    assert!(a.registered() && b.registered());
+    a.claim("k1", &kernel("a")).await.expect("a claims k1");
+    assert!(matches!(
+        b.claim("k1", &kernel("b")).await,
+        Err(ClaimError::Taken(_))
+    ));
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let view = b.view();
+    assert_eq!(view.nodes.len(), 2);
+    assert_eq!(view.kernels["k1"].node, "a");
+    a.release("k1").await.expect("release");
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert!(b.view().kernels.is_empty());
+    cancel.cancel();
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_outage_longer_than_the_ttl_cuts_the_node_off_until_it_registers_again() {
+    let store = Memory::new();
+    let cancel = CancellationToken::new();
+    let ttl = Duration::from_secs(3);
+    let a = Membership::new(store.clone(), "a", node("http://a"), ttl);
+    tokio::spawn(a.clone().keep(cancel.clone(), |_| {}));
+    settle().await;
+    a.claim("k1", &kernel("a")).await.expect("claim");
+    store.set_down(true);
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert!(!a.registered(), "no renewal for a whole TTL: cut off");
+    assert!(matches!(
+        a.claim("k2", &kernel("a")).await,
+        Err(ClaimError::CutOff) | Err(ClaimError::Registry(_))
+    ));
+    // Meanwhile etcd expired the lease: the records are gone from the store.
+    store.set_down(false);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(a.registered(), "registered again");
+    assert!(a.reregistrations() >= 1);
+    let listing = store.list(PREFIX).await.expect("list");
+    let keys: Vec<&str> = listing.entries.iter().map(|e| e.key.as_str()).collect();
+    assert_eq!(keys, vec![kernel_key("k1"), node_key("a")], "{keys:?}");
+    cancel.cancel();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_kernel_claimed_by_another_node_meanwhile_stays_theirs() {
+    let store = Memory::new();
+    let cancel = CancellationToken::new();
+    let ttl = Duration::from_secs(3);
+    let a = Membership::new(store.clone(), "a", node("http://a"), ttl);
+    // a's record of k1 is adopted, but b registered k1 first.
+    a.adopt("k1", &kernel("a"));
+    let lease = store.grant(Duration::from_secs(60)).await.expect("grant");
+    let theirs = serde_json::to_vec(&kernel("b")).expect("json");
+    assert!(store
+        .create(&kernel_key("k1"), &theirs, lease)
+        .await
+        .expect("create"));
+    let lost = Arc::new(Mutex::new(Vec::new()));
+    let heard = lost.clone();
+    tokio::spawn(a.clone().keep(cancel.clone(), move |ids| {
+        heard.lock().expect("lock").extend(ids)
+    }));
+    settle().await;
+    assert_eq!(*lost.lock().expect("lock"), vec!["k1".to_owned()]);
+    let listing = store.list(&kernel_key("k1")).await.expect("list");
+    assert_eq!(listing.entries[0].value, theirs, "never two owners");
+    cancel.cancel();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_node_back_before_its_old_lease_ran_out_takes_its_records_back() {
+    let store = Memory::new();
+    let cancel = CancellationToken::new();
+    let ttl = Duration::from_secs(3);
+    // Its previous run holds k1 under a lease that has not run out.
+    let old_lease = store.grant(Duration::from_secs(60)).await.expect("grant");
+    let before = serde_json::to_vec(&kernel("a")).expect("json");
+    assert!(store
+        .create(&kernel_key("k1"), &before, old_lease)
+        .await
+        .expect("create"));
+    let mut again = node("http://a");
+    again.incarnation = "i2".into();
+    let a = Membership::new(store.clone(), "a", again, ttl);
+    let mut adopted = kernel("a");
+    adopted.incarnation = "i2".into();
+    a.adopt("k1", &adopted);
+    let lost = Arc::new(Mutex::new(Vec::new()));
+    let heard = lost.clone();
+    tokio::spawn(a.clone().keep(cancel.clone(), move |ids| {
+        heard.lock().expect("lock").extend(ids)
+    }));
+    settle().await;
+    assert!(a.registered());
+    assert!(lost.lock().expect("lock").is_empty(), "k1 is still a's");
+    // The record is the new run's, under its lease: the old lease's end leaves it.
+    store.revoke(old_lease).await.expect("revoke");
+    let listing = store.list(&kernel_key("k1")).await.expect("list");
+    let held: KernelRecord = serde_json::from_slice(&listing.entries[0].value).expect("json");
+    assert_eq!((held.node.as_str(), held.incarnation.as_str()), ("a", "i2"));
+    cancel.cancel();
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_reconcile_removes_stale_records_and_registers_what_is_missing() {
+    let store = Memory::new();
+    let cancel = CancellationToken::new();
+    let ttl = Duration::from_secs(3);
+    let a = Membership::new(store.clone(), "a", node("http://a"), ttl);
+    let b = Membership::new(store.clone(), "b", node("http://b"), ttl);
+    for m in [&a, &b] {
+        tokio::spawn(m.clone().keep(cancel.clone(), |_| {}));
+    }
+    settle().await;
+    a.claim("gone", &kernel("a")).await.expect("claim");
+    b.claim("bs", &kernel("b")).await.expect("claim");
+    // a runs "running" and "bs" is b's: a's view of its own kernels is what it runs.
+    let local = [(
+        "running".to_owned(),
+        "admin".to_owned(),
+        "python3".to_owned(),
+    )];
+    let fixed = a.reconcile(&local).await.expect("reconcile");
+    assert_eq!(
+        fixed,
+        Reconciled {
+            stale_records: 1,
+            unregistered_kernels: 1
+        }
+    );
+    let keys: Vec<String> = store
+        .list(&format!("{PREFIX}kernels/"))
+        .await
+        .expect("list")
+        .entries
+        .into_iter()
+        .map(|e| e.key)
+        .collect();
+    assert_eq!(
+        keys,
+        [kernel_key("bs"), kernel_key("running")],
+        "b's record stays"
+    );
+    let again = a.reconcile(&local).await.expect("reconcile");
+    assert_eq!(again, Reconciled::default(), "nothing left to fix");
+    // A claim after the reconcile registered the kernel is still this node's.
+    a.claim("running", &kernel("a")).await.expect("claim");
+    cancel.cancel();
+}
