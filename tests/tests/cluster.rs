@@ -120,6 +120,14 @@ impl Cluster {
         anyhow::bail!("not within 10 s: {what}")
     }
 
+    /// Waits until every node lists exactly `expected` (sorted ids); how long it took.
+    async fn all_list(&self, expected: &[String], what: &str) -> Result<Duration> {
+        self.settle(what, |c| async move {
+            Ok(c.lists().await?.iter().all(|l| l == expected))
+        })
+        .await
+    }
+
     /// Whether node `n` answers 200 for kernel `id`.
     async fn answers(&self, n: usize, id: &str) -> Result<bool> {
         Ok(self.nodes[n]
@@ -198,11 +206,7 @@ async fn any_node_answers_for_any_kernel_as_its_owner_does() -> Result<()> {
     // Every node lists the same kernels, soon.
     let mut expected = ids.clone();
     expected.sort();
-    c.settle("every node lists the three", |c| {
-        let expected = expected.clone();
-        async move { Ok(c.lists().await?.iter().all(|l| *l == expected)) }
-    })
-    .await?;
+    c.all_list(&expected, "every node lists the three").await?;
 
     // A kernel another node owns, through the two that do not own it.
     let id = ids
@@ -281,10 +285,7 @@ async fn any_node_answers_for_any_kernel_as_its_owner_does() -> Result<()> {
     assert_eq!(gone.0, 404, "{}", gone.1);
     expected.retain(|k| *k != id);
     let took = c
-        .settle("every node lists the two left", |c| {
-            let expected = expected.clone();
-            async move { Ok(c.lists().await?.iter().all(|l| *l == expected)) }
-        })
+        .all_list(&expected, "every node lists the two left")
         .await?;
     assert!(took < Duration::from_secs(1), "lists agreed after {took:?}");
 
@@ -439,11 +440,7 @@ async fn a_node_that_dies_or_an_etcd_that_stops_costs_no_kernel() -> Result<()> 
     .await?;
     let mut expected = ids.clone();
     expected.sort();
-    c.settle("every node lists the three", |c| {
-        let expected = expected.clone();
-        async move { Ok(c.lists().await?.iter().all(|l| *l == expected)) }
-    })
-    .await?;
+    c.all_list(&expected, "every node lists the three").await?;
     let (status, made) = c.nodes[1].post_json("/api/kernels", json!({})).await?;
     assert_eq!(status, 201, "{made}");
 

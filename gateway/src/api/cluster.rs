@@ -8,6 +8,7 @@ use super::auth::Caller;
 use super::error::ApiError;
 use super::AppState;
 use crate::cluster::forward::ForwardError;
+use crate::cluster::membership::View;
 use crate::cluster::node::ClusterNode;
 use crate::cluster::placement;
 use crate::cluster::signing::Forwarded;
@@ -201,27 +202,18 @@ async fn place(cluster: &ClusterNode, caller: &Caller, req: Request, next: Next)
 /// its kernels as the registry knows them, with `execution_state` `unknown`.
 async fn list(cluster: &Arc<ClusterNode>, caller: &Caller, req: Request, next: Next) -> Response {
     let view = cluster.membership.view();
-    let (method, uri, headers) = (
-        req.method().clone(),
-        req.uri().clone(),
-        req.headers().clone(),
-    );
-    let mut rows = match local_rows(req, next).await {
-        Ok(rows) => rows,
+    let (asked, mut rows) = match local_rows(req, next).await {
+        Ok(local) => local,
         Err(answer) => return answer,
     };
-    let others: Vec<(String, String)> = view
-        .nodes
-        .iter()
-        .filter(|(id, _)| **id != cluster.node_id)
-        .filter(|(id, _)| {
-            view.kernels
-                .values()
-                .any(|k| k.node == **id && caller.0.may_use(&k.tenant))
-        })
-        .map(|(id, n)| (id.clone(), n.address.clone()))
-        .collect();
-    let asks = ask_others(cluster, caller, &method, &uri, &headers, &others).await;
+    // Only the nodes that hold a kernel the caller may see.
+    let mut others = other_nodes(cluster, &view);
+    others.retain(|(id, _)| {
+        view.kernels
+            .values()
+            .any(|k| k.node == *id && caller.0.may_use(&k.tenant))
+    });
+    let asks = ask_others(cluster, caller, &asked, &others).await;
     for (node, answer) in asks {
         match answer {
             Some(theirs) => rows.extend(theirs),
@@ -241,8 +233,21 @@ async fn list(cluster: &Arc<ClusterNode>, caller: &Caller, req: Request, next: N
     axum::Json(rows).into_response()
 }
 
-/// This node's own answer to a list request, as its rows; a refusal as it is.
-async fn local_rows(req: Request, next: Next) -> Result<Vec<Value>, Response> {
+/// The request a list was asked with, to ask the other nodes alike.
+struct Asked {
+    method: Method,
+    uri: axum::http::Uri,
+    headers: axum::http::HeaderMap,
+}
+
+/// This node's own answer to a list request, as its rows, with the request to ask the
+/// others; a refusal as it is.
+async fn local_rows(req: Request, next: Next) -> Result<(Asked, Vec<Value>), Response> {
+    let asked = Asked {
+        method: req.method().clone(),
+        uri: req.uri().clone(),
+        headers: req.headers().clone(),
+    };
     let local = next.run(req).await;
     if !local.status().is_success() {
         return Err(local);
@@ -250,7 +255,7 @@ async fn local_rows(req: Request, next: Next) -> Result<Vec<Value>, Response> {
     let Ok(bytes) = to_bytes(local.into_body(), usize::MAX).await else {
         return Err(unavailable("cannot read this node's own list".into()));
     };
-    Ok(serde_json::from_slice(&bytes).unwrap_or_default())
+    Ok((asked, serde_json::from_slice(&bytes).unwrap_or_default()))
 }
 
 /// Asks each of `others` (node id, address) the same `GET`, in parallel, [`LIST_TIMEOUT`]
@@ -258,13 +263,16 @@ async fn local_rows(req: Request, next: Next) -> Result<Vec<Value>, Response> {
 async fn ask_others(
     cluster: &ClusterNode,
     caller: &Caller,
-    method: &Method,
-    uri: &axum::http::Uri,
-    headers: &axum::http::HeaderMap,
+    asked: &Asked,
     others: &[(String, String)],
 ) -> Vec<(String, Option<Vec<Value>>)> {
     let asks = others.iter().map(|(node, address)| {
-        let req = again(method, uri, headers, &axum::body::Bytes::new());
+        let req = again(
+            &asked.method,
+            &asked.uri,
+            &asked.headers,
+            &axum::body::Bytes::new(),
+        );
         async move {
             let answer = tokio::time::timeout(LIST_TIMEOUT, async {
                 let response = forward(cluster, address, caller, req).await;
@@ -283,15 +291,13 @@ async fn ask_others(
     futures::future::join_all(asks).await
 }
 
-/// Every other node of the view: (id, address).
-fn other_nodes(cluster: &ClusterNode) -> Vec<(String, String)> {
-    let mut others: Vec<(String, String)> = cluster
-        .membership
-        .view()
+/// Every other node of `view`: (id, address), by id.
+fn other_nodes(cluster: &ClusterNode, view: &View) -> Vec<(String, String)> {
+    let mut others: Vec<(String, String)> = view
         .nodes
-        .into_iter()
-        .filter(|(id, _)| *id != cluster.node_id)
-        .map(|(id, n)| (id, n.address))
+        .iter()
+        .filter(|(id, _)| **id != cluster.node_id)
+        .map(|(id, n)| (id.clone(), n.address.clone()))
         .collect();
     others.sort();
     others
@@ -300,17 +306,12 @@ fn other_nodes(cluster: &ClusterNode) -> Vec<(String, String)> {
 /// The executions waiting for approval on every node: this node's and the others' (a
 /// node that does not answer in time is left out), oldest first.
 async fn approvals(cluster: &ClusterNode, caller: &Caller, req: Request, next: Next) -> Response {
-    let (method, uri, headers) = (
-        req.method().clone(),
-        req.uri().clone(),
-        req.headers().clone(),
-    );
-    let mut rows = match local_rows(req, next).await {
-        Ok(rows) => rows,
+    let (asked, mut rows) = match local_rows(req, next).await {
+        Ok(local) => local,
         Err(answer) => return answer,
     };
-    let others = other_nodes(cluster);
-    for (_, theirs) in ask_others(cluster, caller, &method, &uri, &headers, &others).await {
+    let others = other_nodes(cluster, &cluster.membership.view());
+    for (_, theirs) in ask_others(cluster, caller, &asked, &others).await {
         rows.extend(theirs.unwrap_or_default());
     }
     rows.sort_by(|a, b| {
@@ -342,7 +343,7 @@ async fn answer(cluster: &ClusterNode, caller: &Caller, req: Request, next: Next
     if local.status() != StatusCode::NOT_FOUND {
         return local;
     }
-    for (_, address) in other_nodes(cluster) {
+    for (_, address) in other_nodes(cluster, &cluster.membership.view()) {
         let response = forward(
             cluster,
             &address,
@@ -388,7 +389,7 @@ async fn mcp_elsewhere(
         .get(session)
         .cloned();
     // The node remembered first, then the others.
-    let mut order: Vec<(String, String)> = other_nodes(cluster);
+    let mut order = other_nodes(cluster, &cluster.membership.view());
     if let Some(node) = &remembered {
         order.sort_by_key(|(id, _)| id != node);
     }

@@ -25,6 +25,22 @@ fn kernel(node: &str) -> KernelRecord {
     }
 }
 
+/// Nodes "a" and "b" on `store`, TTL 3 s, keeping their leases and following the
+/// registry until `cancel`.
+fn two_nodes(
+    store: &Memory,
+    cancel: &CancellationToken,
+) -> (Arc<Membership<Memory>>, Arc<Membership<Memory>>) {
+    let ttl = Duration::from_secs(3);
+    let a = Membership::new(store.clone(), "a", node("http://a"), ttl);
+    let b = Membership::new(store.clone(), "b", node("http://b"), ttl);
+    for m in [&a, &b] {
+        tokio::spawn(m.clone().keep(cancel.clone(), |_| {}));
+        tokio::spawn(m.clone().follow(cancel.clone()));
+    }
+    (a, b)
+}
+
 async fn settle() {
     for _ in 0..50 {
         tokio::task::yield_now().await;
@@ -35,13 +51,7 @@ async fn settle() {
 async fn nodes_see_each_other_and_a_kernel_has_one_owner() {
     let store = Memory::new();
     let cancel = CancellationToken::new();
-    let ttl = Duration::from_secs(3);
-    let a = Membership::new(store.clone(), "a", node("http://a"), ttl);
-    let b = Membership::new(store.clone(), "b", node("http://b"), ttl);
-    for m in [&a, &b] {
-        tokio::spawn(m.clone().keep(cancel.clone(), |_| {}));
-        tokio::spawn(m.clone().follow(cancel.clone()));
-    }
+    let (a, b) = two_nodes(&store, &cancel);
     settle().await;
     assert!(a.registered() && b.registered());
     a.claim("k1", &kernel("a")).await.expect("a claims k1");
@@ -150,12 +160,7 @@ async fn a_node_back_before_its_old_lease_ran_out_takes_its_records_back() {
 async fn the_reconcile_removes_stale_records_and_registers_what_is_missing() {
     let store = Memory::new();
     let cancel = CancellationToken::new();
-    let ttl = Duration::from_secs(3);
-    let a = Membership::new(store.clone(), "a", node("http://a"), ttl);
-    let b = Membership::new(store.clone(), "b", node("http://b"), ttl);
-    for m in [&a, &b] {
-        tokio::spawn(m.clone().keep(cancel.clone(), |_| {}));
-    }
+    let (a, b) = two_nodes(&store, &cancel);
     settle().await;
     a.claim("gone", &kernel("a")).await.expect("claim");
     b.claim("bs", &kernel("b")).await.expect("claim");
