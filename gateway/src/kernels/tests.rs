@@ -449,6 +449,28 @@ async fn a_kernel_that_dies_again_while_it_restarts_is_tried_again() {
 }
 
 #[tokio::test]
+async fn a_cell_sent_between_a_death_and_the_restart_runs_on_the_next_process() {
+    let (kernels, fake) = table(settings()).await;
+    let (live, handle) = one_kernel(&kernels, &fake).await;
+    // The process stops answering and its death has been dealt with; the restart has not
+    // begun. A cell sent now must wait for the next process, not go to the dead one's
+    // sockets, where nothing would ever answer it.
+    fake.hang(&handle);
+    live.relay
+        .lost_executions("KernelDied", "the kernel ran out of memory")
+        .await;
+    let cell = tokio::spawn({
+        let live = live.clone();
+        async move { run_code(&live, "1").await }
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(!cell.is_finished(), "held for the next process");
+    kernels.restart(&live, "admin").await.expect("restarted");
+    let (status, ename, _) = cell.await.expect("the cell's task");
+    assert_eq!((status.as_str(), ename.as_str()), ("ok", ""));
+}
+
+#[tokio::test]
 async fn a_restart_that_keeps_failing_gives_up_fast_and_says_what_to_do() {
     let dir = tempfile::tempdir().expect("tempdir");
     let log = dir.path().join("audit.log");

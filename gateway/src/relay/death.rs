@@ -10,16 +10,28 @@ impl Relay {
     /// place, as a failed cell whose error names the cause, with an `execution_finished`
     /// audit record. Call before clients are told `restarting` or `dead`: JupyterLab
     /// forgets a cell's request when it sees either.
+    ///
+    /// In the same step the link to the gone process is dropped and the state becomes
+    /// `restarting` without telling clients, so a message that comes in from now on waits
+    /// for the next process (or for the refusal of a kernel that stays dead) instead of
+    /// being written to a socket nobody reads, where its execution would never be answered.
     pub async fn lost_executions(&self, ename: &'static str, cause: &str) {
-        let fx = self.answer_lost(ename, cause);
+        let (fx, link) = self.answer_lost(ename, cause);
+        if let Some(link) = link {
+            link.close();
+        }
         // Nothing goes to the kernel: this cannot fail.
         let _ = self.carry_out(fx).await;
     }
 
-    /// The answers to the executions the process owed, decided under the lock.
-    fn answer_lost(&self, ename: &'static str, cause: &str) -> Effects {
+    /// The answers to the executions the process owed, and its link, taken under the lock.
+    fn answer_lost(&self, ename: &'static str, cause: &str) -> (Effects, Option<Arc<Link>>) {
         let mut fx = Effects::default();
         let mut st = self.lock();
+        let link = st.link.take();
+        if st.execution_state != ExecutionState::Dead {
+            st.execution_state = ExecutionState::Restarting;
+        }
         let lost: Vec<Header> = st.in_flight.drain(..).collect();
         for (i, header) in lost.iter().enumerate() {
             let evalue = if i == 0 {
@@ -58,7 +70,7 @@ impl Relay {
             fx.to_clients
                 .extend(gate::refusal(header, &self.session, &why));
         }
-        fx
+        (fx, link)
     }
 
     /// The kernel is dead for good; `why` says why and what brings it back. Clients are told
