@@ -1,7 +1,9 @@
-//! A `kernelgate serve` of our own: the binary started on a free loopback port, waited for
-//! until it listens, stopped with SIGTERM (so it removes its kernel containers).
+//! A `kernelgate serve` of our own: the binary started on a free loopback port (or on an
+//! address of a network namespace, through a launcher such as `nsenter`), waited for until
+//! it listens, stopped with SIGTERM (so it removes its kernel containers).
 
 use std::ffi::OsString;
+use std::net::{IpAddr, Ipv4Addr};
 use std::path::PathBuf;
 use std::process::{ExitStatus, Stdio};
 use std::sync::Arc;
@@ -22,8 +24,12 @@ pub enum ServeError {
     },
     #[error("it exited ({0})")]
     Exited(ExitStatus),
-    #[error("it did not listen on 127.0.0.1:{port} within {timeout:?}")]
-    NotListening { port: u16, timeout: Duration },
+    #[error("it did not listen on {host}:{port} within {timeout:?}")]
+    NotListening {
+        host: IpAddr,
+        port: u16,
+        timeout: Duration,
+    },
     #[error("it did not stop within {0:?} of SIGTERM; killed")]
     NotStopped(Duration),
     #[error("waiting for it: {0}")]
@@ -37,10 +43,12 @@ pub fn free_port() -> std::io::Result<u16> {
         .port())
 }
 
-/// How to start `kernelgate serve`: `PROGRAM serve --listen 127.0.0.1:PORT ARGS...`.
+/// How to start `kernelgate serve`: `[LAUNCHER...] PROGRAM serve --listen HOST:PORT ARGS...`.
 #[derive(Debug)]
 pub struct Serve {
     program: PathBuf,
+    launcher: Vec<OsString>,
+    host: IpAddr,
     port: u16,
     args: Vec<OsString>,
     envs: Vec<(OsString, Option<OsString>)>,
@@ -53,6 +61,8 @@ impl Serve {
     pub fn new(program: impl Into<PathBuf>) -> Result<Serve, ServeError> {
         Ok(Serve {
             program: program.into(),
+            launcher: Vec::new(),
+            host: IpAddr::V4(Ipv4Addr::LOCALHOST),
             port: free_port().map_err(ServeError::NoPort)?,
             args: Vec::new(),
             envs: Vec::new(),
@@ -64,6 +74,21 @@ impl Serve {
     /// The port it will listen on.
     pub fn port(&self) -> u16 {
         self.port
+    }
+
+    /// Listens on `host` instead of 127.0.0.1 (an address of the namespace a launcher
+    /// puts it in; it must be reachable from where the caller runs).
+    pub fn host(mut self, host: IpAddr) -> Serve {
+        self.host = host;
+        self
+    }
+
+    /// Runs it through `launcher` (a program and its arguments, e.g. `nsenter
+    /// --net=/var/run/netns/NAME`), which must `exec` it: the process started is the
+    /// gateway, so signals reach it.
+    pub fn launcher<I: IntoIterator<Item = S>, S: Into<OsString>>(mut self, launcher: I) -> Serve {
+        self.launcher = launcher.into_iter().map(Into::into).collect();
+        self
     }
 
     pub fn arg(mut self, arg: impl Into<OsString>) -> Serve {
@@ -104,10 +129,18 @@ impl Serve {
         self,
         on_line: impl Fn(Output, &str) + Send + Sync + 'static,
     ) -> Result<LocalGateway, ServeError> {
-        let mut command = Command::new(&self.program);
+        let mut command = match self.launcher.split_first() {
+            Some((launcher, args)) => {
+                let mut c = Command::new(launcher);
+                c.args(args).arg(&self.program);
+                c
+            }
+            None => Command::new(&self.program),
+        };
+        let listen = std::net::SocketAddr::new(self.host, self.port);
         command
             .arg("serve")
-            .args(["--listen", &format!("127.0.0.1:{}", self.port)])
+            .args(["--listen", &listen.to_string()])
             .args(&self.args)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -129,6 +162,7 @@ impl Serve {
         forward_lines(&mut child, Arc::new(on_line));
         let mut gateway = LocalGateway {
             child: Some(child),
+            host: self.host,
             port: self.port,
         };
         match gateway.wait_listening(self.timeout).await {
@@ -145,6 +179,7 @@ impl Serve {
 #[derive(Debug)]
 pub struct LocalGateway {
     child: Option<Child>,
+    host: IpAddr,
     port: u16,
 }
 
@@ -157,12 +192,13 @@ impl LocalGateway {
                     return Err(ServeError::Exited(status));
                 }
             }
-            if TcpStream::connect(("127.0.0.1", self.port)).await.is_ok() {
+            if TcpStream::connect((self.host, self.port)).await.is_ok() {
                 return Ok(());
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         Err(ServeError::NotListening {
+            host: self.host,
             port: self.port,
             timeout,
         })
@@ -172,9 +208,9 @@ impl LocalGateway {
         self.port
     }
 
-    /// `http://127.0.0.1:PORT`.
+    /// `http://HOST:PORT` (`http://127.0.0.1:PORT` unless [`Serve::host`] said otherwise).
     pub fn base(&self) -> String {
-        format!("http://127.0.0.1:{}", self.port)
+        format!("http://{}", std::net::SocketAddr::new(self.host, self.port))
     }
 
     /// Its process id, while it runs.

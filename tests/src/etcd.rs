@@ -1,6 +1,8 @@
 //! A real etcd (Debian's `etcd-server`) for the tests of cluster mode: one member on
-//! loopback ports of its own, a temporary data directory, stopped and removed on drop.
+//! loopback ports of its own (or in a test host of its own), a temporary data directory,
+//! stopped and removed on drop.
 
+use crate::netns::Host;
 use anyhow::{bail, Context, Result};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
@@ -10,6 +12,8 @@ use std::time::Duration;
 pub struct EtcdServer {
     child: Option<Child>,
     data: tempfile::TempDir,
+    /// The test host it runs in (`None`: on loopback).
+    host: Option<Host>,
     client_port: u16,
     peer_port: u16,
 }
@@ -21,6 +25,7 @@ impl EtcdServer {
         let mut server = EtcdServer {
             child: None,
             data,
+            host: None,
             client_port: crate::free_port()?,
             peer_port: crate::free_port()?,
         };
@@ -28,9 +33,28 @@ impl EtcdServer {
         Ok(server)
     }
 
-    /// The client URL (`http://127.0.0.1:PORT`).
+    /// Starts etcd inside test host `host`, on its address and etcd's usual ports; the
+    /// caller must run in a namespace on the same switch.
+    pub async fn start_on(host: &Host) -> Result<EtcdServer> {
+        let data = tempfile::Builder::new().prefix("kg-etcd-").tempdir()?;
+        let mut server = EtcdServer {
+            child: None,
+            data,
+            host: Some(host.clone()),
+            client_port: 2379,
+            peer_port: 2380,
+        };
+        server.spawn().await?;
+        Ok(server)
+    }
+
+    fn address(&self) -> &str {
+        self.host.as_ref().map_or("127.0.0.1", |h| h.ip.as_str())
+    }
+
+    /// The client URL (`http://ADDRESS:PORT`).
     pub fn url(&self) -> String {
-        format!("http://127.0.0.1:{}", self.client_port)
+        format!("http://{}:{}", self.address(), self.client_port)
     }
 
     /// Kills the member with SIGKILL: an outage. Its data stays for [`EtcdServer::resume`].
@@ -49,12 +73,21 @@ impl EtcdServer {
 
     async fn spawn(&mut self) -> Result<()> {
         let client = self.url();
-        let peer = format!("http://127.0.0.1:{}", self.peer_port);
+        let peer = format!("http://{}:{}", self.address(), self.peer_port);
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(self.data.path().join("etcd.log"))?;
-        let child = Command::new("etcd")
+        let mut command = match &self.host {
+            Some(host) => {
+                let [launcher, net] = host.launcher();
+                let mut c = Command::new(launcher);
+                c.args([net.as_str(), "etcd"]);
+                c
+            }
+            None => Command::new("etcd"),
+        };
+        let child = command
             .args(["--name", "kg-test"])
             .arg("--data-dir")
             .arg(self.data.path().join("data"))

@@ -116,6 +116,8 @@ pub struct Gateway {
     owns_audit_log: bool,
     /// Killed by [`Gateway::crash`]: what it left is the [`Crashed`] guard's.
     crashed: bool,
+    /// The test host it runs in (`None`: on loopback).
+    host: Option<netns::Host>,
     client: kernelgate_client::Gateway,
     /// Every line the gateway wrote to stderr so far.
     pub logs: Arc<Mutex<Vec<String>>>,
@@ -126,17 +128,34 @@ impl Gateway {
     /// plus `extra` flags (`{port}` in one stands for the port it listens on); returns once
     /// it serves HTTP.
     pub async fn start(extra: &[&str]) -> Result<Gateway> {
-        Self::launch(extra, true).await
+        Self::launch(extra, true, None).await
+    }
+
+    /// A gateway started inside test host `host`, listening on its address (`{host}` in
+    /// a flag stands for that address). Its clients must run in a namespace on the same
+    /// switch ([`netns::run_in`]).
+    pub async fn start_on(host: &netns::Host, extra: &[&str]) -> Result<Gateway> {
+        Self::launch(extra, true, Some(host)).await
     }
 
     /// A gateway started with `--no-auth` (loopback only).
     pub async fn start_without_token() -> Result<Gateway> {
-        Self::launch(&["--no-auth"], false).await
+        Self::launch(&["--no-auth"], false, None).await
     }
 
-    async fn launch(extra: &[&str], with_token: bool) -> Result<Gateway> {
-        let serve = Serve::new(binary())?;
+    async fn launch(
+        extra: &[&str],
+        with_token: bool,
+        host: Option<&netns::Host>,
+    ) -> Result<Gateway> {
+        let mut serve = Serve::new(binary())?;
         let port = serve.port();
+        let address = host.map_or("127.0.0.1", |h| h.ip.as_str());
+        if let Some(host) = host {
+            serve = serve
+                .host(host.ip.parse().context("a test host's address")?)
+                .launcher(host.launcher());
+        }
         let token = if with_token {
             format!("test-{}", uuid::Uuid::new_v4().simple())
         } else {
@@ -175,7 +194,10 @@ impl Gateway {
                 log
             }
         };
-        args.extend(extra.iter().map(|s| s.replace("{port}", &port.to_string())));
+        args.extend(extra.iter().map(|s| {
+            s.replace("{port}", &port.to_string())
+                .replace("{host}", address)
+        }));
         let logs = Arc::new(Mutex::new(Vec::new()));
         let kept = logs.clone();
         let process = serve
@@ -203,6 +225,7 @@ impl Gateway {
             audit_log,
             owns_audit_log: given_log.is_none(),
             crashed: false,
+            host: host.cloned(),
             client,
             logs,
         })
@@ -374,6 +397,7 @@ impl Gateway {
         self.crashed = true;
         Ok(Crashed {
             runtime_dir: self.runtime_dir.clone(),
+            host: self.host.clone(),
             audit_log: self.owns_audit_log.then(|| self.audit_log.clone()),
             armed: true,
         })
@@ -411,6 +435,7 @@ impl Drop for Gateway {
 #[must_use = "restart the gateway, or drop the guard to remove what the crashed one left"]
 pub struct Crashed {
     runtime_dir: PathBuf,
+    host: Option<netns::Host>,
     audit_log: Option<PathBuf>,
     armed: bool,
 }
@@ -424,7 +449,7 @@ impl Crashed {
         if !args.contains(&"--runtime-dir") {
             args.extend(["--runtime-dir", &dir]);
         }
-        Gateway::start(&args).await
+        Gateway::launch(&args, true, self.host.as_ref()).await
     }
 }
 

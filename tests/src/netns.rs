@@ -156,6 +156,56 @@ impl Net {
     }
 }
 
+impl Host {
+    /// The command that runs a program inside this host: put it before the program's own.
+    pub fn launcher(&self) -> [String; 2] {
+        ["nsenter".to_owned(), format!("--net={}", self.path())]
+    }
+
+    fn path(&self) -> String {
+        format!("/var/run/netns/{}", self.netns)
+    }
+}
+
+/// Moves the calling thread into `host`'s network namespace: sockets it opens from now on
+/// are the host's. Other threads are not moved.
+fn enter(host: &Host) -> Result<()> {
+    use rustix::thread::{move_into_link_name_space, LinkNameSpaceType};
+    use std::os::fd::AsFd;
+    let ns = std::fs::File::open(host.path())
+        .with_context(|| format!("cannot open the namespace of {}", host.netns))?;
+    move_into_link_name_space(ns.as_fd(), Some(LinkNameSpaceType::Network))
+        .with_context(|| format!("cannot enter {}", host.netns))
+}
+
+/// Runs `body` as a client inside `host`: on a thread of its own and a Tokio runtime whose
+/// every thread is in the host's namespace, so each connection it makes leaves from the
+/// host. The caller's thread stays where it is.
+pub fn run_in<T: Send>(
+    host: &Host,
+    body: impl std::future::Future<Output = Result<T>> + Send,
+) -> Result<T> {
+    std::thread::scope(|scope| {
+        scope
+            .spawn(|| {
+                enter(host)?;
+                let inside = host.clone();
+                let runtime = tokio::runtime::Builder::new_multi_thread()
+                    .worker_threads(2)
+                    .enable_all()
+                    .on_thread_start(move || {
+                        if let Err(e) = enter(&inside) {
+                            panic!("a client thread outside its test host: {e}");
+                        }
+                    })
+                    .build()?;
+                runtime.block_on(body)
+            })
+            .join()
+            .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+    })
+}
+
 impl Drop for Net {
     fn drop(&mut self) {
         // Deleting a namespace removes its end of each veth pair, and with it the pair.

@@ -1,17 +1,55 @@
-//! Cluster mode end to end: three gateway nodes on loopback, one real etcd (Debian's
-//! `etcd-server`), real kernels. Clients reach any node and get the same answers as from
-//! the kernel's owner. Runs under runc only: nodes and kernels are the same under gVisor,
-//! and the suite is run once.
+//! Cluster mode end to end: three gateway nodes, one real etcd (Debian's `etcd-server`)
+//! and the client, each in a network namespace of its own on one switch (198.18.0.0/15),
+//! real kernels. Clients reach any node and get the same answers as from the kernel's
+//! owner. Runs under runc only: nodes and kernels are the same under gVisor, and the suite
+//! is run once.
 
 use anyhow::{Context, Result};
 use kernelgate_client::mcp::McpSession;
 use kernelgate_tests::etcd::EtcdServer;
+use kernelgate_tests::netns::{run_in, Host, Net};
 use kernelgate_tests::{runtime, Gateway};
 use reqwest::Method;
 use serde_json::json;
 use std::time::{Duration, Instant};
 
-struct Cluster {
+/// The test hosts of one cluster: a switch with the client, etcd and three nodes.
+struct Testbed {
+    net: Net,
+    client: Host,
+    etcd: Host,
+    nodes: Vec<Host>,
+}
+
+impl Testbed {
+    /// `subnet` keeps the names of parallel tests' namespaces apart.
+    fn new(subnet: u8) -> Result<Testbed> {
+        let mut net = Net::new(subnet)?;
+        let client = net.add_host("client", 100)?;
+        let etcd = net.add_host("etcd", 2)?;
+        let nodes = (0..3)
+            .map(|n| net.add_host(&format!("node{n}"), 11 + n))
+            .collect::<Result<_>>()?;
+        Ok(Testbed {
+            net,
+            client,
+            etcd,
+            nodes,
+        })
+    }
+}
+
+/// Whether this run is the one that runs the cluster suite.
+fn skipped() -> bool {
+    if runtime() != "runc" {
+        eprintln!("the cluster suite runs once, under runc");
+        return true;
+    }
+    false
+}
+
+struct Cluster<'a> {
+    bed: &'a Testbed,
     nodes: Vec<Gateway>,
     etcd: EtcdServer,
     /// The flags every node is started with (its id and address come on top).
@@ -21,7 +59,7 @@ struct Cluster {
 
 /// In cluster mode a stopped node leaves its kernels running for its return: the test
 /// removes them once its nodes are stopped.
-impl Drop for Cluster {
+impl Drop for Cluster<'_> {
     fn drop(&mut self) {
         let dirs: Vec<std::path::PathBuf> =
             self.nodes.iter().map(|n| n.runtime_dir.clone()).collect();
@@ -39,14 +77,15 @@ fn node_flags(flags: &[String], n: usize) -> Vec<String> {
         "--node-id".into(),
         format!("node-{n}"),
         "--advertise".into(),
-        "http://127.0.0.1:{port}".into(),
+        "http://{host}:{port}".into(),
     ]);
     all
 }
 
-/// Three nodes of at most two kernels each, with a 3 s lease, sharing `keys` (a keys file).
-async fn cluster(keys: &str) -> Result<Cluster> {
-    let etcd = EtcdServer::start().await?;
+/// Three nodes of at most two kernels each, with a 3 s lease, sharing `keys` (a keys file),
+/// on `bed`'s hosts. Call it from the client's host.
+async fn cluster<'a>(bed: &'a Testbed, keys: &str) -> Result<Cluster<'a>> {
+    let etcd = EtcdServer::start_on(&bed.etcd).await?;
     let dir = tempfile::tempdir()?;
     let secret = dir.path().join("cluster.secret");
     std::fs::write(
@@ -78,9 +117,10 @@ async fn cluster(keys: &str) -> Result<Cluster> {
     for n in 0..3 {
         let args = node_flags(&flags, n);
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        nodes.push(Gateway::start(&args).await?);
+        nodes.push(Gateway::start_on(&bed.nodes[n], &args).await?);
     }
     let c = Cluster {
+        bed,
         nodes,
         etcd,
         flags,
@@ -103,11 +143,11 @@ async fn cluster(keys: &str) -> Result<Cluster> {
     Ok(c)
 }
 
-impl Cluster {
+impl<'b> Cluster<'b> {
     /// Polls `done` every 50 ms for up to 10 s.
     async fn settle<'a, F, Fut>(&'a self, what: &str, done: F) -> Result<Duration>
     where
-        F: Fn(&'a Cluster) -> Fut,
+        F: Fn(&'a Cluster<'b>) -> Fut,
         Fut: std::future::Future<Output = Result<bool>>,
     {
         let start = Instant::now();
@@ -180,13 +220,17 @@ name = "bob"
 token_sha256 = "97dd3707015dcf069cf73022ed7173b1165db6eff24b441cb57fd069a8c4e525"
 "#;
 
-#[tokio::test]
-async fn any_node_answers_for_any_kernel_as_its_owner_does() -> Result<()> {
-    if runtime() != "runc" {
-        eprintln!("the cluster suite runs once, under runc");
+#[test]
+fn any_node_answers_for_any_kernel_as_its_owner_does() -> Result<()> {
+    if skipped() {
         return Ok(());
     }
-    let c = cluster(KEYS).await?;
+    let bed = Testbed::new(10)?;
+    run_in(&bed.client, any_node_answers(&bed))
+}
+
+async fn any_node_answers(bed: &Testbed) -> Result<()> {
+    let c = cluster(bed, KEYS).await?;
     let entry = &c.nodes[0];
 
     // Three creates through one node: one kernel on each node.
@@ -350,13 +394,17 @@ async fn any_node_answers_for_any_kernel_as_its_owner_does() -> Result<()> {
     Ok(())
 }
 
-#[tokio::test]
-async fn a_node_that_dies_or_an_etcd_that_stops_costs_no_kernel() -> Result<()> {
-    if runtime() != "runc" {
-        eprintln!("the cluster suite runs once, under runc");
+#[test]
+fn a_node_that_dies_or_an_etcd_that_stops_costs_no_kernel() -> Result<()> {
+    if skipped() {
         return Ok(());
     }
-    let mut c = cluster(KEYS).await?;
+    let bed = Testbed::new(11)?;
+    run_in(&bed.client, deaths_and_outages(&bed))
+}
+
+async fn deaths_and_outages(bed: &Testbed) -> Result<()> {
+    let mut c = cluster(bed, KEYS).await?;
     let mut ids = Vec::new();
     for _ in 0..3 {
         ids.push(
@@ -465,7 +513,7 @@ async fn a_node_that_dies_or_an_etcd_that_stops_costs_no_kernel() -> Result<()> 
     let mut args = node_flags(&c.flags, 1);
     args.extend(["--runtime-dir".to_owned(), dir]);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    c.nodes.insert(1, Gateway::start(&args).await?);
+    c.nodes.insert(1, Gateway::start_on(&bed.nodes[1], &args).await?);
     c.settle("node-1's kernel answers again", |c| c.answers(0, &on_1))
         .await?;
     eprintln!("node-1's kernel was unavailable for {:?}", down.elapsed());
