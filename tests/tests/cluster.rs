@@ -48,8 +48,7 @@ fn skipped() -> bool {
     false
 }
 
-struct Cluster<'a> {
-    bed: &'a Testbed,
+struct Cluster {
     nodes: Vec<Gateway>,
     etcd: EtcdServer,
     /// The flags every node is started with (its id and address come on top).
@@ -59,7 +58,7 @@ struct Cluster<'a> {
 
 /// In cluster mode a stopped node leaves its kernels running for its return: the test
 /// removes them once its nodes are stopped.
-impl Drop for Cluster<'_> {
+impl Drop for Cluster {
     fn drop(&mut self) {
         let dirs: Vec<std::path::PathBuf> =
             self.nodes.iter().map(|n| n.runtime_dir.clone()).collect();
@@ -84,7 +83,7 @@ fn node_flags(flags: &[String], n: usize) -> Vec<String> {
 
 /// Three nodes of at most two kernels each, with a 3 s lease, sharing `keys` (a keys file),
 /// on `bed`'s hosts. Call it from the client's host.
-async fn cluster<'a>(bed: &'a Testbed, keys: &str) -> Result<Cluster<'a>> {
+async fn cluster(bed: &Testbed, keys: &str) -> Result<Cluster> {
     let etcd = EtcdServer::start_on(&bed.etcd).await?;
     let dir = tempfile::tempdir()?;
     let secret = dir.path().join("cluster.secret");
@@ -120,7 +119,6 @@ async fn cluster<'a>(bed: &'a Testbed, keys: &str) -> Result<Cluster<'a>> {
         nodes.push(Gateway::start_on(&bed.nodes[n], &args).await?);
     }
     let c = Cluster {
-        bed,
         nodes,
         etcd,
         flags,
@@ -143,11 +141,11 @@ async fn cluster<'a>(bed: &'a Testbed, keys: &str) -> Result<Cluster<'a>> {
     Ok(c)
 }
 
-impl<'b> Cluster<'b> {
+impl Cluster {
     /// Polls `done` every 50 ms for up to 10 s.
     async fn settle<'a, F, Fut>(&'a self, what: &str, done: F) -> Result<Duration>
     where
-        F: Fn(&'a Cluster<'b>) -> Fut,
+        F: Fn(&'a Cluster) -> Fut,
         Fut: std::future::Future<Output = Result<bool>>,
     {
         let start = Instant::now();
@@ -193,6 +191,108 @@ impl<'b> Cluster<'b> {
             all.push(ids);
         }
         Ok(all)
+    }
+
+    /// Three kernels created through node-0: one on each node.
+    async fn one_kernel_each(&self) -> Result<Vec<String>> {
+        let mut ids = Vec::new();
+        for _ in 0..3 {
+            ids.push(
+                self.nodes[0].create_kernel().await?["id"]
+                    .as_str()
+                    .context("id")?
+                    .to_owned(),
+            );
+        }
+        Ok(ids)
+    }
+
+    /// The kernel of `ids` that node `n` owns.
+    fn kernel_of(&self, ids: &[String], n: usize) -> Result<String> {
+        ids.iter()
+            .find(|id| self.owner_of(id).ok() == Some(n))
+            .cloned()
+            .with_context(|| format!("a kernel of node-{n}"))
+    }
+
+    /// Whether node `n` says it is `registered` (holds a live lease).
+    async fn registered(&self, n: usize, registered: bool) -> Result<bool> {
+        let (_, api) = self.nodes[n].get_json("/api").await?;
+        Ok(api["kernelgate"]["cluster"]["registered"] == registered)
+    }
+
+    /// Waits until node-0 and node-1 answer 404 for `id`, at most the lease's TTL (3 s) and
+    /// 2 s more after `since`; how long it took.
+    async fn gone_for_others(&self, id: &str, since: Instant) -> Result<Duration> {
+        loop {
+            let mut gone = true;
+            for n in [0, 1] {
+                gone &= self.nodes[n]
+                    .get_json(&format!("/api/kernels/{id}"))
+                    .await?
+                    .0
+                    == 404;
+            }
+            if gone {
+                return Ok(since.elapsed());
+            }
+            anyhow::ensure!(
+                since.elapsed() < Duration::from_secs(5),
+                "kernel {id} still there for the others after {:?}",
+                since.elapsed()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// A call to node `n` as another node forwards it: signed with the cluster secret for
+    /// key `key`.
+    fn signed_as(
+        &self,
+        key: &str,
+        method: Method,
+        path: &str,
+        n: usize,
+    ) -> Result<reqwest::RequestBuilder> {
+        use kernelgate::cluster::signing::{Forwarded, Signer};
+        let secret = std::fs::read_to_string(self._dir.path().join("cluster.secret"))?;
+        let who = Forwarded {
+            key: key.to_owned(),
+            entry: "node-0".to_owned(),
+            request_id: uuid::Uuid::new_v4().simple().to_string(),
+            timestamp: now_seconds() as i64,
+        };
+        let mut request = reqwest::Client::new().request(method.clone(), self.nodes[n].url(path));
+        for (name, value) in
+            Signer::new(secret.trim_end().as_bytes()).sign(method.as_str(), path, &who)
+        {
+            request = request.header(name, value);
+        }
+        Ok(request)
+    }
+
+    /// Every node the registry's history names as the owner of each kernel key (the
+    /// tests' etcd is never compacted).
+    async fn owners_in_history(
+        &self,
+    ) -> Result<std::collections::BTreeMap<String, std::collections::BTreeSet<String>>> {
+        use futures::StreamExt;
+        use kernelgate::cluster::{etcd::Etcd, Event, KernelRecord, Registry, PREFIX};
+        let registry = Etcd::new(vec![self.etcd.url()], reqwest::Client::builder())?;
+        let mut history = registry.watch(&format!("{PREFIX}kernels/"), 1).await?;
+        let mut owners: std::collections::BTreeMap<_, std::collections::BTreeSet<_>> =
+            Default::default();
+        while let Ok(Some(batch)) =
+            tokio::time::timeout(Duration::from_secs(1), history.next()).await
+        {
+            for event in batch? {
+                if let Event::Put(entry) = event {
+                    let record: KernelRecord = serde_json::from_slice(&entry.value)?;
+                    owners.entry(entry.key).or_default().insert(record.node);
+                }
+            }
+        }
+        Ok(owners)
     }
 
     /// The node whose audit trail says it created `id`.
@@ -513,7 +613,8 @@ async fn deaths_and_outages(bed: &Testbed) -> Result<()> {
     let mut args = node_flags(&c.flags, 1);
     args.extend(["--runtime-dir".to_owned(), dir]);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    c.nodes.insert(1, Gateway::start_on(&bed.nodes[1], &args).await?);
+    c.nodes
+        .insert(1, Gateway::start_on(&bed.nodes[1], &args).await?);
     c.settle("node-1's kernel answers again", |c| c.answers(0, &on_1))
         .await?;
     eprintln!("node-1's kernel was unavailable for {:?}", down.elapsed());
@@ -523,6 +624,99 @@ async fn deaths_and_outages(bed: &Testbed) -> Result<()> {
     tokio::time::sleep(Duration::from_secs(4)).await;
     let (status, _) = c.nodes[0].get_json(&format!("/api/kernels/{on_1}")).await?;
     assert_eq!(status, 200, "node-1's kernel still registered");
+    Ok(())
+}
+
+#[test]
+fn a_node_cut_off_from_etcd_or_from_everyone_loses_its_kernels_in_the_others_view_until_it_heals(
+) -> Result<()> {
+    if skipped() {
+        return Ok(());
+    }
+    let bed = Testbed::new(12)?;
+    run_in(&bed.client, cut_off(&bed))
+}
+
+async fn cut_off(bed: &Testbed) -> Result<()> {
+    let c = cluster(bed, KEYS).await?;
+    let ids = c.one_kernel_each().await?;
+    let on_2 = c.kernel_of(&ids, 2)?;
+    c.nodes[2].execute(&on_2, "kept = 2").await?;
+    // A WebSocket straight to node-2, which is about to be cut off.
+    let mut ws = c.nodes[2].channels(&on_2, "on-node-2").await?;
+    ws.kernel_info().await?;
+    let node_2 = &bed.nodes[2];
+
+    // Cut off from etcd alone (iptables inside its namespace): the others see its lease
+    // end and its kernels go.
+    bed.net.block(node_2, &bed.etcd.ip)?;
+    let cut = Instant::now();
+    let gone = c.gone_for_others(&on_2, cut).await?;
+    eprintln!("node-2 cut off from etcd: its kernel gone for the others after {gone:?}");
+    c.settle("node-2 knows it lost its lease", |c| c.registered(2, false))
+        .await?;
+    // It takes no creates and no forwarded work, and says when to try again...
+    let create = c.nodes[2]
+        .request(Method::POST, "/api/kernels")
+        .json(&json!({}))
+        .send()
+        .await?;
+    assert_eq!(create.status(), 503);
+    assert!(create.headers().contains_key("retry-after"));
+    let forwarded = c.signed_as("alice", Method::GET, &format!("/api/kernels/{on_2}"), 2)?;
+    let forwarded = forwarded.send().await?;
+    assert_eq!(forwarded.status(), 503);
+    assert!(forwarded.headers().contains_key("retry-after"));
+    // ...while its open WebSocket keeps working.
+    let outcome = ws.execute("kept * 2").await?;
+    assert_eq!(outcome.result_text().as_deref(), Some("4"));
+
+    // Healed: it registers again and its kernel is back everywhere, state intact.
+    bed.net.unblock(node_2, &bed.etcd.ip)?;
+    let healed = Instant::now();
+    c.settle("node-2 registered again", |c| c.registered(2, true))
+        .await?;
+    c.settle("node-2's kernel is back", |c| c.answers(0, &on_2))
+        .await?;
+    eprintln!(
+        "node-2 back in the registry {:?} after the heal",
+        healed.elapsed()
+    );
+    let answer = c.nodes[0].execute(&on_2, "print(kept)").await?;
+    assert_eq!(answer["stdout"], "2\n", "{answer}");
+    let outcome = ws.execute("kept + 1").await?;
+    assert_eq!(outcome.result_text().as_deref(), Some("3"));
+
+    // A full partition (its link down) looks the same from the others' side, and a
+    // WebSocket through another node closes with 1001 (going away) once the kernel's lease
+    // is gone, though the partitioned owner never ends its connection.
+    let mut through_0 = c.nodes[0].channels(&on_2, "through-node-0").await?;
+    through_0.kernel_info().await?;
+    bed.net.cut(node_2)?;
+    let cut = Instant::now();
+    let gone = c.gone_for_others(&on_2, cut).await?;
+    eprintln!("node-2 partitioned: its kernel gone for the others after {gone:?}");
+    let ended = loop {
+        match through_0.recv(Duration::from_secs(5)).await {
+            Ok(_) => continue,
+            Err(e) => break e.to_string(),
+        }
+    };
+    assert!(ended.contains("1001"), "{ended}");
+    bed.net.heal(node_2)?;
+    c.settle("node-2's kernel is back after the partition", |c| {
+        c.answers(1, &on_2)
+    })
+    .await?;
+    let answer = c.nodes[1].execute(&on_2, "print(kept)").await?;
+    assert_eq!(answer["stdout"], "2\n", "{answer}");
+
+    // No kernel ever had two owners in the registry's history.
+    let owners = c.owners_in_history().await?;
+    assert_eq!(owners.len(), 3, "{owners:?}");
+    for (key, nodes) in &owners {
+        assert_eq!(nodes.len(), 1, "{key} owned by {nodes:?}");
+    }
     Ok(())
 }
 

@@ -1,13 +1,14 @@
 //! Cluster mode in front of the handlers: a request about a kernel another node owns is
 //! forwarded to it; a create goes to the node with the most free room; the kernel list and
 //! the approvals are the cluster's, and an approval is answered by the node that holds it.
-//! A call another node forwarded here is served here, as sent. Single-node mode (no
-//! `--etcd`) passes every request straight through.
+//! A call another node forwarded here is served here, as sent, unless this node has lost
+//! its lease (503 until it is registered again). Single-node mode (no `--etcd`) passes
+//! every request straight through.
 
 use super::auth::Caller;
 use super::error::ApiError;
 use super::AppState;
-use crate::cluster::forward::ForwardError;
+use crate::cluster::forward::{never_left, ForwardError, Left};
 use crate::cluster::membership::View;
 use crate::cluster::node::ClusterNode;
 use crate::cluster::placement;
@@ -17,12 +18,15 @@ use axum::extract::{Request, State};
 use axum::http::{Method, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
+use futures::FutureExt;
 use serde_json::Value;
 use std::sync::Arc;
 use std::time::Duration;
 
 /// How long the list waits for another node's kernels before it shows their registry rows.
 const LIST_TIMEOUT: Duration = Duration::from_secs(1);
+/// How often a forwarded call checks that its kernel's owner is still in the cluster.
+const OWNER_CHECK: Duration = Duration::from_millis(200);
 /// Seconds a client is told to wait when a node is not there now.
 const RETRY_AFTER: u32 = 3;
 /// The largest create body kept to retry on the next node.
@@ -34,6 +38,14 @@ pub async fn route(State(state): State<AppState>, req: Request, next: Next) -> R
         return next.run(req).await;
     };
     if req.extensions().get::<Forwarded>().is_some() {
+        // Cut off from the registry, this node may hold a kernel the others think gone
+        // (and will soon place anew): no work from them until it is registered again.
+        if !cluster.membership.registered() {
+            return unavailable(
+                "this node is cut off from the cluster registry and takes no forwarded work now; try again shortly"
+                    .into(),
+            );
+        }
         return next.run(req).await;
     }
     let Some(caller) = req.extensions().get::<Caller>().cloned() else {
@@ -68,7 +80,12 @@ pub async fn route(State(state): State<AppState>, req: Request, next: Next) -> R
                 "the node that runs kernel {id} ({owner}) is not in the cluster now; try again shortly"
             ));
         };
-        return forward(&cluster, &node.address, &caller, req).await;
+        // An owner cut off or partitioned away may never answer: once its lease ends and
+        // the kernel leaves the view, the call (or its WebSocket) ends instead of waiting.
+        let left = until_not_owned_by(cluster.clone(), id.to_owned(), owner)
+            .boxed()
+            .shared();
+        return forward(&cluster, &node.address, &caller, req, left).await;
     }
     if path == "/api/kernels" && req.method() == Method::POST {
         return place(&cluster, &caller, req, next).await;
@@ -83,6 +100,16 @@ pub async fn route(State(state): State<AppState>, req: Request, next: Next) -> R
         return answer(&cluster, &caller, req, next).await;
     }
     next.run(req).await
+}
+
+/// Resolves once the registry no longer names `owner` as kernel `id`'s node.
+async fn until_not_owned_by(cluster: Arc<ClusterNode>, id: String, owner: String) {
+    loop {
+        tokio::time::sleep(OWNER_CHECK).await;
+        if cluster.membership.owner_of(&id).as_deref() != Some(owner.as_str()) {
+            return;
+        }
+    }
 }
 
 /// The kernel id of a path about one kernel (`/api/kernels/{id}` and below).
@@ -106,14 +133,25 @@ fn request_id(req: &Request) -> String {
         .unwrap_or_else(|| uuid::Uuid::new_v4().simple().to_string())
 }
 
-async fn forward(cluster: &ClusterNode, base: &str, caller: &Caller, req: Request) -> Response {
+async fn forward(
+    cluster: &ClusterNode,
+    base: &str,
+    caller: &Caller,
+    req: Request,
+    left: Left,
+) -> Response {
     let id = request_id(&req);
     match cluster
         .forwarder
-        .forward(base, &caller.0.name, &id, req)
+        .forward(base, &caller.0.name, &id, req, left)
         .await
     {
         Ok(response) => response,
+        Err(e @ ForwardError::OwnerLeft { .. }) => ApiError::new(
+            StatusCode::NOT_FOUND,
+            format!("Kernel not found: {e} while this request waited for it; the kernel comes back if that node returns with it"),
+        )
+        .into_response(),
         Err(e @ ForwardError::Unreachable { .. }) => unavailable(format!("{e}; try again shortly")),
         Err(e @ ForwardError::BadAnswer { .. }) => {
             ApiError::new(StatusCode::BAD_GATEWAY, e.to_string()).into_response()
@@ -176,7 +214,7 @@ async fn place(cluster: &ClusterNode, caller: &Caller, req: Request, next: Next)
         };
         let Some(parts) = local.as_ref() else { break };
         let req = again(&parts.method, &parts.uri, &parts.headers, &bytes);
-        let response = forward(cluster, &record.address, caller, req).await;
+        let response = forward(cluster, &record.address, caller, req, never_left()).await;
         // Full since the view was made, or gone: the next node.
         let status = response.status();
         if status == StatusCode::FORBIDDEN || status == StatusCode::SERVICE_UNAVAILABLE {
@@ -275,7 +313,7 @@ async fn ask_others(
         );
         async move {
             let answer = tokio::time::timeout(LIST_TIMEOUT, async {
-                let response = forward(cluster, address, caller, req).await;
+                let response = forward(cluster, address, caller, req, never_left()).await;
                 if !response.status().is_success() {
                     return None;
                 }
@@ -349,6 +387,7 @@ async fn answer(cluster: &ClusterNode, caller: &Caller, req: Request, next: Next
             &address,
             caller,
             again(&method, &uri, &headers, &bytes),
+            never_left(),
         )
         .await;
         if response.status() != StatusCode::NOT_FOUND
@@ -395,7 +434,7 @@ async fn mcp_elsewhere(
     }
     for (node, address) in order {
         let req = again(&parts.method, &parts.uri, &parts.headers, &bytes);
-        let response = forward(cluster, &address, caller, req).await;
+        let response = forward(cluster, &address, caller, req, never_left()).await;
         let status = response.status();
         if status != StatusCode::NOT_FOUND && status != StatusCode::SERVICE_UNAVAILABLE {
             let mut known = cluster

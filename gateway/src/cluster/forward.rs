@@ -10,7 +10,8 @@ use super::signing::{Forwarded, Signer, HEADER_PREFIX};
 use axum::body::Body;
 use axum::extract::Request;
 use axum::http::{header, HeaderMap, HeaderName, HeaderValue, Response};
-use futures::TryStreamExt;
+use futures::future::{BoxFuture, Shared};
+use futures::{FutureExt, StreamExt, TryStreamExt};
 use hyper_util::rt::TokioIo;
 use std::sync::Arc;
 use std::time::Duration;
@@ -49,6 +50,19 @@ pub enum ForwardError {
     /// The owner answered something that is not HTTP.
     #[error("the node that runs this kernel ({node}) answered something that is not HTTP")]
     BadAnswer { node: String },
+    /// The owner left the cluster (its lease ended) before it answered.
+    #[error("the node that runs this kernel ({node}) left the cluster")]
+    OwnerLeft { node: String },
+}
+
+/// Resolves when the owner a call went to has left the cluster: the call, a streamed answer
+/// or a spliced WebSocket ends then rather than wait on a node that may never answer (one
+/// partitioned away sends no reset).
+pub type Left = Shared<BoxFuture<'static, ()>>;
+
+/// A [`Left`] for calls that watch no owner.
+pub fn never_left() -> Left {
+    futures::future::pending().boxed().shared()
 }
 
 /// Sends requests on to the nodes that own their kernels.
@@ -146,8 +160,12 @@ impl Forwarder {
         key: &str,
         request_id: &str,
         req: Request,
+        left: Left,
     ) -> Result<Response<Body>, ForwardError> {
         let path = forwarded_path(&req);
+        let gone = || ForwardError::OwnerLeft {
+            node: base.to_owned(),
+        };
         let who = Forwarded {
             key: key.to_owned(),
             entry: self.node_id.clone(),
@@ -156,7 +174,10 @@ impl Forwarder {
         };
         let signed = self.signer.sign(req.method().as_str(), &path, &who);
         if is_upgrade(req.headers()) {
-            return self.upgrade(base, &path, signed, req).await;
+            return tokio::select! {
+                answer = self.upgrade(base, &path, signed, req, left.clone()) => answer,
+                () = left => Err(gone()),
+            };
         }
         let unreachable = |e: reqwest::Error| ForwardError::Unreachable {
             node: base.to_owned(),
@@ -172,11 +193,11 @@ impl Forwarder {
             request = request.header(name, value);
         }
         let body = req.into_body().into_data_stream();
-        let response = request
-            .body(reqwest::Body::wrap_stream(body))
-            .send()
-            .await
-            .map_err(unreachable)?;
+        let sent = request.body(reqwest::Body::wrap_stream(body)).send();
+        let response = tokio::select! {
+            response = sent => response.map_err(unreachable)?,
+            () = left.clone() => return Err(gone()),
+        };
         let mut answer = Response::builder().status(response.status().as_u16());
         for (name, value) in response.headers() {
             if !NOT_FORWARDED.contains(&name.as_str()) {
@@ -185,7 +206,12 @@ impl Forwarder {
         }
         // Streamed as it comes (NDJSON runs); dropping it, as a client that hangs up does,
         // drops the connection to the owner, who sees its caller gone.
-        let body = Body::from_stream(response.bytes_stream().map_err(std::io::Error::other));
+        let body = Body::from_stream(
+            response
+                .bytes_stream()
+                .map_err(std::io::Error::other)
+                .take_until(left),
+        );
         answer.body(body).map_err(|_| ForwardError::BadAnswer {
             node: base.to_owned(),
         })
@@ -200,6 +226,7 @@ impl Forwarder {
         path: &str,
         signed: Vec<(&'static str, String)>,
         mut req: Request,
+        left: Left,
     ) -> Result<Response<Body>, ForwardError> {
         let unreachable = |reason: String| ForwardError::Unreachable {
             node: base.to_owned(),
@@ -302,7 +329,7 @@ impl Forwarder {
                 return;
             };
             let mut client = TokioIo::new(upgraded);
-            splice(&mut client, owner, &rest, cancel).await;
+            splice(&mut client, owner, &rest, cancel, left).await;
         });
         answer
             .body(Body::empty())
@@ -318,9 +345,15 @@ const GOING_AWAY: [u8; 4] = [0x88, 0x02, 0x03, 0xE9];
 
 /// Copies bytes both ways until either side ends. The owner's bytes are only watched (frame
 /// boundaries and opcodes, never changed): when they end without a close frame, between
-/// frames, the client gets [`GOING_AWAY`] instead of a bare end of its connection.
-async fn splice<C>(client: &mut C, owner: TcpStream, first: &[u8], cancel: CancellationToken)
-where
+/// frames, or the owner leaves the cluster, the client gets [`GOING_AWAY`] instead of a bare
+/// end of its connection.
+async fn splice<C>(
+    client: &mut C,
+    owner: TcpStream,
+    first: &[u8],
+    cancel: CancellationToken,
+    left: Left,
+) where
     C: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
 {
     let (mut from_owner, mut to_owner) = owner.into_split();
@@ -345,6 +378,7 @@ where
     let up = tokio::io::copy(&mut from_client, &mut to_owner);
     let owner_ended = tokio::select! {
         _ = cancel.cancelled() => true,
+        () = left => true,
         ended = down => ended,
         _ = up => false,
     };
@@ -514,6 +548,11 @@ mod tests {
 
     /// An entry node that forwards everything to `owner` as key `alice`.
     async fn entry(signer: Arc<Signer>, owner: String) -> String {
+        entry_watching(signer, owner, never_left()).await
+    }
+
+    /// [`entry`], with calls that end when `left` resolves.
+    async fn entry_watching(signer: Arc<Signer>, owner: String, left: Left) -> String {
         let forwarder = Arc::new(
             Forwarder::new(
                 signer,
@@ -524,10 +563,10 @@ mod tests {
             .expect("forwarder"),
         );
         let router = Router::new().fallback(move |mut req: Request| {
-            let (forwarder, owner) = (forwarder.clone(), owner.clone());
+            let (forwarder, owner, left) = (forwarder.clone(), owner.clone(), left.clone());
             async move {
                 strip_internal(req.headers_mut());
-                match forwarder.forward(&owner, "alice", "req-1", req).await {
+                match forwarder.forward(&owner, "alice", "req-1", req, left).await {
                     Ok(r) => r.into_response(),
                     Err(e) => {
                         (axum::http::StatusCode::SERVICE_UNAVAILABLE, e.to_string()).into_response()
@@ -632,5 +671,76 @@ mod tests {
             .await
             .expect("answer");
         assert_eq!(r.status().as_u16(), 503);
+    }
+
+    /// A `Left` and the switch that fires it.
+    fn switch() -> (tokio::sync::oneshot::Sender<()>, Left) {
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        (
+            tx,
+            async move {
+                let _ = rx.await;
+            }
+            .boxed()
+            .shared(),
+        )
+    }
+
+    #[tokio::test]
+    async fn calls_and_websockets_end_when_their_owner_leaves_the_cluster() {
+        // An owner partitioned away: connections open, nothing ever answers.
+        let silent = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let silent_url = format!("http://{}", silent.local_addr().expect("addr"));
+        tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((socket, _)) = silent.accept().await {
+                held.push(socket);
+            }
+        });
+        let signer = Arc::new(Signer::new(b"secret"));
+        let (leave, left) = switch();
+        let entry_url = entry_watching(signer.clone(), silent_url, left).await;
+        let call = tokio::spawn(reqwest::get(format!("{entry_url}/headers")));
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(
+            !call.is_finished(),
+            "waits while the owner is in the cluster"
+        );
+        let _ = leave.send(());
+        let answer = call.await.expect("task").expect("an answer");
+        assert_eq!(answer.status().as_u16(), 503);
+        let text = answer.text().await.expect("text");
+        assert!(text.contains("left the cluster"), "{text}");
+
+        // A spliced WebSocket whose owner leaves: the client hears 1001, going away.
+        let owner_url = owner(signer.clone()).await;
+        let (leave, left) = switch();
+        let entry_url = entry_watching(signer, owner_url, left).await;
+        let mut request = format!("{}/ws", entry_url.replace("http://", "ws://"))
+            .into_client_request()
+            .expect("request");
+        request.headers_mut().insert(
+            "sec-websocket-protocol",
+            HeaderValue::from_static(SUBPROTOCOL),
+        );
+        let (mut ws, _) = tokio_tungstenite::connect_async(request)
+            .await
+            .expect("the upgrade goes through");
+        ws.send(ClientFrame::text("still here"))
+            .await
+            .expect("send");
+        assert_eq!(
+            ws.next().await.expect("echo").expect("frame"),
+            ClientFrame::text("still here")
+        );
+        let _ = leave.send(());
+        match ws.next().await {
+            Some(Ok(ClientFrame::Close(Some(close)))) => {
+                assert_eq!(u16::from(close.code), 1001)
+            }
+            other => panic!("expected a close frame with 1001, got {other:?}"),
+        }
     }
 }

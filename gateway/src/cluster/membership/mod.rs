@@ -180,6 +180,12 @@ impl<R: Registry + Clone> Membership<R> {
         self.view.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
+    /// The node that owns kernel `id` in the current view.
+    pub fn owner_of(&self, id: &str) -> Option<String> {
+        let view = self.view.lock().unwrap_or_else(|e| e.into_inner());
+        view.kernels.get(id).map(|k| k.node.clone())
+    }
+
     /// Whether this node holds a lease renewed within the TTL, with its records registered.
     pub fn registered(&self) -> bool {
         let own = self.own();
