@@ -10,7 +10,7 @@ use kernelgate::audit::Audit;
 use kernelgate::backend::docker::lock::{LockError, RuntimeDirLock};
 use kernelgate::backend::docker::{DockerBackend, DockerSettings};
 use kernelgate::backend::KernelBackend;
-use kernelgate::cluster::node::{ClusterNode, Offer};
+use kernelgate::cluster::node::{ClusterNode, Offer, AWAY_FOR};
 use kernelgate::config::{Cli, Command, Config, KeysAction, KeysArgs, LogFormat, McpArgs};
 use kernelgate::kernels::{HeartbeatCheck, Kernels, Settings};
 use kernelgate::kernelspecs::KernelSpecs;
@@ -223,7 +223,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         audit_path,
         cluster,
     } = kernel_table(&config, prepared, &tracker, &cancel).await?;
-    let cluster_mode = cluster.is_some();
+    let node = cluster.clone();
     if let Some(node) = &cluster {
         node.start(&kernels, &tracker, &cancel);
         tracing::info!(node = %node.node_id, etcd = ?config.cluster.etcd, "cluster mode");
@@ -278,10 +278,14 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         tracing::info!("shutting down");
     })
     .await?;
-    if cluster_mode {
+    if let Some(node) = node {
         // Another node may be asked for them meanwhile (503 until this one is back); this
         // node re-adopts them when it starts again on the same runtime directory.
-        tracing::info!("cluster mode: the kernels keep running for this node's return");
+        if let Err(e) = node.membership.step_away(AWAY_FOR).await {
+            tracing::warn!(error = %e, "cannot mark this node away in the cluster registry: its kernels answer 404 once its lease ends, until it is back");
+        }
+        kernels.leave();
+        tracing::info!(away_for = ?AWAY_FOR, "cluster mode: the kernels keep running for this node's return");
     } else {
         kernels.shutdown().await;
     }

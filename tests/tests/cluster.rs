@@ -11,7 +11,9 @@ use kernelgate_tests::netns::{run_in, Host, Net};
 use kernelgate_tests::{runtime, Gateway};
 use reqwest::Method;
 use serde_json::json;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use tokio_util::sync::CancellationToken;
 
 /// The test hosts of one cluster: a switch with the client, etcd and three nodes.
 struct Testbed {
@@ -261,6 +263,7 @@ impl Cluster {
             entry: "node-0".to_owned(),
             request_id: uuid::Uuid::new_v4().simple().to_string(),
             timestamp: now_seconds() as i64,
+            entry_registered: true,
         };
         let mut request = reqwest::Client::new().request(method.clone(), self.nodes[n].url(path));
         for (name, value) in
@@ -334,15 +337,7 @@ async fn any_node_answers(bed: &Testbed) -> Result<()> {
     let entry = &c.nodes[0];
 
     // Three creates through one node: one kernel on each node.
-    let mut ids = Vec::new();
-    for _ in 0..3 {
-        ids.push(
-            entry.create_kernel().await?["id"]
-                .as_str()
-                .context("id")?
-                .to_owned(),
-        );
-    }
+    let ids = c.one_kernel_each().await?;
     let mut owners: Vec<usize> = ids.iter().map(|id| c.owner_of(id)).collect::<Result<_>>()?;
     owners.sort();
     assert_eq!(owners, [0, 1, 2], "spread over the nodes");
@@ -353,11 +348,7 @@ async fn any_node_answers(bed: &Testbed) -> Result<()> {
     c.all_list(&expected, "every node lists the three").await?;
 
     // A kernel another node owns, through the two that do not own it.
-    let id = ids
-        .iter()
-        .find(|id| c.owner_of(id).ok() == Some(2))
-        .context("a kernel of node-2")?
-        .clone();
+    let id = c.kernel_of(&ids, 2)?;
     let (status, model) = c.nodes[0].get_json(&format!("/api/kernels/{id}")).await?;
     assert_eq!((status, model["id"].as_str()), (200, Some(id.as_str())));
     c.nodes[0].execute(&id, "x = 41").await?;
@@ -387,11 +378,7 @@ async fn any_node_answers(bed: &Testbed) -> Result<()> {
 
     // The policy's approvals through a third node: code held on node-1's kernel, sent
     // through node-0, listed and approved through node-2.
-    let on_1 = ids
-        .iter()
-        .find(|id| c.owner_of(id).ok() == Some(1))
-        .context("a kernel of node-1")?
-        .clone();
+    let on_1 = c.kernel_of(&ids, 1)?;
     let held = c.nodes[0].execute(&on_1, "import socket\nprint('approved')");
     let approve = async {
         let start = Instant::now();
@@ -505,20 +492,8 @@ fn a_node_that_dies_or_an_etcd_that_stops_costs_no_kernel() -> Result<()> {
 
 async fn deaths_and_outages(bed: &Testbed) -> Result<()> {
     let mut c = cluster(bed, KEYS).await?;
-    let mut ids = Vec::new();
-    for _ in 0..3 {
-        ids.push(
-            c.nodes[0].create_kernel().await?["id"]
-                .as_str()
-                .context("id")?
-                .to_owned(),
-        );
-    }
-    let on_2 = ids
-        .iter()
-        .find(|id| c.owner_of(id).ok() == Some(2))
-        .context("a kernel of node-2")?
-        .clone();
+    let ids = c.one_kernel_each().await?;
+    let on_2 = c.kernel_of(&ids, 2)?;
     c.nodes[0].execute(&on_2, "kept = 'state'").await?;
 
     // A WebSocket through node-0 to the kernel: it closes with 1001 (going away) when the
@@ -594,11 +569,7 @@ async fn deaths_and_outages(bed: &Testbed) -> Result<()> {
 
     // A node stopped for an update (SIGTERM): its kernels keep running; through the others
     // they answer 503 with Retry-After until it is back, with their state.
-    let on_1 = ids
-        .iter()
-        .find(|id| c.owner_of(id).ok() == Some(1))
-        .context("a kernel of node-1")?
-        .clone();
+    let on_1 = c.kernel_of(&ids, 1)?;
     c.nodes[2].execute(&on_1, "kept_1 = 'one'").await?;
     let stopped = c.nodes.remove(1);
     let dir = stopped.runtime_dir.display().to_string();
@@ -717,6 +688,216 @@ async fn cut_off(bed: &Testbed) -> Result<()> {
     for (key, nodes) in &owners {
         assert_eq!(nodes.len(), 1, "{key} owned by {nodes:?}");
     }
+    Ok(())
+}
+
+#[test]
+fn a_rolling_restart_of_every_node_loses_no_kernel_and_no_state() -> Result<()> {
+    if skipped() {
+        return Ok(());
+    }
+    let bed = Testbed::new(13)?;
+    run_in(&bed.client, rolling_restart(&bed))
+}
+
+/// One round of the steady client: when it began, and the node that served it (`None`: no
+/// node could).
+type Round = (Duration, Option<usize>);
+
+/// A client that runs `code` on kernel `id` every 100 ms through the first node of `entries`
+/// that serves it (node-0 when it is up), until `stop`; every round, and whether each 503 it
+/// met said when to try again.
+async fn steady_client(
+    entries: Arc<Mutex<Vec<(String, String)>>>,
+    id: String,
+    code: &'static str,
+    stop: CancellationToken,
+) -> Result<(Vec<Round>, bool)> {
+    let http = reqwest::Client::builder()
+        .timeout(Duration::from_secs(20))
+        .build()?;
+    let start = Instant::now();
+    let (mut rounds, mut every_503_said_when) = (Vec::new(), true);
+    while !stop.is_cancelled() {
+        let now: Vec<(String, String)> = entries
+            .lock()
+            .map_err(|_| anyhow::anyhow!("poisoned"))?
+            .clone();
+        let mut served = None;
+        for (n, (base, token)) in now.iter().enumerate() {
+            let answer = http
+                .post(format!("{base}/api/kernels/{id}/execute"))
+                .header("authorization", format!("token {token}"))
+                .json(&json!({"code": code}))
+                .send()
+                .await;
+            let Ok(answer) = answer else { continue };
+            if answer.status() == 503 {
+                every_503_said_when &= answer.headers().contains_key("retry-after");
+            }
+            if answer.status() == 200 {
+                // A cell that ran, or failed (cut short by a stopping node): either way
+                // answered, and no other node is tried.
+                let body: serde_json::Value = answer.json().await?;
+                served = (body["status"] == "ok").then_some(n);
+                break;
+            }
+        }
+        rounds.push((start.elapsed(), served));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    Ok((rounds, every_503_said_when))
+}
+
+/// The longest time between `from` and `to` that no round was served.
+fn longest_outage(rounds: &[Round], from: Duration, to: Duration) -> Duration {
+    let mut last_served = from;
+    let mut longest = Duration::ZERO;
+    for (at, served) in rounds.iter().filter(|(at, _)| *at >= from && *at <= to) {
+        if served.is_some() {
+            longest = longest.max(at.saturating_sub(last_served));
+            last_served = *at;
+        }
+    }
+    longest
+}
+
+async fn rolling_restart(bed: &Testbed) -> Result<()> {
+    let mut c = cluster(bed, KEYS).await?;
+    let ids = c.one_kernel_each().await?;
+    let on_2 = c.kernel_of(&ids, 2)?;
+    c.nodes[0]
+        .execute(&on_2, "before = 'set'\ncalls = 0")
+        .await?;
+    let entries = Arc::new(Mutex::new(
+        c.nodes
+            .iter()
+            .map(|n| (n.base.clone(), n.token.clone()))
+            .collect::<Vec<_>>(),
+    ));
+    let stop = CancellationToken::new();
+    let client = tokio::spawn(steady_client(
+        entries.clone(),
+        on_2.clone(),
+        "calls += 1",
+        stop.clone(),
+    ));
+    let began = Instant::now();
+    let mut steps = Vec::new();
+
+    for n in 0..3 {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        // A WebSocket whose path the stop cuts: through node-0 while node-0 stops, through
+        // node-1 otherwise. A cell prints for 3 s across the stop.
+        let via = if n == 0 { 0 } else { 1 };
+        let session = format!("rolling-{n}");
+        let mut ws = c.nodes[via].channels(&on_2, &session).await?;
+        let cell = ws
+            .start_execute(
+                "import time\nfor i in range(6):\n    print(i, flush=True)\n    time.sleep(0.5)",
+            )
+            .await?;
+        tokio::time::sleep(Duration::from_millis(700)).await;
+
+        let stopped = c.nodes.remove(n);
+        let dir = stopped.runtime_dir.display().to_string();
+        let from = began.elapsed();
+        assert!(stopped.stop().await?.success(), "node-{n} stops cleanly");
+        let mut printed_before = String::new();
+        let ended = loop {
+            match ws.recv(Duration::from_secs(10)).await {
+                Ok(m) => {
+                    if m["parent_header"]["msg_id"] == cell.as_str()
+                        && m["header"]["msg_type"] == "stream"
+                    {
+                        printed_before.push_str(m["content"]["text"].as_str().unwrap_or(""));
+                    }
+                }
+                Err(e) => break e.to_string(),
+            }
+        };
+        assert!(
+            ended.contains("1001") || ended.contains("closed") || ended.contains("reset"),
+            "the WebSocket through or to node-{n} dropped: {ended}"
+        );
+        eprintln!("node-{n} stopped: the WebSocket through node-{via} ended with {ended}");
+        if n == 2 {
+            // The owner is away: its kernel answers 503 with Retry-After through the others.
+            let away = c.nodes[0]
+                .request(Method::GET, &format!("/api/kernels/{on_2}"))
+                .send()
+                .await?;
+            assert_eq!(away.status(), 503);
+            assert!(away.headers().contains_key("retry-after"));
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let mut args = node_flags(&c.flags, n);
+        args.extend(["--runtime-dir".to_owned(), dir]);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let back = Gateway::start_on(&bed.nodes[n], &args).await?;
+        if let Ok(mut e) = entries.lock() {
+            e[n] = (back.base.clone(), back.token.clone());
+        }
+        c.nodes.insert(n, back);
+        c.settle(
+            &format!("every node answers for the kernel after node-{n}'s return"),
+            |c| async {
+                for m in 0..3 {
+                    if !c.answers(m, &on_2).await? {
+                        return Ok(false);
+                    }
+                }
+                Ok(true)
+            },
+        )
+        .await?;
+        let to = began.elapsed();
+        steps.push((n, from, to));
+
+        // Reconnecting with the same session: through another node while an entry node
+        // is away, the missed output is replayed; after the owner's restart the session is
+        // a new one on the same kernel.
+        let other = if n == 0 { 1 } else { 0 };
+        let mut again = c.nodes[other].channels(&on_2, &session).await?;
+        if n == 2 {
+            let outcome = again.execute("print(before)").await?;
+            assert_eq!(outcome.stdout, "set\n");
+        } else {
+            // What the dropped WebSocket got, then the replay: every line once, in order.
+            let outcome = again.collect(&cell, Duration::from_secs(20)).await?;
+            assert_eq!(
+                format!("{printed_before}{}", outcome.stdout),
+                "0\n1\n2\n3\n4\n5\n",
+                "{outcome:?}"
+            );
+        }
+        again.close().await?;
+    }
+    stop.cancel();
+    let (rounds, every_503_said_when) = client.await??;
+    assert!(every_503_said_when, "every 503 carried Retry-After");
+    let served = rounds.iter().filter(|(_, s)| s.is_some()).count();
+    assert!(served > 0, "{rounds:?}");
+    for (n, from, to) in &steps {
+        eprintln!(
+            "rolling restart, node-{n} (SIGTERM to serving again): the client's longest wait {:?}",
+            longest_outage(&rounds, *from, *to)
+        );
+    }
+
+    // Nothing lost: the variable set before, every execution that was answered, every
+    // kernel on every node.
+    let answer = c.nodes[1].execute(&on_2, "print(before, calls)").await?;
+    let printed = answer["stdout"].as_str().context("stdout")?.to_owned();
+    let (before, calls) = printed.trim().split_once(' ').context("two values")?;
+    assert_eq!(before, "set");
+    assert!(
+        calls.parse::<usize>()? >= served,
+        "{calls} runs, {served} answered"
+    );
+    let mut expected = ids.clone();
+    expected.sort();
+    c.all_list(&expected, "every node lists the three").await?;
     Ok(())
 }
 

@@ -127,6 +127,7 @@ async fn a_node_that_stops_renewing_loses_its_kernels_in_the_others_view() -> Re
         version: "test".into(),
         specs: vec!["python3".into()],
         warm: Default::default(),
+        away: false,
     };
     let a = Membership::new(client(&server)?, "a", record("http://198.18.0.1:8888"), ttl);
     let b = Membership::new(client(&server)?, "b", record("http://198.18.0.2:8888"), ttl);

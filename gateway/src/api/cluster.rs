@@ -2,7 +2,7 @@
 //! forwarded to it; a create goes to the node with the most free room; the kernel list and
 //! the approvals are the cluster's, and an approval is answered by the node that holds it.
 //! A call another node forwarded here is served here, as sent, unless this node has lost
-//! its lease (503 until it is registered again). Single-node mode (no `--etcd`) passes
+//! its lease while the entry node holds its own (503 until it is registered again). Single-node mode (no `--etcd`) passes
 //! every request straight through.
 
 use super::auth::Caller;
@@ -25,6 +25,8 @@ use std::time::Duration;
 
 /// How long the list waits for another node's kernels before it shows their registry rows.
 const LIST_TIMEOUT: Duration = Duration::from_secs(1);
+/// How long a create's answer waits for the new kernel to reach this node's view.
+const SEEN_TIMEOUT: Duration = Duration::from_secs(1);
 /// How often a forwarded call checks that its kernel's owner is still in the cluster.
 const OWNER_CHECK: Duration = Duration::from_millis(200);
 /// Seconds a client is told to wait when a node is not there now.
@@ -37,10 +39,11 @@ pub async fn route(State(state): State<AppState>, req: Request, next: Next) -> R
     let Some(cluster) = state.cluster.clone() else {
         return next.run(req).await;
     };
-    if req.extensions().get::<Forwarded>().is_some() {
-        // Cut off from the registry, this node may hold a kernel the others think gone
-        // (and will soon place anew): no work from them until it is registered again.
-        if !cluster.membership.registered() {
+    if let Some(who) = req.extensions().get::<Forwarded>() {
+        // Cut off from the registry while the entry node is not, this node may hold a
+        // kernel the others think gone: no work from them until it is registered again.
+        // With the registry down for everyone, the last view still serves.
+        if who.entry_registered && !cluster.membership.registered() {
             return unavailable(
                 "this node is cut off from the cluster registry and takes no forwarded work now; try again shortly"
                     .into(),
@@ -80,11 +83,14 @@ pub async fn route(State(state): State<AppState>, req: Request, next: Next) -> R
                 "the node that runs kernel {id} ({owner}) is not in the cluster now; try again shortly"
             ));
         };
+        if node.away {
+            return unavailable(format!(
+                "the node that runs kernel {id} ({owner}) is restarting; try again shortly"
+            ));
+        }
         // An owner cut off or partitioned away may never answer: once its lease ends and
-        // the kernel leaves the view, the call (or its WebSocket) ends instead of waiting.
-        let left = until_not_owned_by(cluster.clone(), id.to_owned(), owner)
-            .boxed()
-            .shared();
+        // it leaves the view, the call (or its WebSocket) ends instead of waiting.
+        let left = until_left(cluster.clone(), owner).boxed().shared();
         return forward(&cluster, &node.address, &caller, req, left).await;
     }
     if path == "/api/kernels" && req.method() == Method::POST {
@@ -102,11 +108,12 @@ pub async fn route(State(state): State<AppState>, req: Request, next: Next) -> R
     next.run(req).await
 }
 
-/// Resolves once the registry no longer names `owner` as kernel `id`'s node.
-async fn until_not_owned_by(cluster: Arc<ClusterNode>, id: String, owner: String) {
+/// Resolves once node `owner` is no longer in the registry (its lease ended). A kernel
+/// that leaves the registry does not count: a delete releases its record before it answers.
+async fn until_left(cluster: Arc<ClusterNode>, owner: String) {
     loop {
         tokio::time::sleep(OWNER_CHECK).await;
-        if cluster.membership.owner_of(&id).as_deref() != Some(owner.as_str()) {
+        if !cluster.membership.has_node(&owner) {
             return;
         }
     }
@@ -143,7 +150,14 @@ async fn forward(
     let id = request_id(&req);
     match cluster
         .forwarder
-        .forward(base, &caller.0.name, &id, req, left)
+        .forward(
+            base,
+            &caller.0.name,
+            &id,
+            cluster.membership.registered(),
+            req,
+            left,
+        )
         .await
     {
         Ok(response) => response,
@@ -173,10 +187,39 @@ fn again(
     req
 }
 
+/// A create (see [`place_somewhere`]), answered once this node's view holds the new kernel:
+/// the next create through this node counts it, and a list through this node shows it.
+async fn place(cluster: &ClusterNode, caller: &Caller, req: Request, next: Next) -> Response {
+    let response = place_somewhere(cluster, caller, req, next).await;
+    if response.status() != StatusCode::CREATED {
+        return response;
+    }
+    let (parts, body) = response.into_parts();
+    let Ok(bytes) = to_bytes(body, MAX_CREATE_BODY).await else {
+        return ApiError::new(StatusCode::BAD_GATEWAY, "a create's answer was cut short")
+            .into_response();
+    };
+    if let Some(id) = serde_json::from_slice::<Value>(&bytes)
+        .ok()
+        .and_then(|v| v.get("id").and_then(Value::as_str).map(str::to_owned))
+    {
+        let deadline = tokio::time::Instant::now() + SEEN_TIMEOUT;
+        while !cluster.membership.knows_kernel(&id) && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+    Response::from_parts(parts, Body::from(bytes))
+}
+
 /// A create: on the node with the most free room that offers the spec, the next one when
 /// that one is full or cannot be reached. Refused while this node is cut off from the
 /// registry: a guess could place a kernel where the cluster does not know it.
-async fn place(cluster: &ClusterNode, caller: &Caller, req: Request, next: Next) -> Response {
+async fn place_somewhere(
+    cluster: &ClusterNode,
+    caller: &Caller,
+    req: Request,
+    next: Next,
+) -> Response {
     if !cluster.membership.registered() {
         return unavailable(
             "this node is cut off from the cluster registry and cannot place kernels now; try again shortly".into(),

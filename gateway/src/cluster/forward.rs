@@ -159,6 +159,7 @@ impl Forwarder {
         base: &str,
         key: &str,
         request_id: &str,
+        registered: bool,
         req: Request,
         left: Left,
     ) -> Result<Response<Body>, ForwardError> {
@@ -171,10 +172,12 @@ impl Forwarder {
             entry: self.node_id.clone(),
             request_id: request_id.to_owned(),
             timestamp: chrono::Utc::now().timestamp(),
+            entry_registered: registered,
         };
         let signed = self.signer.sign(req.method().as_str(), &path, &who);
         if is_upgrade(req.headers()) {
             return tokio::select! {
+                biased;
                 answer = self.upgrade(base, &path, signed, req, left.clone()) => answer,
                 () = left => Err(gone()),
             };
@@ -195,6 +198,7 @@ impl Forwarder {
         let body = req.into_body().into_data_stream();
         let sent = request.body(reqwest::Body::wrap_stream(body)).send();
         let response = tokio::select! {
+            biased;
             response = sent => response.map_err(unreachable)?,
             () = left.clone() => return Err(gone()),
         };
@@ -566,7 +570,10 @@ mod tests {
             let (forwarder, owner, left) = (forwarder.clone(), owner.clone(), left.clone());
             async move {
                 strip_internal(req.headers_mut());
-                match forwarder.forward(&owner, "alice", "req-1", req, left).await {
+                match forwarder
+                    .forward(&owner, "alice", "req-1", true, req, left)
+                    .await
+                {
                     Ok(r) => r.into_response(),
                     Err(e) => {
                         (axum::http::StatusCode::SERVICE_UNAVAILABLE, e.to_string()).into_response()
@@ -614,16 +621,7 @@ mod tests {
         assert_eq!(body, "line one\n");
 
         // A WebSocket: the owner's 101 with its subprotocol; text and binary frames intact.
-        let mut request = format!("{}/ws", entry_url.replace("http://", "ws://"))
-            .into_client_request()
-            .expect("request");
-        request.headers_mut().insert(
-            "sec-websocket-protocol",
-            HeaderValue::from_static(SUBPROTOCOL),
-        );
-        let (mut ws, response) = tokio_tungstenite::connect_async(request)
-            .await
-            .expect("the upgrade goes through");
+        let (mut ws, response) = websocket_through(&entry_url).await;
         assert_eq!(
             response
                 .headers()
@@ -673,6 +671,28 @@ mod tests {
         assert_eq!(r.status().as_u16(), 503);
     }
 
+    /// A WebSocket to the owner's `/ws`, through the entry node at `entry_url`, asking for
+    /// the Jupyter subprotocol.
+    async fn websocket_through(
+        entry_url: &str,
+    ) -> (
+        tokio_tungstenite::WebSocketStream<
+            tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>,
+        >,
+        tokio_tungstenite::tungstenite::handshake::client::Response,
+    ) {
+        let mut request = format!("{}/ws", entry_url.replace("http://", "ws://"))
+            .into_client_request()
+            .expect("request");
+        request.headers_mut().insert(
+            "sec-websocket-protocol",
+            HeaderValue::from_static(SUBPROTOCOL),
+        );
+        tokio_tungstenite::connect_async(request)
+            .await
+            .expect("the upgrade goes through")
+    }
+
     /// A `Left` and the switch that fires it.
     fn switch() -> (tokio::sync::oneshot::Sender<()>, Left) {
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
@@ -718,16 +738,7 @@ mod tests {
         let owner_url = owner(signer.clone()).await;
         let (leave, left) = switch();
         let entry_url = entry_watching(signer, owner_url, left).await;
-        let mut request = format!("{}/ws", entry_url.replace("http://", "ws://"))
-            .into_client_request()
-            .expect("request");
-        request.headers_mut().insert(
-            "sec-websocket-protocol",
-            HeaderValue::from_static(SUBPROTOCOL),
-        );
-        let (mut ws, _) = tokio_tungstenite::connect_async(request)
-            .await
-            .expect("the upgrade goes through");
+        let (mut ws, _) = websocket_through(&entry_url).await;
         ws.send(ClientFrame::text("still here"))
             .await
             .expect("send");

@@ -88,6 +88,10 @@ pub struct NodeRecord {
     /// Warm kernels ready to hand out, by spec.
     #[serde(default)]
     pub warm: std::collections::BTreeMap<String, u32>,
+    /// Stopped and coming back (SIGTERM in cluster mode): its kernels answer 503 with
+    /// Retry-After, not 404, and it takes no creates.
+    #[serde(default)]
+    pub away: bool,
 }
 
 /// A kernel, as the registry knows it.

@@ -19,6 +19,10 @@ use tokio_util::task::TaskTracker;
 /// How often the registry is compared with the kernel table.
 const RECONCILE_EVERY: Duration = Duration::from_secs(30);
 
+/// How long a stopped node's kernels stay registered for its return (SIGTERM in cluster
+/// mode): 503 with Retry-After for them meanwhile, 404 after.
+pub const AWAY_FOR: Duration = Duration::from_secs(120);
+
 /// The shortest cluster secret accepted.
 const MIN_SECRET_BYTES: usize = 32;
 
@@ -102,6 +106,7 @@ impl ClusterNode {
             version: env!("CARGO_PKG_VERSION").to_owned(),
             specs: offer.specs,
             warm: Default::default(),
+            away: false,
         };
         let ttl = Duration::from_secs(args.lease_ttl);
         let membership = Membership::new(registry, &node_id, record, ttl);

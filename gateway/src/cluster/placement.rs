@@ -14,7 +14,7 @@ pub fn candidates(view: &View, spec: &str) -> Vec<String> {
     let mut nodes: Vec<(u32, u32, &str)> = view
         .nodes
         .iter()
-        .filter(|(_, n)| n.specs.iter().any(|s| s == spec))
+        .filter(|(_, n)| !n.away && n.specs.iter().any(|s| s == spec))
         .filter_map(|(id, n)| {
             let recorded = view.kernels.values().filter(|k| k.node == *id).count();
             let used = n.load.max(u32::try_from(recorded).unwrap_or(u32::MAX));
@@ -41,6 +41,7 @@ mod tests {
             version: String::new(),
             specs: specs.iter().map(|s| s.to_string()).collect(),
             warm: Default::default(),
+            away: false,
         }
     }
 

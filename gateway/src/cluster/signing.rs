@@ -19,6 +19,7 @@ pub const KEY_HEADER: &str = "x-kernelgate-key";
 pub const ENTRY_HEADER: &str = "x-kernelgate-entry";
 pub const REQUEST_ID_HEADER: &str = "x-kernelgate-request-id";
 pub const TIMESTAMP_HEADER: &str = "x-kernelgate-timestamp";
+pub const REGISTERED_HEADER: &str = "x-kernelgate-entry-registered";
 pub const SIGNATURE_HEADER: &str = "x-kernelgate-signature";
 
 /// How far a forwarded call's timestamp may be from the owner's clock.
@@ -36,6 +37,10 @@ pub struct Forwarded {
     pub request_id: String,
     /// Seconds since the Unix epoch, when the entry node signed the call.
     pub timestamp: i64,
+    /// Whether the entry node held its lease when it signed: an owner cut off from the
+    /// registry refuses work from a node that is not (the others may have given its
+    /// kernels up), and serves it when the registry is down for everyone.
+    pub entry_registered: bool,
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -91,6 +96,7 @@ impl Signer {
             &who.entry,
             &who.request_id,
             &who.timestamp.to_string(),
+            registered(who.entry_registered),
         ] {
             mac.update(field.as_bytes());
             mac.update(b"\n");
@@ -106,6 +112,7 @@ impl Signer {
             entry: clean(&who.entry),
             request_id: clean(&who.request_id),
             timestamp: who.timestamp,
+            entry_registered: who.entry_registered,
         };
         let signature = hex::encode(self.mac(method, &clean(path), &who).finalize().into_bytes());
         vec![
@@ -113,6 +120,10 @@ impl Signer {
             (ENTRY_HEADER, who.entry),
             (REQUEST_ID_HEADER, who.request_id),
             (TIMESTAMP_HEADER, who.timestamp.to_string()),
+            (
+                REGISTERED_HEADER,
+                registered(who.entry_registered).to_owned(),
+            ),
             (SIGNATURE_HEADER, signature),
         ]
     }
@@ -139,6 +150,7 @@ impl Signer {
             timestamp: get(TIMESTAMP_HEADER)?
                 .parse()
                 .map_err(|_| SignatureError::Mismatch)?,
+            entry_registered: get(REGISTERED_HEADER)? == registered(true),
         };
         let signature =
             hex::decode(get(SIGNATURE_HEADER)?).map_err(|_| SignatureError::Mismatch)?;
@@ -169,6 +181,15 @@ impl Signer {
     }
 }
 
+/// How the entry node's lease is written in a forwarded call.
+fn registered(yes: bool) -> &'static str {
+    if yes {
+        "yes"
+    } else {
+        "no"
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -179,6 +200,7 @@ mod tests {
             entry: "node-1".into(),
             request_id: "r1".into(),
             timestamp: ts,
+            entry_registered: true,
         }
     }
 
@@ -221,6 +243,13 @@ mod tests {
             s.verify("POST", "/api/kernels/k/execute", &lookup(&forged), 1000),
             Err(SignatureError::Mismatch),
             "another key name"
+        );
+        let mut forged = headers.clone();
+        forged[4].1 = registered(false).into();
+        assert_eq!(
+            s.verify("POST", "/api/kernels/k/execute", &lookup(&forged), 1000),
+            Err(SignatureError::Mismatch),
+            "another lease state"
         );
         let other = Signer::new(b"another secret");
         assert_eq!(

@@ -22,6 +22,7 @@ async fn cluster_node(
         version: "0".into(),
         specs: vec!["python3".into()],
         warm: Default::default(),
+        away: false,
     };
     let membership = Membership::new(store.clone(), id, node, Duration::from_secs(3));
     tokio::spawn(membership.clone().keep(cancel.clone(), |_| {}));

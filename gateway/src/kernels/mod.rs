@@ -631,14 +631,28 @@ impl Kernels {
         self.backend.remove(&live.handle()).await
     }
 
+    /// Every kernel, pooled ones included, taken out of the table.
+    fn take_all(&self) -> Vec<Arc<LiveKernel>> {
+        let mut t = self.lock();
+        let mut all: Vec<_> = t.live.drain().map(|(_, v)| v).collect();
+        all.extend(t.pool.drain().flat_map(|(_, p)| p));
+        all
+    }
+
+    /// Lets go of every kernel without removing it (a cluster node that stops and will
+    /// return on the same runtime directory re-adopts them): their watchers and links end,
+    /// their clients are disconnected, their containers keep running.
+    pub fn leave(&self) {
+        for live in self.take_all() {
+            live.cancel.cancel();
+            live.relay.disconnect();
+            live.relay.close_clients();
+        }
+    }
+
     /// Removes every kernel, pooled ones included (graceful shutdown).
     pub async fn shutdown(&self) {
-        let all: Vec<Arc<LiveKernel>> = {
-            let mut t = self.lock();
-            let mut all: Vec<_> = t.live.drain().map(|(_, v)| v).collect();
-            all.extend(t.pool.drain().flat_map(|(_, p)| p));
-            all
-        };
+        let all = self.take_all();
         let removals = all.iter().map(|live| self.discard(live));
         for (live, result) in all.iter().zip(futures::future::join_all(removals).await) {
             if let Err(e) = result {

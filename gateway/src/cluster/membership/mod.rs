@@ -180,10 +180,16 @@ impl<R: Registry + Clone> Membership<R> {
         self.view.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
-    /// The node that owns kernel `id` in the current view.
-    pub fn owner_of(&self, id: &str) -> Option<String> {
+    /// Whether kernel `id` is in the current view.
+    pub fn knows_kernel(&self, id: &str) -> bool {
         let view = self.view.lock().unwrap_or_else(|e| e.into_inner());
-        view.kernels.get(id).map(|k| k.node.clone())
+        view.kernels.contains_key(id)
+    }
+
+    /// Whether node `id` is in the current view (holds a lease).
+    pub fn has_node(&self, id: &str) -> bool {
+        let view = self.view.lock().unwrap_or_else(|e| e.into_inner());
+        view.nodes.contains_key(id)
     }
 
     /// Whether this node holds a lease renewed within the TTL, with its records registered.
@@ -307,7 +313,26 @@ impl<R: Registry + Clone> Membership<R> {
     /// claimed meanwhile stays that node's: it is dropped from this node's records and
     /// returned, for the caller to deal with.
     async fn register(&self) -> Result<Vec<String>, RegistryError> {
-        let lease = self.registry.grant(self.ttl).await?;
+        self.register_for(self.ttl).await
+    }
+
+    /// This node stops and will return (SIGTERM in cluster mode): its record, marked away,
+    /// and its kernels' records and quota slots move to a lease of `away_for`. Until the
+    /// node is back (and takes them over) or that lease ends, the others answer 503 with
+    /// Retry-After for its kernels, not 404, and its keys' quotas hold.
+    pub async fn step_away(&self, away_for: Duration) -> Result<(), RegistryError> {
+        self.own().node.away = true;
+        let lost = self.register_for(away_for).await?;
+        if !lost.is_empty() {
+            tracing::warn!(kernels = ?lost, "kernels claimed by another node; not kept for this node's return");
+        }
+        Ok(())
+    }
+
+    /// Registers everything of this node's under a new lease of `ttl`; the kernels another
+    /// node holds now.
+    async fn register_for(&self, ttl: Duration) -> Result<Vec<String>, RegistryError> {
+        let lease = self.registry.grant(ttl).await?;
         let (node, kernels, slots) = {
             let own = self.own();
             (

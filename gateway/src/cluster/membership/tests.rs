@@ -12,6 +12,7 @@ fn node(address: &str) -> NodeRecord {
         version: "0".into(),
         specs: vec!["python3".into()],
         warm: Default::default(),
+        away: false,
     }
 }
 
@@ -195,5 +196,39 @@ async fn the_reconcile_removes_stale_records_and_registers_what_is_missing() {
     assert_eq!(again, Reconciled::default(), "nothing left to fix");
     // A claim after the reconcile registered the kernel is still this node's.
     a.claim("running", &kernel("a")).await.expect("claim");
+    cancel.cancel();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_node_that_steps_away_keeps_its_kernels_registered_past_its_ttl() {
+    let store = Memory::new();
+    let (cancel, a_stops) = (CancellationToken::new(), CancellationToken::new());
+    let ttl = Duration::from_secs(3);
+    let a = Membership::new(store.clone(), "a", node("http://a"), ttl);
+    let b = Membership::new(store.clone(), "b", node("http://b"), ttl);
+    tokio::spawn(a.clone().keep(a_stops.clone(), |_| {}));
+    tokio::spawn(b.clone().keep(cancel.clone(), |_| {}));
+    tokio::spawn(b.clone().follow(cancel.clone()));
+    settle().await;
+    a.claim("k1", &kernel("a")).await.expect("a claims k1");
+    // SIGTERM: its loops stop, and it steps away for 60 s.
+    a_stops.cancel();
+    a.step_away(Duration::from_secs(60))
+        .await
+        .expect("stepped away");
+    // Well past the 3 s TTL, b still sees k1 as a's, and a as away.
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    settle().await;
+    let view = b.view();
+    assert_eq!(view.kernels.get("k1").map(|k| k.node.as_str()), Some("a"));
+    assert!(view.nodes.get("a").is_some_and(|n| n.away), "{view:?}");
+    // Past the away lease, nothing of a's is left.
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    settle().await;
+    let view = b.view();
+    assert!(
+        view.kernels.is_empty() && !view.nodes.contains_key("a"),
+        "{view:?}"
+    );
     cancel.cancel();
 }
