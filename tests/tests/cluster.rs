@@ -359,6 +359,28 @@ async fn any_node_answers(bed: &Testbed) -> Result<()> {
         owner_view["stdout"], "41\n",
         "the owner sees the same kernel"
     );
+    // The owner's audit trail names the entry node and the caller's key of each
+    // forwarded call.
+    let trail = std::fs::read_to_string(&c.nodes[2].audit_log)?;
+    let forwarded: Vec<serde_json::Value> = trail
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .filter(|r: &serde_json::Value| {
+            r["event"] == "forwarded_call"
+                && r["path"] == format!("/api/kernels/{id}/execute").as_str()
+        })
+        .collect();
+    let entries: Vec<&str> = forwarded
+        .iter()
+        .filter_map(|r| r["entry"].as_str())
+        .collect();
+    assert_eq!(entries, ["node-0", "node-1"], "{forwarded:?}");
+    assert!(
+        forwarded
+            .iter()
+            .all(|r| r["key"].as_str().is_some_and(|k| !k.is_empty())),
+        "{forwarded:?}"
+    );
 
     // Its channels WebSocket, through a non-owner: the owner answers the upgrade.
     let mut ws = c.nodes[1].channels(&id, "cluster-session").await?;

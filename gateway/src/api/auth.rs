@@ -309,6 +309,17 @@ async fn forwarded_call(
         ))
         .await;
     };
+    state
+        .kernels
+        .audit()
+        .record(&Record::ForwardedCall {
+            key: who.key.clone(),
+            entry: who.entry.clone(),
+            request_id: who.request_id.clone(),
+            method: req.method().as_str().to_owned(),
+            path: req.uri().path().to_owned(),
+        })
+        .await;
     req.extensions_mut().insert(tenant.clone());
     req.extensions_mut().insert(Caller(tenant));
     req.extensions_mut().insert(who);

@@ -185,6 +185,15 @@ pub enum Record {
         client: Option<String>,
         path: String,
     },
+    /// Cluster mode: the owner accepted a call another node forwarded, for the client's key
+    /// `key` that reached node `entry`; the records the call then makes name the same key.
+    ForwardedCall {
+        key: String,
+        entry: String,
+        request_id: String,
+        method: String,
+        path: String,
+    },
 }
 
 /// Who touched which file of a kernel's working directory.
