@@ -1,5 +1,5 @@
-//! A minimal MCP client of a gateway's `/mcp` (Streamable HTTP, sessions): POST a JSON-RPC
-//! message, read the answer from the SSE stream. It is the least the transport asks, so what
+//! A minimal MCP client of a gateway's `/mcp` (Streamable HTTP, with sessions or, protocol
+//! 2026-07-28, without): POST a JSON-RPC message, read the answer from the SSE stream. It is the least the transport asks, so what
 //! it measures is the server; the bench and the cluster tests use it.
 
 use crate::gateway::{Error, Gateway};
@@ -8,6 +8,8 @@ use serde_json::{json, Value};
 
 /// The protocol version this client asks for in `initialize`.
 pub const PROTOCOL: &str = "2025-11-25";
+/// The protocol version of calls without a session.
+pub const SESSIONLESS_PROTOCOL: &str = "2026-07-28";
 
 /// One MCP session over Streamable HTTP.
 #[derive(Debug, Clone)]
@@ -95,15 +97,7 @@ impl McpSession {
         );
         let session = self.session.clone();
         let answer = read_answer(self.post(&call, Some(&session)).await?).await?;
-        let result = &answer["result"];
-        if result["isError"] == json!(true) {
-            return Err(McpError::Failed(format!("run_python failed: {result}")));
-        }
-        let last = result["content"].as_array().and_then(|c| c.last());
-        Ok(last
-            .and_then(|c| c["text"].as_str())
-            .unwrap_or_default()
-            .to_owned())
+        last_text(&answer["result"], "run_python")
     }
 
     /// Ends the session (`DELETE /mcp`); its kernel goes with it.
@@ -114,6 +108,84 @@ impl McpSession {
             .header("Mcp-Session-Id", &self.session)
             .header("MCP-Protocol-Version", PROTOCOL);
         self.gateway.send(r).await.map(|_| ())
+    }
+}
+
+/// The text of a tool result's last content (the result: IPython may warn before it).
+fn last_text(result: &Value, tool: &str) -> Result<String, McpError> {
+    if result["isError"] == json!(true) {
+        return Err(McpError::Failed(format!("{tool} failed: {result}")));
+    }
+    let last = result["content"].as_array().and_then(|c| c.last());
+    Ok(last
+        .and_then(|c| c["text"].as_str())
+        .unwrap_or_default()
+        .to_owned())
+}
+
+/// MCP without a session (protocol 2026-07-28): each call stands alone, and a kernel from
+/// `start_kernel` is named by its `kernel_id` in the calls after.
+#[derive(Debug, Clone)]
+pub struct McpCalls {
+    gateway: Gateway,
+    next_id: u64,
+}
+
+impl McpCalls {
+    pub fn new(gateway: &Gateway) -> McpCalls {
+        McpCalls {
+            gateway: gateway.clone(),
+            next_id: 0,
+        }
+    }
+
+    /// The same client, calling another gateway (another node of a cluster).
+    pub fn through(&self, gateway: &Gateway) -> McpCalls {
+        McpCalls {
+            gateway: gateway.clone(),
+            next_id: self.next_id,
+        }
+    }
+
+    /// `tools/call` of `tool`; its result.
+    async fn call(&mut self, tool: &str, arguments: Value) -> Result<Value, McpError> {
+        self.next_id += 1;
+        let meta = json!({
+            "io.modelcontextprotocol/protocolVersion": SESSIONLESS_PROTOCOL,
+            "io.modelcontextprotocol/clientCapabilities": {},
+        });
+        let body = json!({"jsonrpc": "2.0", "id": self.next_id, "method": "tools/call",
+                          "params": {"name": tool, "arguments": arguments, "_meta": meta}});
+        let r = self
+            .gateway
+            .request(Method::POST, "/mcp")
+            .header("Accept", "application/json, text/event-stream")
+            .header("MCP-Protocol-Version", SESSIONLESS_PROTOCOL)
+            .header("Mcp-Method", "tools/call")
+            .header("Mcp-Name", tool)
+            .json(&body);
+        let answer = read_answer(self.gateway.send(r).await?).await?;
+        if let Some(error) = answer.get("error") {
+            return Err(McpError::Failed(format!("{tool}: {error}")));
+        }
+        Ok(answer["result"].clone())
+    }
+
+    /// `start_kernel`: the new kernel's id.
+    pub async fn start_kernel(&mut self) -> Result<String, McpError> {
+        let result = self.call("start_kernel", json!({})).await?;
+        result["structuredContent"]["kernel_id"]
+            .as_str()
+            .map(str::to_owned)
+            .ok_or_else(|| McpError::Failed(format!("start_kernel answered {result}")))
+    }
+
+    /// `run_python` on kernel `kernel_id`: the text of its result.
+    pub async fn run_python(&mut self, kernel_id: &str, code: &str) -> Result<String, McpError> {
+        let result = self
+            .call("run_python", json!({"code": code, "kernel_id": kernel_id}))
+            .await?;
+        last_text(&result, "run_python")
     }
 }
 

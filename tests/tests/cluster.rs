@@ -5,7 +5,7 @@
 //! is run once.
 
 use anyhow::{Context, Result};
-use kernelgate_client::mcp::McpSession;
+use kernelgate_client::mcp::{McpCalls, McpSession};
 use kernelgate_tests::etcd::EtcdServer;
 use kernelgate_tests::netns::{run_in, Host, Net};
 use kernelgate_tests::{runtime, Gateway};
@@ -55,6 +55,9 @@ struct Cluster {
     etcd: EtcdServer,
     /// The flags every node is started with (its id and address come on top).
     flags: Vec<String>,
+    /// Every node's runtime directory: a node the test stopped and has not started again
+    /// is not in `nodes`, and its kernels are removed too.
+    runtime_dirs: Vec<std::path::PathBuf>,
     _dir: tempfile::TempDir,
 }
 
@@ -62,11 +65,9 @@ struct Cluster {
 /// removes them once its nodes are stopped.
 impl Drop for Cluster {
     fn drop(&mut self) {
-        let dirs: Vec<std::path::PathBuf> =
-            self.nodes.iter().map(|n| n.runtime_dir.clone()).collect();
         self.nodes.clear();
-        for dir in dirs {
-            kernelgate_tests::remove_leftovers(&dir);
+        for dir in &self.runtime_dirs {
+            kernelgate_tests::remove_leftovers(dir);
         }
     }
 }
@@ -121,6 +122,7 @@ async fn cluster(bed: &Testbed, keys: &str) -> Result<Cluster> {
         nodes.push(Gateway::start_on(&bed.nodes[n], &args).await?);
     }
     let c = Cluster {
+        runtime_dirs: nodes.iter().map(|n| n.runtime_dir.clone()).collect(),
         nodes,
         etcd,
         flags,
@@ -397,6 +399,20 @@ async fn any_node_answers(bed: &Testbed) -> Result<()> {
     via_2.close().await?;
     let after = mcp.through(c.nodes[1].client()).run_python("y").await;
     assert!(after.is_err(), "the session ended everywhere: {after:?}");
+
+    // Without a session (MCP 2026-07-28): a kernel started through node-0 is found by its
+    // kernel_id through the others.
+    let mut calls = McpCalls::new(c.nodes[0].client());
+    let handle = calls.start_kernel().await?;
+    assert_eq!(calls.run_python(&handle, "z = 5\nz").await?, "5");
+    for n in [1, 2] {
+        let mut via = calls.through(c.nodes[n].client());
+        assert_eq!(
+            via.run_python(&handle, "z += 1\nz").await?,
+            (5 + n).to_string()
+        );
+    }
+    assert_eq!(c.nodes[1].delete_kernel(&handle).await?, 204);
 
     // The policy's approvals through a third node: code held on node-1's kernel, sent
     // through node-0, listed and approved through node-2.

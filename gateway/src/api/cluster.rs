@@ -65,6 +65,9 @@ pub async fn route(State(state): State<AppState>, req: Request, next: Next) -> R
             Some(id) if !state.mcp.holds(&id) => {
                 mcp_elsewhere(&cluster, &caller, &id, state.max_message_bytes, req, next).await
             }
+            None if req.method() == Method::POST => {
+                mcp_by_kernel(&cluster, &caller, state.max_message_bytes, req, next).await
+            }
             _ => next.run(req).await,
         };
     }
@@ -72,26 +75,11 @@ pub async fn route(State(state): State<AppState>, req: Request, next: Next) -> R
         if state.kernels.get(id).is_some() {
             return next.run(req).await;
         }
-        let view = cluster.membership.view();
-        let owner = match view.kernels.get(id) {
-            Some(record) if record.node != cluster.node_id => record.node.clone(),
+        return match owner_elsewhere(&cluster, id) {
+            Some(owner) => to_owner(&cluster, &caller, id, &owner, req).await,
             // Unknown, or this node's own and not in its table: the handler's 404.
-            _ => return next.run(req).await,
+            None => next.run(req).await,
         };
-        let Some(node) = view.nodes.get(&owner) else {
-            return unavailable(format!(
-                "the node that runs kernel {id} ({owner}) is not in the cluster now; try again shortly"
-            ));
-        };
-        if node.away {
-            return unavailable(format!(
-                "the node that runs kernel {id} ({owner}) is restarting; try again shortly"
-            ));
-        }
-        // An owner cut off or partitioned away may never answer: once its lease ends and
-        // it leaves the view, the call (or its WebSocket) ends instead of waiting.
-        let left = until_left(cluster.clone(), owner).boxed().shared();
-        return forward(&cluster, &node.address, &caller, req, left).await;
     }
     if path == "/api/kernels" && req.method() == Method::POST {
         return place(&cluster, &caller, req, next).await;
@@ -448,6 +436,91 @@ const MAX_REMEMBERED_SESSIONS: usize = 10_000;
 /// A request for an MCP session this node does not hold: the node that holds it answers
 /// (remembered once found; every other node is asked otherwise). A session no node holds
 /// gets this node's own answer (404, start a new one).
+/// The node that owns kernel `id`, when the registry names one other than this node.
+fn owner_elsewhere(cluster: &ClusterNode, id: &str) -> Option<String> {
+    cluster
+        .membership
+        .view()
+        .kernels
+        .get(id)
+        .filter(|k| k.node != cluster.node_id)
+        .map(|k| k.node.clone())
+}
+
+/// Forwards `req`, about kernel `id`, to its owner `owner`: 503 with Retry-After while that
+/// node is not there or restarting.
+async fn to_owner(
+    cluster: &Arc<ClusterNode>,
+    caller: &Caller,
+    id: &str,
+    owner: &str,
+    req: Request,
+) -> Response {
+    let node = cluster.membership.view().nodes.get(owner).cloned();
+    let Some(node) = node else {
+        return unavailable(format!(
+            "the node that runs kernel {id} ({owner}) is not in the cluster now; try again shortly"
+        ));
+    };
+    if node.away {
+        return unavailable(format!(
+            "the node that runs kernel {id} ({owner}) is restarting; try again shortly"
+        ));
+    }
+    // An owner cut off or partitioned away may never answer: once its lease ends and it
+    // leaves the view, the call (or its WebSocket) ends instead of waiting.
+    let left = until_left(cluster.clone(), owner.to_owned())
+        .boxed()
+        .shared();
+    forward(cluster, &node.address, caller, req, left).await
+}
+
+/// A sessionless MCP call (protocol 2026-07-28): a tool call whose `kernel_id` names a
+/// kernel another node owns goes to that node whole (it is self-contained); anything else
+/// is served here (`start_kernel` starts its kernel on this node).
+async fn mcp_by_kernel(
+    cluster: &Arc<ClusterNode>,
+    caller: &Caller,
+    max_body: usize,
+    req: Request,
+    next: Next,
+) -> Response {
+    let (parts, body) = req.into_parts();
+    let Ok(bytes) = to_bytes(body, max_body).await else {
+        return too_large(max_body);
+    };
+    let kernel = serde_json::from_slice::<Value>(&bytes).ok().and_then(|m| {
+        (m["method"] == "tools/call")
+            .then(|| {
+                m["params"]["arguments"]["kernel_id"]
+                    .as_str()
+                    .map(str::to_owned)
+            })
+            .flatten()
+    });
+    let elsewhere = kernel
+        .as_deref()
+        .and_then(|id| Some((id, owner_elsewhere(cluster, id)?)));
+    match elsewhere {
+        Some((id, owner)) => {
+            let req = again(&parts.method, &parts.uri, &parts.headers, &bytes);
+            to_owner(cluster, caller, id, &owner, req).await
+        }
+        None => {
+            next.run(Request::from_parts(parts, Body::from(bytes)))
+                .await
+        }
+    }
+}
+
+fn too_large(max_body: usize) -> Response {
+    ApiError::new(
+        StatusCode::PAYLOAD_TOO_LARGE,
+        format!("an MCP message is at most {max_body} bytes (--max-message-mb)"),
+    )
+    .into_response()
+}
+
 async fn mcp_elsewhere(
     cluster: &ClusterNode,
     caller: &Caller,
@@ -458,11 +531,7 @@ async fn mcp_elsewhere(
 ) -> Response {
     let (parts, body) = req.into_parts();
     let Ok(bytes) = to_bytes(body, max_body).await else {
-        return ApiError::new(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            format!("an MCP message is at most {max_body} bytes (--max-message-mb)"),
-        )
-        .into_response();
+        return too_large(max_body);
     };
     let remembered = cluster
         .mcp_sessions
