@@ -91,4 +91,4 @@ test-tools:
 	fi
 
 # The Python suite drives the debug binary too.
-python-tests: image debug-build fixture-image
+python-tests: image debug-build fixture-image test-tools

@@ -203,7 +203,8 @@ def start_gateway(log_path: Path, extra: list[str] | None = None) -> Gateway:
         "--runtime-dir",
         str(runtime_dir),
     ]
-    extra = list(extra or [])
+    # `{port}` in a flag stands for the port it listens on (a cluster node's --advertise).
+    extra = [a.replace("{port}", str(port)) for a in (extra or [])]
     if "--pool-size" not in extra:
         extra += ["--pool-size", "0"]
     if "--audit-log" not in extra:

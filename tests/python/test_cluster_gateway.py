@@ -1,0 +1,137 @@
+"""jupyter_server's gateway client (as JupyterLab uses it) against a Kernelgate cluster:
+`jupyter server --gateway-url` points at one node, and every kernel it starts lives on the
+other. Two nodes and a real etcd (Debian's etcd-server) on loopback; the Rust cluster suite
+covers three nodes in network namespaces and the failure cases.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from conftest import free_port, start_gateway, stop_gateway, stop_process, wait_until
+from test_jupyter_server_gateway import Channels
+
+
+@pytest.fixture
+def etcd(tmp_path: Path):
+    """One etcd member on free loopback ports, its data in a temporary directory."""
+    if not shutil.which("etcd"):
+        pytest.fail("etcd is missing: `make test-tools` installs Debian's etcd-server")
+    client, peer = free_port(), free_port()
+    url = f"http://127.0.0.1:{client}"
+    data = Path(tempfile.mkdtemp(prefix="kg-etcd-", dir=tmp_path))
+    log = open(data / "etcd.log", "ab")
+    proc = subprocess.Popen(
+        ["etcd", "--name", "kg-py", "--data-dir", str(data / "data"),
+         "--listen-client-urls", url, "--advertise-client-urls", url,
+         "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+         "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+         "--initial-cluster", f"kg-py=http://127.0.0.1:{peer}"],
+        stdout=subprocess.DEVNULL, stderr=log,
+    )
+    log.close()
+    wait_until("etcd to answer", lambda: requests.get(f"{url}/health", timeout=1).ok, timeout=20)
+    yield url
+    stop_process(proc)
+
+
+@pytest.fixture
+def two_nodes(etcd: str, artifacts: Path, tmp_path: Path):
+    """Node "entry" (room for one kernel) and node "owner" (room for two): a create through
+    the entry goes to the owner, which has more free room."""
+    secret = tmp_path / "cluster.secret"
+    secret.write_text(secrets.token_hex(32) + "\n")
+    nodes = []
+    try:
+        for name, room in [("owner", "2"), ("entry", "1")]:
+            nodes.append(start_gateway(
+                artifacts / f"node-{name}.log",
+                ["--etcd", etcd, "--node-id", name, "--advertise", "http://127.0.0.1:{port}",
+                 "--cluster-secret-file", str(secret), "--lease-ttl", "3", "--max-kernels", room],
+            ))
+        owner, entry = nodes
+
+        def both_registered():
+            for node in nodes:
+                cluster = node.request("GET", "/api").json()["kernelgate"]["cluster"]
+                if len(cluster["nodes"]) != 2:
+                    return False
+            return True
+
+        wait_until("both nodes to see each other", both_registered, timeout=20)
+        yield entry, owner
+    finally:
+        for node in reversed(nodes):
+            stop_gateway(node)
+
+
+def created_on(node, kernel_id: str) -> bool:
+    """Whether `node`'s audit trail says it created the kernel."""
+    audit = node.log_path.with_name(node.log_path.stem + "-audit.log")
+    return any(
+        r.get("event") == "kernel_created" and r.get("kernel") == kernel_id
+        for r in map(json.loads, audit.read_text().splitlines())
+    )
+
+
+def test_a_notebook_through_a_node_that_does_not_own_its_kernel(two_nodes, jupyter_factory):
+    entry, owner = two_nodes
+    server = jupyter_factory("server", entry)
+
+    # Start through the entry node: the kernel lives on the other node.
+    r = server.request("POST", "/api/kernels", json={"name": "python3"})
+    assert r.status_code == 201, r.text
+    kid = r.json()["id"]
+    assert created_on(owner, kid) and not created_on(entry, kid)
+    r = server.request("GET", "/api/kernels")
+    assert [k["id"] for k in r.json()] == [kid], r.text
+    assert [k["id"] for k in owner.kernels()] == [kid]
+
+    # The notebook's WebSocket (jupyter_server to the entry node, spliced to the owner).
+    ch = Channels(f"{server.ws_url}/api/kernels/{kid}/channels", server.token)
+    try:
+        first = ch.execute("x = 41")
+        assert first.reply["status"] == "ok", first.reply
+        out = ch.execute("print('hello'); x + 1")
+        assert out.reply["status"] == "ok", out.reply
+        assert (out.stdout, out.result) == ("hello\n", "42")
+        assert out.reply["execution_count"] == first.reply["execution_count"] + 1
+
+        # Interrupt a long sleep through jupyter_server's REST API.
+        started = time.monotonic()
+        msg_id = ch.execute_start("import time; time.sleep(60)")
+        ch.wait_for(
+            "the sleep to start",
+            lambda m: m["msg_type"] == "execute_input" and m["parent_header"].get("msg_id") == msg_id,
+        )
+        r = server.request("POST", f"/api/kernels/{kid}/interrupt", json={})
+        assert r.status_code == 204, r.text
+        out = ch.collect(msg_id, timeout=30)
+        assert out.error["ename"] == "KeyboardInterrupt", out.reply
+        assert time.monotonic() - started < 30
+        assert ch.execute("x").result == "41", "state kept across the interrupt"
+    finally:
+        ch.close()
+
+    # Restart (state gone, same id and owner), then shut down through the entry node.
+    r = server.request("POST", f"/api/kernels/{kid}/restart", json={})
+    assert r.status_code == 200, r.text
+    ch = Channels(f"{server.ws_url}/api/kernels/{kid}/channels", server.token)
+    try:
+        out = ch.execute("x")
+        assert out.error["ename"] == "NameError", out.reply
+    finally:
+        ch.close()
+    r = server.request("DELETE", f"/api/kernels/{kid}")
+    assert r.status_code == 204, r.text
+    wait_until("the owner to drop the kernel", lambda: owner.kernels() == [], timeout=10)
+    assert entry.request("GET", f"/api/kernels/{kid}").status_code == 404
