@@ -637,6 +637,67 @@ async fn deaths_and_outages(bed: &Testbed) -> Result<()> {
 }
 
 #[test]
+fn concurrent_creates_through_every_node_never_overfill_a_node_or_a_keys_quota() -> Result<()> {
+    if skipped() {
+        return Ok(());
+    }
+    let bed = Testbed::new(14)?;
+    run_in(&bed.client, concurrent_creates(&bed))
+}
+
+/// Alice's key may hold three kernels.
+const KEYS_WITH_QUOTA: &str = r#"
+[[key]]
+name = "alice"
+token_sha256 = "9c220f200955d76c0a38d308225e0ef10c5f971acaf2f8d1d8f732affa5bd1dc"
+max_kernels = 3
+"#;
+
+/// Two creates through each node at once, as the key of `token` (`None`: each node's
+/// admin token); the ids of those that were created and the statuses of the others.
+async fn creates_through_all(c: &Cluster, token: Option<&str>) -> Result<(Vec<String>, Vec<u16>)> {
+    let creates = (0..6).map(|i| {
+        let node = &c.nodes[i % 3];
+        let token = token.unwrap_or(node.token.as_str()).to_owned();
+        async move {
+            node.call_as(&token, Method::POST, "/api/kernels", Some(json!({})))
+                .await
+        }
+    });
+    let (mut created, mut refused) = (Vec::new(), Vec::new());
+    for answer in futures::future::join_all(creates).await {
+        let (status, body) = answer?;
+        match status {
+            201 => created.push(body["id"].as_str().context("id")?.to_owned()),
+            other => refused.push(other),
+        }
+    }
+    Ok((created, refused))
+}
+
+async fn concurrent_creates(bed: &Testbed) -> Result<()> {
+    let c = cluster(bed, KEYS_WITH_QUOTA).await?;
+    // Six creates of a key that may hold three: three made, three refused as one node would.
+    let (alices, refused) = creates_through_all(&c, Some("alice-token")).await?;
+    assert_eq!(
+        (alices.len(), refused.as_slice()),
+        (3, &[403, 403, 403][..])
+    );
+    // Six more of a key without a limit: three nodes of two have room for three more.
+    let (more, refused) = creates_through_all(&c, None).await?;
+    assert_eq!((more.len(), refused.as_slice()), (3, &[403, 403, 403][..]));
+    let mut per_node = [0; 3];
+    for id in alices.iter().chain(&more) {
+        per_node[c.owner_of(id)?] += 1;
+    }
+    assert_eq!(per_node, [2, 2, 2], "no node over its two");
+    // The cluster is full: the answer a full node gives.
+    let (status, body) = c.nodes[1].post_json("/api/kernels", json!({})).await?;
+    assert_eq!(status, 403, "{body}");
+    Ok(())
+}
+
+#[test]
 fn a_node_cut_off_from_etcd_or_from_everyone_loses_its_kernels_in_the_others_view_until_it_heals(
 ) -> Result<()> {
     if skipped() {
