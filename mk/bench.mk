@@ -24,7 +24,7 @@ $(BENCH_VENV)/.stamp: $(KERNELGATE_ROOT)/kernel-image/requirements.txt $(KERNELG
 .PHONY: bench bench-venv
 bench-venv: $(BENCH_VENV)/.stamp
 
-bench: image bench-venv
+bench: image bench-venv test-tools
 	cd '$(KERNELGATE_ROOT)' && $(CARGO) build --release -p kernelgate -p kernelgate-tests
 	cd '$(KERNELGATE_ROOT)' && KERNELGATE_IMAGE='$(KERNEL_IMAGE)' \
 		KERNELGATE_BIN='$(KERNELGATE_ROOT)/target/release/kernelgate' \

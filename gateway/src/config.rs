@@ -415,6 +415,15 @@ pub struct ClusterArgs {
     /// gone, against how long an etcd hiccup may last before a node counts as cut off.
     #[arg(long, env = "KERNELGATE_LEASE_TTL", default_value_t = 10, value_parser = clap::value_parser!(u64).range(2..=3600))]
     pub lease_ttl: u64,
+
+    /// The etcd user this node authenticates as, when etcd has authentication on (give
+    /// --etcd-password-file too).
+    #[arg(long, env = "KERNELGATE_ETCD_USER", value_name = "NAME")]
+    pub etcd_user: Option<String>,
+
+    /// A file holding that etcd user's password (a trailing newline is ignored).
+    #[arg(long, env = "KERNELGATE_ETCD_PASSWORD_FILE", value_name = "PATH")]
+    pub etcd_password_file: Option<PathBuf>,
 }
 
 impl ClusterArgs {
@@ -424,5 +433,7 @@ impl ClusterArgs {
             || self.node_id.is_some()
             || self.advertise.is_some()
             || self.cluster_secret_file.is_some()
+            || self.etcd_user.is_some()
+            || self.etcd_password_file.is_some()
     }
 }

@@ -1006,6 +1006,9 @@ async fn cluster_flags_are_checked_before_anything_starts() -> Result<()> {
     let short = dir.path().join("short.secret");
     std::fs::write(&short, "too short")?;
     let short = short.display().to_string();
+    let long = dir.path().join("long.secret");
+    std::fs::write(&long, "a".repeat(64))?;
+    let long = long.display().to_string();
     for (args, says) in [
         (vec!["--advertise", "http://127.0.0.1:1"], "give --etcd too"),
         (vec!["--etcd", "http://127.0.0.1:1"], "--advertise"),
@@ -1029,6 +1032,20 @@ async fn cluster_flags_are_checked_before_anything_starts() -> Result<()> {
             ],
             "at least 32",
         ),
+        (
+            vec![
+                "--etcd",
+                "http://127.0.0.1:1",
+                "--advertise",
+                "http://127.0.0.1:1",
+                "--cluster-secret-file",
+                &long,
+                "--etcd-user",
+                "root",
+            ],
+            "go together",
+        ),
+        (vec!["--etcd-user", "root"], "give --etcd too"),
     ] {
         let out = std::process::Command::new(kernelgate_tests::binary())
             .arg("serve")

@@ -179,3 +179,80 @@ async fn a_node_that_stops_renewing_loses_its_kernels_in_the_others_view() -> Re
     b_stops.cancel();
     Ok(())
 }
+
+/// Turns authentication on in `server`'s etcd with user `root`, password `password`; the
+/// steps etcd's documentation gives (`etcdctl role add root`, `user add`, `user grant-role`,
+/// `auth enable`), through its JSON gateway.
+async fn enable_auth(server: &EtcdServer, password: &str, again: bool) -> Result<()> {
+    let http = reqwest::Client::new();
+    let steps = [
+        ("/v3/auth/role/add", serde_json::json!({"name": "root"})),
+        (
+            "/v3/auth/user/add",
+            serde_json::json!({"name": "root", "password": password}),
+        ),
+        (
+            "/v3/auth/user/grant",
+            serde_json::json!({"user": "root", "role": "root"}),
+        ),
+        ("/v3/auth/enable", serde_json::json!({})),
+    ];
+    let skip = usize::from(again) * 3; // the user is there already: only `enable`
+    for (path, body) in steps.into_iter().skip(skip) {
+        let request = http.post(format!("{}{path}", server.url())).json(&body);
+        let answer: serde_json::Value = request.send().await?.json().await?;
+        anyhow::ensure!(answer.get("error").is_none(), "{path}: {answer}");
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_authentication_on_only_the_user_gets_in_and_a_stale_token_is_renewed() -> Result<()> {
+    let server = EtcdServer::start().await?;
+    enable_auth(&server, "s3cret", false).await?;
+
+    let anonymous = client(&server)?;
+    match anonymous.list("/kernelgate/v1/").await {
+        Err(RegistryError::Refused(why)) => assert!(why.contains("user name"), "{why}"),
+        other => panic!("an anonymous list: {other:?}"),
+    }
+    let wrong = client(&server)?.with_user("root", "guess");
+    match wrong.list("/kernelgate/v1/").await {
+        Err(RegistryError::Refused(why)) => assert!(why.contains("--etcd-user"), "{why}"),
+        other => panic!("a wrong password: {other:?}"),
+    }
+
+    let etcd = client(&server)?.with_user("root", "s3cret");
+    let lease = etcd.grant(Duration::from_secs(30)).await?;
+    let at = etcd.put(&kernel_key("k1"), b"node-a", lease).await?;
+    assert_eq!(etcd.list("/kernelgate/v1/").await?.entries.len(), 1);
+    let mut watch = etcd.watch("/kernelgate/v1/", at).await?;
+    let batch = tokio::time::timeout(Duration::from_secs(5), watch.next())
+        .await?
+        .expect("a batch")?;
+    assert!(matches!(&batch[0], Event::Put(e) if e.key == kernel_key("k1")));
+
+    // Authentication switched off and on again: every token etcd handed out is void. The
+    // next call takes a new one and goes through.
+    let root = reqwest::Client::new()
+        .post(format!("{}/v3/auth/authenticate", server.url()))
+        .json(&serde_json::json!({"name": "root", "password": "s3cret"}))
+        .send()
+        .await?
+        .json::<serde_json::Value>()
+        .await?;
+    let token = root["token"].as_str().unwrap_or_default().to_owned();
+    let disabled: serde_json::Value = reqwest::Client::new()
+        .post(format!("{}/v3/auth/disable", server.url()))
+        .header("authorization", &token)
+        .json(&serde_json::json!({}))
+        .send()
+        .await?
+        .json()
+        .await?;
+    assert!(disabled.get("error").is_none(), "{disabled}");
+    enable_auth(&server, "s3cret", true).await?;
+    assert!(etcd.keep_alive(lease).await?, "renewed with a new token");
+    assert_eq!(etcd.list("/kernelgate/v1/").await?.entries.len(), 1);
+    Ok(())
+}

@@ -6,6 +6,10 @@
 //! Each call goes to the first endpoint that answers; the one that answered last is tried
 //! first next time. A watch is one long POST whose response streams one JSON object per
 //! line; it ends with the connection, and the caller resumes it from a revision.
+//!
+//! With a user ([`Etcd::with_user`]) every call carries the token etcd's
+//! `/v3/auth/authenticate` handed out; a call that etcd answers with an invalid or expired
+//! token authenticates again and is sent once more.
 
 use super::registry::{
     prefix_end, Entry, Event, Lease, Listing, Registry, RegistryError, Revision,
@@ -17,7 +21,7 @@ use futures::StreamExt;
 use serde::Deserialize;
 use serde_json::{json, Value};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// How long one request may take before the endpoint counts as unreachable. Well under
@@ -33,6 +37,38 @@ pub struct Etcd {
     /// Calls other than the watch get [`REQUEST_TIMEOUT`] each; the watch, whose response
     /// streams for as long as it lives, only the connect timeout.
     http: reqwest::Client,
+    /// The user to authenticate as, for an etcd with authentication on.
+    user: Option<Arc<User>>,
+}
+
+/// An etcd user, and the token etcd last handed it.
+struct User {
+    name: String,
+    password: String,
+    token: Mutex<Option<String>>,
+}
+
+impl std::fmt::Debug for User {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("User")
+            .field("name", &self.name)
+            .finish_non_exhaustive()
+    }
+}
+
+impl User {
+    fn token(&self) -> Option<String> {
+        self.token.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    fn set_token(&self, token: Option<String>) {
+        *self.token.lock().unwrap_or_else(|e| e.into_inner()) = token;
+    }
+}
+
+/// Whether etcd refused a call for its token (expired, revoked, or never given).
+fn bad_token(error: &str) -> bool {
+    error.contains("invalid auth token") || error.contains("user name is empty")
 }
 
 impl Etcd {
@@ -57,12 +93,71 @@ impl Etcd {
             endpoints: Arc::new(endpoints),
             preferred: Arc::new(AtomicUsize::new(0)),
             http,
+            user: None,
         })
     }
 
-    /// POSTs `body` to `path` on the first endpoint that answers; the JSON reply.
+    /// Authenticates as `name` with `password` (etcd with authentication on).
+    pub fn with_user(mut self, name: &str, password: &str) -> Etcd {
+        self.user = Some(Arc::new(User {
+            name: name.to_owned(),
+            password: password.to_owned(),
+            token: Mutex::new(None),
+        }));
+        self
+    }
+
+    /// The user's token, authenticating when there is none yet.
+    async fn token(&self) -> Result<Option<String>, RegistryError> {
+        let Some(user) = &self.user else {
+            return Ok(None);
+        };
+        if let Some(token) = user.token() {
+            return Ok(Some(token));
+        }
+        let body = json!({"name": user.name, "password": user.password});
+        let reply = self
+            .post_json("/v3/auth/authenticate", &body, None)
+            .await
+            .map_err(|e| match e {
+                RegistryError::Refused(why) => RegistryError::Refused(format!(
+                    "etcd refused the user {:?} (--etcd-user, --etcd-password-file): {why}",
+                    user.name
+                )),
+                other => other,
+            })?;
+        let token = reply["token"]
+            .as_str()
+            .ok_or_else(|| RegistryError::Malformed("an authentication without a token".into()))?
+            .to_owned();
+        user.set_token(Some(token.clone()));
+        Ok(Some(token))
+    }
+
+    /// POSTs `body` to `path` on the first endpoint that answers; the JSON reply. A call
+    /// refused for its token is sent once more with a new one.
     async fn call(&self, path: &str, body: Value) -> Result<Value, RegistryError> {
-        let response = self.send(path, &body, Some(REQUEST_TIMEOUT)).await?;
+        let token = self.token().await?;
+        match self.post_json(path, &body, token.as_deref()).await {
+            Err(RegistryError::Refused(why)) if self.user.is_some() && bad_token(&why) => {
+                if let Some(user) = &self.user {
+                    user.set_token(None);
+                }
+                let token = self.token().await?;
+                self.post_json(path, &body, token.as_deref()).await
+            }
+            answer => answer,
+        }
+    }
+
+    /// One POST of `body` to `path` with `token`; the JSON reply, or etcd's error.
+    async fn post_json(
+        &self,
+        path: &str,
+        body: &Value,
+        token: Option<&str>,
+    ) -> Result<Value, RegistryError> {
+        let response = self.send(path, body, Some(REQUEST_TIMEOUT), token).await?;
         let status = response.status();
         let text = response.text().await.map_err(|e| unreachable(path, &e))?;
         let value: Value = serde_json::from_str(&text).map_err(|_| {
@@ -82,6 +177,7 @@ impl Etcd {
         path: &str,
         body: &Value,
         timeout: Option<Duration>,
+        token: Option<&str>,
     ) -> Result<reqwest::Response, RegistryError> {
         let n = self.endpoints.len();
         let first = self.preferred.load(Ordering::Relaxed) % n;
@@ -91,6 +187,9 @@ impl Etcd {
             let mut request = self.http.post(&url).json(body);
             if let Some(t) = timeout {
                 request = request.timeout(t);
+            }
+            if let Some(token) = token {
+                request = request.header(reqwest::header::AUTHORIZATION, token);
             }
             match request.send().await {
                 Ok(response) => {
@@ -252,7 +351,10 @@ impl Registry for Etcd {
             "key": b64(prefix.as_bytes()), "range_end": b64(&prefix_end(prefix)),
             "start_revision": from.to_string(),
         }});
-        let response = self.send("/v3/watch", &body, None).await?;
+        let token = self.token().await?;
+        let response = self
+            .send("/v3/watch", &body, None, token.as_deref())
+            .await?;
         if !response.status().is_success() {
             return Err(RegistryError::Refused(format!(
                 "/v3/watch answered {}",
@@ -260,13 +362,24 @@ impl Registry for Etcd {
             )));
         }
         let lines = lines(response.bytes_stream());
+        let user = self.user.clone();
         Ok(lines
-            .filter_map(move |line| async move {
-                let line = match line {
-                    Ok(l) => l,
-                    Err(e) => return Some(Err(e)),
-                };
-                watch_batch(&line, from).transpose()
+            .filter_map(move |line| {
+                let user = user.clone();
+                async move {
+                    let line = match line {
+                        Ok(l) => l,
+                        Err(e) => return Some(Err(e)),
+                    };
+                    let batch = watch_batch(&line, from);
+                    // Refused for its token: the watch made anew takes a new one.
+                    if let (Err(RegistryError::Refused(why)), Some(user)) = (&batch, &user) {
+                        if bad_token(why) {
+                            user.set_token(None);
+                        }
+                    }
+                    batch.transpose()
+                }
             })
             .boxed())
     }

@@ -56,8 +56,8 @@ impl ClusterNode {
         if args.etcd.is_empty() {
             if args.any() {
                 bail!(
-                    "--node-id, --advertise and --cluster-secret-file belong to cluster mode: \
-                     give --etcd too, or leave them out for a single gateway"
+                    "--node-id, --advertise, --cluster-secret-file and --etcd-user belong to \
+                     cluster mode: give --etcd too, or leave them out for a single gateway"
                 );
             }
             return Ok(None);
@@ -96,8 +96,19 @@ impl ClusterNode {
         if node_id.is_empty() || node_id.contains('/') || node_id.len() > 128 {
             bail!("--node-id {node_id:?}: give a name without '/' of at most 128 characters");
         }
-        let registry = Etcd::new(args.etcd.clone(), reqwest::Client::builder())
+        let mut registry = Etcd::new(args.etcd.clone(), reqwest::Client::builder())
             .map_err(|e| anyhow::anyhow!("--etcd: {e}"))?;
+        match (&args.etcd_user, &args.etcd_password_file) {
+            (Some(user), Some(file)) => {
+                let password = std::fs::read_to_string(file).with_context(|| {
+                    format!("cannot read the etcd password file {}", file.display())
+                })?;
+                let password = password.strip_suffix('\n').unwrap_or(&password);
+                registry = registry.with_user(user, password);
+            }
+            (None, None) => {}
+            _ => bail!("--etcd-user and --etcd-password-file go together: give both, or neither for an etcd without authentication"),
+        }
         let record = NodeRecord {
             address: advertise.trim_end_matches('/').to_owned(),
             incarnation: uuid::Uuid::new_v4().simple().to_string(),

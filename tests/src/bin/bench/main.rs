@@ -4,6 +4,7 @@
 //!
 //! Usage: bench [--out FILE.json] [--md FILE.md] [--venv DIR] [--rounds N] [--pool-size N]
 //!              [--idle-kernels N] [--quick] [--mcp-only] [--audit-only] [--restart-only]
+//!              [--cluster-only]
 //!
 //! Kernelgate runs each kernel in a Docker container under runc (ipc sockets
 //! bind-mounted), then, in a table of its own, under runc and gVisor side by side; JKG and
@@ -11,6 +12,7 @@
 //! launcher (kernel-image/launch.py) with the same ipykernel and matplotlib versions.
 
 mod audit;
+mod cluster;
 mod conn;
 mod mcp;
 mod procs;
@@ -53,6 +55,8 @@ struct Opts {
     audit_only: bool,
     /// Only restarts, with and without a warm kernel ready.
     restart_only: bool,
+    /// Only cluster mode's costs.
+    cluster_only: bool,
 }
 
 impl Opts {
@@ -74,6 +78,7 @@ impl Opts {
             mcp_only: false,
             audit_only: false,
             restart_only: false,
+            cluster_only: false,
         };
         let mut args = std::env::args().skip(1);
         while let Some(a) = args.next() {
@@ -89,6 +94,7 @@ impl Opts {
                 "--mcp-only" => o.mcp_only = true,
                 "--audit-only" => o.audit_only = true,
                 "--restart-only" => o.restart_only = true,
+                "--cluster-only" => o.cluster_only = true,
                 "--quick" => {
                     // For trying the bench out, not for numbers.
                     o.rounds = 1;
@@ -116,7 +122,7 @@ impl Opts {
 
 const USAGE: &str = "usage: bench [--out FILE.json] [--md FILE.md] [--venv DIR] [--rounds N] \
                      [--pool-size N] [--idle-kernels N] [--quick] [--mcp-only] [--audit-only] \
-                     [--restart-only]";
+                     [--restart-only] [--cluster-only]";
 
 /// One target's kernels and client connections during the run.
 #[derive(Debug)]
@@ -171,6 +177,7 @@ async fn main() -> Result<()> {
     if !opts.mcp_only
         && !opts.audit_only
         && !opts.restart_only
+        && !opts.cluster_only
         && !venv.join("bin/jupyter-kernelgateway").exists()
     {
         bail!(
@@ -209,6 +216,7 @@ async fn main() -> Result<()> {
             "mcp_only": opts.mcp_only,
             "audit_only": opts.audit_only,
             "restart_only": opts.restart_only,
+            "cluster_only": opts.cluster_only,
         },
         "metrics": results.metrics,
     });
@@ -234,6 +242,9 @@ async fn measure_all(opts: &Opts, paths: &Paths, results: &mut Results) -> Resul
     }
     if opts.restart_only {
         return restart::compare(opts, paths, results).await;
+    }
+    if opts.cluster_only {
+        return cluster::compare(opts, paths, results).await;
     }
     log(format!(
         "starting Kernelgate (warm pool {}) and JKG",
@@ -283,7 +294,8 @@ async fn measure_all(opts: &Opts, paths: &Paths, results: &mut Results) -> Resul
     audit::compare(opts, paths, results).await?;
     mcp::compare(opts, paths, results).await?;
     runtimes::compare(opts, paths, results).await?;
-    restart::compare(opts, paths, results).await
+    restart::compare(opts, paths, results).await?;
+    cluster::compare(opts, paths, results).await
 }
 
 async fn measure(

@@ -73,7 +73,8 @@ impl Server {
             .arg(&runtime_dir)
             .args(["--pool-size", &pool_size.to_string()])
             .args(["--cull-idle-timeout", "0"])
-            .args(extra)
+            // `{port}` in a flag stands for the port it listens on (a cluster node's address).
+            .args(extra.iter().map(|a| a.replace("{port}", &port.to_string())))
             .env("KERNELGATE_LOG", "warn")
             .start(move |_, line| {
                 if let Ok(mut log) = log.lock() {

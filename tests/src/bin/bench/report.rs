@@ -194,6 +194,9 @@ pub fn markdown(doc: &Value) -> String {
     if doc["settings"]["restart_only"] == Value::Bool(true) {
         return restart_table(m);
     }
+    if doc["settings"]["cluster_only"] == Value::Bool(true) {
+        return cluster_table(m);
+    }
     let mut out = String::new();
     out.push_str("| metric | Kernelgate | JKG | direct ZMQ | ratio vs direct | target | met? |\n");
     out.push_str("|---|---:|---:|---:|---:|---|---|\n");
@@ -266,6 +269,74 @@ pub fn markdown(doc: &Value) -> String {
     out.push_str(&tool_call_table(m));
     out.push_str(&runtimes_table(m));
     out.push_str(&restart_table(m));
+    out.push_str(&cluster_table(m));
+    out
+}
+
+/// Cluster mode: through a node that does not own the kernel against straight to its owner.
+fn cluster_table(m: &Value) -> String {
+    let c = &m["cluster"];
+    let get = |path: &[&str]| {
+        let mut v = c;
+        for p in path {
+            v = &v[*p];
+        }
+        num(v)
+    };
+    let (through, straight) = (
+        get(&["rt_p50_ms", "through"]),
+        get(&["rt_p50_ms", "straight"]),
+    );
+    let (r_through, r_straight) = (
+        get(&["stream_mib_s", "through"]),
+        get(&["stream_mib_s", "straight"]),
+    );
+    let create = get(&["remote_warm_create_ms", "median"]);
+    let met = |ok: Option<bool>| match ok {
+        Some(true) => "yes",
+        Some(false) => "**no**",
+        None => "",
+    };
+    let delta = through.zip(straight).map(|(t, s)| t - s);
+    let ratio = r_through.zip(r_straight).map(|(t, s)| t / s);
+    let mut out = String::from(
+        "\n| cluster | through another node | straight to the owner | difference | target | met? |\n|---|---:|---:|---:|---|---|\n",
+    );
+    out.push_str(&format!(
+        "| execute `1+1` round trip p50 (ms) | {} | {} | {} ms | within +1 ms | {} |\n",
+        fmt(through, 2),
+        fmt(straight, 2),
+        fmt(delta, 2),
+        met(delta.map(|d| d <= 1.0)),
+    ));
+    out.push_str(&format!(
+        "| {} MiB stream (MiB/s, median) | {} | {} | {}x | at least 0.85x | {} |\n",
+        c["stream_mib_s"]["mib"],
+        fmt(r_through, 1),
+        fmt(r_straight, 1),
+        fmt(ratio, 2),
+        met(ratio.map(|r| r >= 0.85)),
+    ));
+    out.push_str(&format!(
+        "| create from the owner's warm pool through the entry (ms, median) | {} | | | under 50 ms | {} |\n",
+        fmt(create, 1),
+        met(create.map(|c| c < 50.0)),
+    ));
+    out.push_str(&format!(
+        "\nFailures (lease TTL {} s): a `kill -9` of the owner seen as 404 through the entry after {} s; \
+         both nodes registered again {} s after an etcd outage longer than the TTL ended. At rest, per \
+         node: {} etcd requests/s; the owner (one kernel, one warm) {} MiB RSS and {} % CPU, the \
+         entry {} MiB and {} %.\n\nTwo nodes and one etcd member on loopback (release build, \
+         runc); both WebSockets on the same kernel, runs interleaved.\n",
+        c["failure_s"]["ttl"],
+        fmt(get(&["failure_s", "kill_9_to_404"]), 1),
+        fmt(get(&["failure_s", "reregister_after_etcd"]), 2),
+        fmt(get(&["idle", "etcd_requests_per_s"]), 2),
+        fmt(get(&["idle", "owner_rss_mib"]), 1),
+        fmt(get(&["idle", "owner_cpu_percent"]), 2),
+        fmt(get(&["idle", "entry_rss_mib"]), 1),
+        fmt(get(&["idle", "entry_cpu_percent"]), 2),
+    ));
     out
 }
 
