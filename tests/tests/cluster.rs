@@ -384,11 +384,78 @@ async fn any_node_answers(bed: &Testbed) -> Result<()> {
         "{forwarded:?}"
     );
 
-    // Its channels WebSocket, through a non-owner: the owner answers the upgrade.
+    // Its channels WebSocket, through a non-owner: the owner answers the upgrade, in the
+    // legacy encoding and in v1 (the subprotocol the owner chose comes back).
     let mut ws = c.nodes[1].channels(&id, "cluster-session").await?;
     let outcome = ws.execute("x * 2").await?;
     assert_eq!(outcome.result_text().as_deref(), Some("82"));
     ws.close().await?;
+    let mut v1 = c.nodes[0]
+        .channels_with(&id, "cluster-v1", Some("v1.kernel.websocket.jupyter.org"))
+        .await?;
+    assert!(v1.v1, "the owner chose v1 through node-0");
+    let outcome = v1.execute("x * 3").await?;
+    assert_eq!(outcome.result_text().as_deref(), Some("123"));
+    v1.close().await?;
+
+    // The agent API's NDJSON stream, line by line as the owner sends it.
+    let streamed = c.nodes[1]
+        .request(Method::POST, &format!("/api/kernels/{id}/execute"))
+        .header("Accept", "application/x-ndjson")
+        .json(&json!({"code": "print('a', flush=True)\nx"}))
+        .send()
+        .await?;
+    assert_eq!(streamed.headers()["content-type"], "application/x-ndjson");
+    let lines: Vec<serde_json::Value> = streamed
+        .text()
+        .await?
+        .lines()
+        .map(serde_json::from_str)
+        .collect::<Result<_, _>>()?;
+    let kinds: Vec<&str> = lines.iter().filter_map(|l| l["type"].as_str()).collect();
+    assert_eq!(kinds, ["stdout", "result", "end"], "{lines:?}");
+    assert_eq!(lines[1]["data"]["text/plain"], "41");
+
+    // A caller that hangs up through an entry node: the owner interrupts the run (a
+    // two-minute sleep), and the kernel answers the next call with its state.
+    let abandoned = c.nodes[0]
+        .request(Method::POST, &format!("/api/kernels/{id}/execute"))
+        .header("Accept", "application/x-ndjson")
+        .json(&json!({"code": "import time\nprint('started', flush=True)\ntime.sleep(120)"}))
+        .send()
+        .await?;
+    let mut stream = abandoned.bytes_stream();
+    let _first = futures::StreamExt::next(&mut stream).await;
+    drop(stream);
+    let hung_up = Instant::now();
+    let answer = c.nodes[1].execute(&id, "print(x)").await?;
+    assert_eq!(answer["stdout"], "41\n", "{answer}");
+    assert!(
+        hung_up.elapsed() < Duration::from_secs(60),
+        "the run was not interrupted: {:?}",
+        hung_up.elapsed()
+    );
+
+    // Files up through one non-owner and down through the other, byte for byte.
+    let bytes: Vec<u8> = (0..200_000u32).map(|i| (i % 251) as u8).collect();
+    let put = c.nodes[0]
+        .request(
+            Method::PUT,
+            &format!("/api/kernels/{id}/files/data/blob.bin"),
+        )
+        .body(bytes.clone())
+        .send()
+        .await?;
+    assert_eq!(put.status(), 201);
+    let got = c.nodes[1]
+        .request(
+            Method::GET,
+            &format!("/api/kernels/{id}/files/data/blob.bin"),
+        )
+        .send()
+        .await?;
+    assert_eq!(got.status(), 200);
+    assert_eq!(got.bytes().await?.as_ref(), bytes.as_slice());
 
     // An MCP session opened through node-0 answers through the other nodes too.
     let mut mcp = McpSession::open(c.nodes[0].client()).await?;
