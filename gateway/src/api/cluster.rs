@@ -485,9 +485,9 @@ async fn mcp_by_kernel(
     req: Request,
     next: Next,
 ) -> Response {
-    let (parts, body) = req.into_parts();
-    let Ok(bytes) = to_bytes(body, max_body).await else {
-        return too_large(max_body);
+    let (parts, bytes) = match buffered(req, max_body).await {
+        Ok(read) => read,
+        Err(refused) => return refused,
     };
     let kernel = serde_json::from_slice::<Value>(&bytes).ok().and_then(|m| {
         (m["method"] == "tools/call")
@@ -513,12 +513,20 @@ async fn mcp_by_kernel(
     }
 }
 
-fn too_large(max_body: usize) -> Response {
-    ApiError::new(
-        StatusCode::PAYLOAD_TOO_LARGE,
-        format!("an MCP message is at most {max_body} bytes (--max-message-mb)"),
-    )
-    .into_response()
+/// An MCP request read whole, to look into and to send again: 413 past `max_body`.
+async fn buffered(
+    req: Request,
+    max_body: usize,
+) -> Result<(axum::http::request::Parts, axum::body::Bytes), Response> {
+    let (parts, body) = req.into_parts();
+    match to_bytes(body, max_body).await {
+        Ok(bytes) => Ok((parts, bytes)),
+        Err(_) => Err(ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!("an MCP message is at most {max_body} bytes (--max-message-mb)"),
+        )
+        .into_response()),
+    }
 }
 
 async fn mcp_elsewhere(
@@ -529,9 +537,9 @@ async fn mcp_elsewhere(
     req: Request,
     next: Next,
 ) -> Response {
-    let (parts, body) = req.into_parts();
-    let Ok(bytes) = to_bytes(body, max_body).await else {
-        return too_large(max_body);
+    let (parts, bytes) = match buffered(req, max_body).await {
+        Ok(read) => read,
+        Err(refused) => return refused,
     };
     let remembered = cluster
         .mcp_sessions
