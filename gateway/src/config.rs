@@ -389,7 +389,8 @@ pub struct Config {
 /// (docs/cluster.md). Without `--etcd` the gateway is a single node and none of these apply.
 #[derive(Debug, Clone, Default, Args)]
 pub struct ClusterArgs {
-    /// The cluster registry: etcd's client URLs (`http://host:2379`), comma-separated.
+    /// The cluster registry: etcd's client URLs (`http://host:2379`, or `https://` for an
+    /// etcd that serves TLS), comma-separated.
     #[arg(
         long,
         env = "KERNELGATE_ETCD",
@@ -424,6 +425,20 @@ pub struct ClusterArgs {
     /// A file holding that etcd user's password (a trailing newline is ignored).
     #[arg(long, env = "KERNELGATE_ETCD_PASSWORD_FILE", value_name = "PATH")]
     pub etcd_password_file: Option<PathBuf>,
+
+    /// PEM file of the CA that signed etcd's server certificate (`https://` endpoints);
+    /// without it the system's trusted roots are used.
+    #[arg(long, env = "KERNELGATE_ETCD_CA_FILE", value_name = "PATH")]
+    pub etcd_ca_file: Option<PathBuf>,
+
+    /// PEM client certificate this node shows etcd, for an etcd started with
+    /// `--client-cert-auth` (give --etcd-key-file too).
+    #[arg(long, env = "KERNELGATE_ETCD_CERT_FILE", value_name = "PATH")]
+    pub etcd_cert_file: Option<PathBuf>,
+
+    /// PEM private key of that client certificate.
+    #[arg(long, env = "KERNELGATE_ETCD_KEY_FILE", value_name = "PATH")]
+    pub etcd_key_file: Option<PathBuf>,
 }
 
 impl ClusterArgs {
@@ -435,5 +450,8 @@ impl ClusterArgs {
             || self.cluster_secret_file.is_some()
             || self.etcd_user.is_some()
             || self.etcd_password_file.is_some()
+            || self.etcd_ca_file.is_some()
+            || self.etcd_cert_file.is_some()
+            || self.etcd_key_file.is_some()
     }
 }

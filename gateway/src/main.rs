@@ -298,7 +298,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
 async fn mcp_stdio(args: McpArgs) -> anyhow::Result<()> {
     let mut config = args.config;
     if config.cluster.any() {
-        bail!("--etcd, --node-id, --advertise, --cluster-secret-file and --etcd-user belong to `kernelgate serve`; `kernelgate mcp` runs its own kernels, or uses a gateway's with --url");
+        bail!("--etcd, --node-id, --advertise, --cluster-secret-file and the --etcd-* options belong to `kernelgate serve`; `kernelgate mcp` runs its own kernels, or uses a gateway's with --url");
     }
     if let Some(url) = &args.url {
         let token = match &args.token_file {

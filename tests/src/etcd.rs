@@ -1,9 +1,11 @@
 //! A real etcd (Debian's `etcd-server`) for the tests of cluster mode: one member on
 //! loopback ports of its own (or in a test host of its own), a temporary data directory,
-//! stopped and removed on drop.
+//! stopped and removed on drop. Optionally serving TLS with client certificates, signed by
+//! a CA made for the test.
 
 use crate::netns::Host;
 use anyhow::{bail, Context, Result};
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
@@ -16,6 +18,80 @@ pub struct EtcdServer {
     host: Option<Host>,
     client_port: u16,
     peer_port: u16,
+    /// Certificates for an etcd serving TLS that asks clients for theirs.
+    tls: Option<Tls>,
+}
+
+/// A test CA, etcd's server certificate and a client certificate, all signed by that CA,
+/// written as PEM files into etcd's data directory.
+#[derive(Debug, Clone)]
+pub struct Tls {
+    pub ca: PathBuf,
+    pub server_cert: PathBuf,
+    pub server_key: PathBuf,
+    pub client_cert: PathBuf,
+    pub client_key: PathBuf,
+}
+
+impl Tls {
+    fn write(dir: &Path) -> Result<Tls> {
+        use rcgen::{
+            BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, KeyPair,
+        };
+        let ca_key = KeyPair::generate()?;
+        let mut params = CertificateParams::new(Vec::<String>::new())?;
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        params
+            .distinguished_name
+            .push(DnType::CommonName, "kernelgate test CA");
+        let ca = params.self_signed(&ca_key)?;
+        // etcd 3.4's JSON gateway dials etcd's own gRPC port with the server certificate as
+        // its client certificate: it serves both purposes.
+        let leaf =
+            |name: &str, purposes: Vec<ExtendedKeyUsagePurpose>| -> Result<(String, String)> {
+                let key = KeyPair::generate()?;
+                let mut params =
+                    CertificateParams::new(vec!["127.0.0.1".to_owned(), "localhost".to_owned()])?;
+                params.distinguished_name.push(DnType::CommonName, name);
+                params.extended_key_usages = purposes;
+                let cert = params.signed_by(&key, &ca, &ca_key)?;
+                Ok((cert.pem(), key.serialize_pem()))
+            };
+        let (server_cert, server_key) = leaf(
+            "etcd",
+            vec![
+                ExtendedKeyUsagePurpose::ServerAuth,
+                ExtendedKeyUsagePurpose::ClientAuth,
+            ],
+        )?;
+        let (client_cert, client_key) =
+            leaf("kernelgate-node", vec![ExtendedKeyUsagePurpose::ClientAuth])?;
+        let tls = Tls {
+            ca: dir.join("ca.pem"),
+            server_cert: dir.join("server.pem"),
+            server_key: dir.join("server.key"),
+            client_cert: dir.join("client.pem"),
+            client_key: dir.join("client.key"),
+        };
+        std::fs::write(&tls.ca, ca.pem())?;
+        std::fs::write(&tls.server_cert, server_cert)?;
+        std::fs::write(&tls.server_key, server_key)?;
+        std::fs::write(&tls.client_cert, &client_cert)?;
+        std::fs::write(&tls.client_key, &client_key)?;
+        Ok(tls)
+    }
+
+    /// An HTTP client that trusts the test CA and shows the client certificate.
+    pub fn client(&self) -> Result<reqwest::Client> {
+        let mut identity = std::fs::read(&self.client_cert)?;
+        identity.extend(std::fs::read(&self.client_key)?);
+        Ok(reqwest::Client::builder()
+            .use_rustls_tls()
+            .tls_built_in_root_certs(false)
+            .add_root_certificate(reqwest::Certificate::from_pem(&std::fs::read(&self.ca)?)?)
+            .identity(reqwest::Identity::from_pem(&identity)?)
+            .build()?)
+    }
 }
 
 impl EtcdServer {
@@ -28,9 +104,32 @@ impl EtcdServer {
             host: None,
             client_port: crate::free_port()?,
             peer_port: crate::free_port()?,
+            tls: None,
         };
         server.spawn().await?;
         Ok(server)
+    }
+
+    /// Starts etcd on free loopback ports serving TLS only, and only to clients that show a
+    /// certificate signed by its test CA ([`EtcdServer::tls`]).
+    pub async fn start_tls() -> Result<EtcdServer> {
+        let data = tempfile::Builder::new().prefix("kg-etcd-").tempdir()?;
+        let tls = Tls::write(data.path())?;
+        let mut server = EtcdServer {
+            child: None,
+            data,
+            host: None,
+            client_port: crate::free_port()?,
+            peer_port: crate::free_port()?,
+            tls: Some(tls),
+        };
+        server.spawn().await?;
+        Ok(server)
+    }
+
+    /// The certificates of an etcd started with [`EtcdServer::start_tls`].
+    pub fn tls(&self) -> Option<&Tls> {
+        self.tls.as_ref()
     }
 
     /// Starts etcd inside test host `host`, on its address and etcd's usual ports; the
@@ -43,6 +142,7 @@ impl EtcdServer {
             host: Some(host.clone()),
             client_port: 2379,
             peer_port: 2380,
+            tls: None,
         };
         server.spawn().await?;
         Ok(server)
@@ -52,9 +152,10 @@ impl EtcdServer {
         self.host.as_ref().map_or("127.0.0.1", |h| h.ip.as_str())
     }
 
-    /// The client URL (`http://ADDRESS:PORT`).
+    /// The client URL (`http://ADDRESS:PORT`, `https://` with TLS).
     pub fn url(&self) -> String {
-        format!("http://{}:{}", self.address(), self.client_port)
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        format!("{scheme}://{}:{}", self.address(), self.client_port)
     }
 
     /// Kills the member with SIGKILL: an outage. Its data stays for [`EtcdServer::resume`].
@@ -87,6 +188,16 @@ impl EtcdServer {
             }
             None => Command::new("etcd"),
         };
+        if let Some(tls) = &self.tls {
+            command
+                .arg("--cert-file")
+                .arg(&tls.server_cert)
+                .arg("--key-file")
+                .arg(&tls.server_key)
+                .arg("--trusted-ca-file")
+                .arg(&tls.ca)
+                .arg("--client-cert-auth");
+        }
         let child = command
             .args(["--name", "kg-test"])
             .arg("--data-dir")
@@ -101,7 +212,10 @@ impl EtcdServer {
             .spawn()
             .context("cannot start etcd: install Debian's etcd-server (make test-tools does)")?;
         self.child = Some(child);
-        let http = reqwest::Client::new();
+        let http = match &self.tls {
+            Some(tls) => tls.client()?,
+            None => reqwest::Client::new(),
+        };
         for _ in 0..100 {
             let ok = http
                 .get(format!("{client}/health"))

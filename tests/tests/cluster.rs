@@ -5,6 +5,8 @@
 //! is run once.
 
 use anyhow::{Context, Result};
+use base64::engine::general_purpose::STANDARD as B64;
+use base64::Engine;
 use kernelgate_client::mcp::{McpCalls, McpSession};
 use kernelgate_tests::etcd::EtcdServer;
 use kernelgate_tests::netns::{run_in, Host, Net};
@@ -1113,6 +1115,46 @@ async fn cluster_flags_are_checked_before_anything_starts() -> Result<()> {
             "go together",
         ),
         (vec!["--etcd-user", "root"], "give --etcd too"),
+        (
+            vec![
+                "--etcd",
+                "https://127.0.0.1:1",
+                "--advertise",
+                "http://127.0.0.1:1",
+                "--cluster-secret-file",
+                &long,
+                "--etcd-cert-file",
+                &long,
+            ],
+            "--etcd-cert-file and --etcd-key-file go together",
+        ),
+        (
+            vec![
+                "--etcd",
+                "http://127.0.0.1:1",
+                "--advertise",
+                "http://127.0.0.1:1",
+                "--cluster-secret-file",
+                &long,
+                "--etcd-ca-file",
+                &long,
+            ],
+            "give its https:// URLs",
+        ),
+        (
+            vec![
+                "--etcd",
+                "https://127.0.0.1:1",
+                "--advertise",
+                "http://127.0.0.1:1",
+                "--cluster-secret-file",
+                &long,
+                "--etcd-ca-file",
+                &long,
+            ],
+            "no PEM certificate",
+        ),
+        (vec!["--etcd-ca-file", "/etc/ssl/ca.pem"], "give --etcd too"),
     ] {
         let out = std::process::Command::new(kernelgate_tests::binary())
             .arg("serve")
@@ -1130,6 +1172,128 @@ async fn cluster_flags_are_checked_before_anything_starts() -> Result<()> {
         .output()?;
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("belong to `kernelgate serve`"));
+    Ok(())
+}
+
+/// etcd serving TLS that asks every client for a certificate signed by its CA: a node
+/// given etcd's CA and a client certificate joins, and its kernels' records are in etcd;
+/// a node without the certificate, or without the CA, stays out and says why.
+#[tokio::test]
+async fn a_node_reaches_an_etcd_that_serves_tls_with_its_client_certificate() -> Result<()> {
+    if skipped() {
+        return Ok(());
+    }
+    let etcd = EtcdServer::start_tls().await?;
+    let tls = etcd.tls().context("etcd serves TLS")?.clone();
+    let dir = tempfile::tempdir()?;
+    let secret = dir.path().join("cluster.secret");
+    std::fs::write(&secret, "s".repeat(64))?;
+    let secret = secret.display().to_string();
+    let url = etcd.url();
+    assert!(url.starts_with("https://"), "{url}");
+    let [ca, cert, key] =
+        [&tls.ca, &tls.client_cert, &tls.client_key].map(|p| p.display().to_string());
+    let node_with = |id: &'static str, extra: Vec<&'static str>| {
+        let mut args: Vec<String> = [
+            "--etcd",
+            &url,
+            "--advertise",
+            "http://127.0.0.1:{port}",
+            "--cluster-secret-file",
+            &secret,
+            "--node-id",
+            id,
+            "--lease-ttl",
+            "3",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        args.extend(extra.into_iter().map(|flag| match flag {
+            "CA" => ca.clone(),
+            "CERT" => cert.clone(),
+            "KEY" => key.clone(),
+            other => other.to_owned(),
+        }));
+        args
+    };
+    async fn registered(node: &Gateway) -> Result<bool> {
+        let (_, api) = node.get_json("/api").await?;
+        Ok(api["kernelgate"]["cluster"]["registered"] == true)
+    }
+
+    let args = node_with(
+        "tls-node",
+        vec![
+            "--etcd-ca-file",
+            "CA",
+            "--etcd-cert-file",
+            "CERT",
+            "--etcd-key-file",
+            "KEY",
+        ],
+    );
+    let node = Gateway::start(&args.iter().map(String::as_str).collect::<Vec<_>>()).await?;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !registered(&node).await? {
+        assert!(
+            Instant::now() < deadline,
+            "the node never registered over TLS"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let kernel = node.create_kernel().await?;
+    let id = kernel["id"].as_str().context("kernel id")?.to_owned();
+    // The kernel's record, read from etcd over TLS with the test's own client certificate.
+    let range: serde_json::Value = tls
+        .client()?
+        .post(format!("{url}/v3/kv/range"))
+        .json(&json!({"key": B64.encode(format!("/kernelgate/v1/kernels/{id}"))}))
+        .send()
+        .await?
+        .error_for_status()?
+        .json()
+        .await?;
+    let value = B64.decode(
+        range["kvs"][0]["value"]
+            .as_str()
+            .context("the kernel's record")?,
+    )?;
+    let record: serde_json::Value = serde_json::from_slice(&value)?;
+    assert_eq!(record["node"], "tls-node", "{record}");
+    assert_eq!(node.delete_kernel(&id).await?, 204);
+    drop(node);
+
+    // etcd ends the handshake of a client without a certificate; a client without the CA
+    // does not trust etcd's certificate. Either node keeps serving but is not registered,
+    // and its log says what is wrong.
+    for (id, extra, says) in [
+        ("no-cert", vec!["--etcd-ca-file", "CA"], "--etcd-cert-file"),
+        (
+            "no-ca",
+            vec!["--etcd-cert-file", "CERT", "--etcd-key-file", "KEY"],
+            "--etcd-ca-file",
+        ),
+    ] {
+        let args = node_with(id, extra);
+        let node = Gateway::start(&args.iter().map(String::as_str).collect::<Vec<_>>()).await?;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let logged = node
+                .logs
+                .lock()
+                .is_ok_and(|logs| logs.iter().any(|l| l.contains(&url) && l.contains(says)));
+            if logged {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{id}: no log line names {says:?} for {url}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert!(!registered(&node).await?, "{id} registered");
+    }
     Ok(())
 }
 

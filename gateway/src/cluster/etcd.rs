@@ -203,10 +203,24 @@ impl Etcd {
     }
 }
 
+/// `e` with its causes, which say what went wrong beneath the request (a refused
+/// connection, a certificate etcd's CA did not sign).
 fn unreachable(endpoint: &str, e: &reqwest::Error) -> RegistryError {
+    let mut reason = e.to_string();
+    let mut cause = std::error::Error::source(e);
+    while let Some(c) = cause {
+        reason.push_str(": ");
+        reason.push_str(&c.to_string());
+        cause = c.source();
+    }
+    if reason.contains("UnknownIssuer") {
+        reason.push_str(" (give the CA that signed etcd's certificate: --etcd-ca-file)");
+    } else if reason.contains("BadCertificate") || reason.contains("CertificateRequired") {
+        reason.push_str(" (etcd wants a client certificate its CA signed: --etcd-cert-file and --etcd-key-file)");
+    }
     RegistryError::Unreachable {
         endpoint: endpoint.to_owned(),
-        reason: e.to_string(),
+        reason,
     }
 }
 

@@ -56,19 +56,20 @@ impl ClusterNode {
         if args.etcd.is_empty() {
             if args.any() {
                 bail!(
-                    "--node-id, --advertise, --cluster-secret-file and --etcd-user belong to \
-                     cluster mode: give --etcd too, or leave them out for a single gateway"
+                    "--node-id, --advertise, --cluster-secret-file and the --etcd-* options \
+                     belong to cluster mode: give --etcd too, or leave them out for a single gateway"
                 );
             }
             return Ok(None);
         }
         for url in &args.etcd {
             if !(url.starts_with("http://") || url.starts_with("https://")) {
-                bail!("--etcd {url:?}: give etcd's client URL, like http://etcd:2379");
+                bail!("--etcd {url:?}: give etcd's client URL, like http://etcd:2379 or https://etcd:2379");
             }
-            if url.starts_with("https://") {
-                bail!("--etcd {url:?}: this build reaches etcd over plain HTTP only; put etcd on a private network (docs/cluster.md)");
-            }
+        }
+        let tls = args.etcd_ca_file.is_some() || args.etcd_cert_file.is_some();
+        if tls && args.etcd.iter().any(|url| url.starts_with("http://")) {
+            bail!("--etcd-ca-file and --etcd-cert-file are for an etcd that serves TLS: give its https:// URLs in --etcd");
         }
         let Some(advertise) = args.advertise.clone() else {
             bail!("--etcd needs --advertise: the URL other nodes reach this one at (http://host:port)");
@@ -96,7 +97,7 @@ impl ClusterNode {
         if node_id.is_empty() || node_id.contains('/') || node_id.len() > 128 {
             bail!("--node-id {node_id:?}: give a name without '/' of at most 128 characters");
         }
-        let mut registry = Etcd::new(args.etcd.clone(), reqwest::Client::builder())
+        let mut registry = Etcd::new(args.etcd.clone(), etcd_tls(args)?)
             .map_err(|e| anyhow::anyhow!("--etcd: {e}"))?;
         match (&args.etcd_user, &args.etcd_password_file) {
             (Some(user), Some(file)) => {
@@ -179,6 +180,47 @@ async fn reconcile(
             Err(e) => tracing::debug!(error = %e, "cannot reconcile with the cluster registry now"),
         }
     }
+}
+
+/// The HTTP client for etcd with the TLS the flags ask for: etcd's CA (else the system's
+/// roots) and this node's client certificate for an etcd with `--client-cert-auth`.
+fn etcd_tls(args: &ClusterArgs) -> anyhow::Result<reqwest::ClientBuilder> {
+    let mut http = reqwest::Client::builder().use_rustls_tls();
+    if let Some(ca) = &args.etcd_ca_file {
+        let pem = std::fs::read(ca)
+            .with_context(|| format!("cannot read the etcd CA file {}", ca.display()))?;
+        let roots = reqwest::Certificate::from_pem_bundle(&pem)
+            .with_context(|| format!("--etcd-ca-file {}: give PEM certificates", ca.display()))?;
+        if roots.is_empty() {
+            bail!("--etcd-ca-file {}: no PEM certificate in it", ca.display());
+        }
+        http = http.tls_built_in_root_certs(false);
+        for root in roots {
+            http = http.add_root_certificate(root);
+        }
+    }
+    match (&args.etcd_cert_file, &args.etcd_key_file) {
+        (Some(cert), Some(key)) => {
+            let mut pem = std::fs::read(cert)
+                .with_context(|| format!("cannot read the etcd client certificate {}", cert.display()))?;
+            pem.push(b'\n');
+            pem.extend(
+                std::fs::read(key)
+                    .with_context(|| format!("cannot read the etcd client key {}", key.display()))?,
+            );
+            let identity = reqwest::Identity::from_pem(&pem).with_context(|| {
+                format!(
+                    "--etcd-cert-file {} with --etcd-key-file {}: give a PEM certificate and its PEM private key",
+                    cert.display(),
+                    key.display()
+                )
+            })?;
+            http = http.identity(identity);
+        }
+        (None, None) => {}
+        _ => bail!("--etcd-cert-file and --etcd-key-file go together: give both, or neither for an etcd that does not ask for client certificates"),
+    }
+    Ok(http)
 }
 
 fn hostname() -> anyhow::Result<String> {
