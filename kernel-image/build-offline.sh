@@ -120,8 +120,8 @@ TMPDIR=$workdir mmdebstrap \
     --dpkgopt='path-include=/usr/share/doc/*/copyright' \
     --dpkgopt='path-exclude=/usr/share/lintian/*' \
     --customize-hook='mkdir -p "$1/opt/kernel"' \
-    --customize-hook="copy-in $(printf '%q ' "$here/requirements.txt" "$here/launch.py" "$here/setup-venv.sh")/opt/kernel" \
-    --customize-hook='chmod 0644 "$1/opt/kernel/requirements.txt" "$1/opt/kernel/launch.py"' \
+    --customize-hook="copy-in $(printf '%q ' "$here/requirements.txt" "$here/launch.py" "$here/kernelgate_state.py" "$here/setup-venv.sh")/opt/kernel" \
+    --customize-hook='chmod 0644 "$1/opt/kernel/requirements.txt" "$1/opt/kernel/launch.py" "$1/opt/kernel/kernelgate_state.py"' \
     --customize-hook="if [ -f $(printf '%q' "$workdir/build-ca.pem") ]; then cp $(printf '%q' "$workdir/build-ca.pem") \"\$1$build_ca\"; fi" \
     --customize-hook="$setup_hook" \
     --customize-hook='rm -f "$1/opt/kernel/setup-venv.sh"' \

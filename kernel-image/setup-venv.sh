@@ -2,7 +2,8 @@
 # Inside the kernel image's root filesystem, as root: creates the user `kernel` (uid/gid 1000),
 # the venv /opt/kernel/venv from requirements.txt, trims it and precompiles all Python code.
 # Shared by both builds: build-offline.sh runs it in the chroot (under `env -i`), the
-# Dockerfile runs it in a RUN step. Expects /opt/kernel/{requirements.txt,launch.py} in place.
+# Dockerfile runs it in a RUN step. Expects /opt/kernel/{requirements.txt,launch.py,
+# kernelgate_state.py} in place.
 #
 # Usage: setup-venv.sh BASE_PYTHON      (/usr/bin/python3 offline, /usr/local/bin/python3 docker)
 set -euo pipefail
@@ -32,6 +33,10 @@ install -d -o 1000 -g 1000 -m 0770 /run/kernel
 
 site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 stdlib=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')
+
+# The gateway imports the state helper in the kernel (`__import__('kernelgate_state')`), but
+# the launcher takes /opt/kernel off sys.path: the venv links to it instead.
+ln -sf "$kdir/kernelgate_state.py" "$site/kernelgate_state.py"
 
 # Test suites nothing imports at run time (numpy.testing, pandas._testing and
 # matplotlib.testing stay); about 70 MB.

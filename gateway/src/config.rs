@@ -36,6 +36,8 @@ pub enum Command {
 #[derive(Debug, Clone, Args)]
 #[command(mut_arg("runtime_dir", |a| a.default_value("/run/kernelgate-mcp")))]
 #[command(mut_arg("pool_size", |a| a.default_value("1")))]
+#[command(mut_arg("hibernate_after", |a| a.default_value("0")))]
+#[command(mut_arg("hibernate_dir", |a| a.default_value("/var/lib/kernelgate-mcp/hibernated")))]
 // HTTP-only flags: nothing listens here.
 #[command(mut_arg("listen", |a| a.hide(true)))]
 #[command(mut_arg("token", |a| a.help("Token of the gateway given with --url; a flag shows in the process list: prefer --token-file, or KERNELGATE_TOKEN")))]
@@ -124,6 +126,9 @@ pub enum KeysAction {
         /// Kernels this key may run at once.
         #[arg(long)]
         max_kernels: Option<usize>,
+        /// Kernels this key may keep hibernated at once.
+        #[arg(long)]
+        max_hibernated: Option<usize>,
         /// Memory limit per kernel, at most (MiB).
         #[arg(long)]
         max_memory_mb: Option<u64>,
@@ -286,6 +291,38 @@ pub struct Config {
     /// Kernels idle (no connection, not busy) for this many seconds are shut down; 0 never.
     #[arg(long, env = "KERNELGATE_CULL_IDLE_TIMEOUT", default_value_t = 3600)]
     pub cull_idle_timeout: u64,
+
+    /// Kernels with no execution for this many seconds hibernate: their variables, files
+    /// and history go to --hibernate-dir and their container is removed; the next request
+    /// brings them back (docs/hibernation.md). 0 never.
+    #[arg(long, env = "KERNELGATE_HIBERNATE_AFTER", default_value_t = 600)]
+    pub hibernate_after: u64,
+
+    /// Where hibernated kernels' state is kept, on disk (one gateway per directory).
+    #[arg(
+        long,
+        env = "KERNELGATE_HIBERNATE_DIR",
+        default_value = "/var/lib/kernelgate/hibernated"
+    )]
+    pub hibernate_dir: PathBuf,
+
+    /// Most MiB of state (variables and files) one kernel may hibernate with; a larger
+    /// state keeps the kernel running.
+    #[arg(long, env = "KERNELGATE_HIBERNATE_MAX_MB", default_value_t = 512, value_parser = clap::value_parser!(u64).range(1..))]
+    pub hibernate_max_mb: u64,
+
+    /// Most kernels hibernated at once; past it idle kernels keep running.
+    #[arg(long, env = "KERNELGATE_MAX_HIBERNATED", default_value_t = 256, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(0..))]
+    pub max_hibernated: usize,
+
+    /// Seconds a hibernated kernel is kept before it is deleted with its state; 0 forever.
+    #[arg(long, env = "KERNELGATE_HIBERNATE_RETENTION", default_value_t = 7 * 24 * 3600)]
+    pub hibernate_retention: u64,
+
+    /// Hibernate even when some variables cannot be saved (generators, connections): they
+    /// are dropped, and the first output after the resume names them.
+    #[arg(long, env = "KERNELGATE_HIBERNATE_LOSSY", default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    pub hibernate_lossy: bool,
 
     /// Kernels started ahead of time and handed out by `POST /api/kernels`: `N` for
     /// python3, `NAME=N` for another spec (repeatable or comma-separated; specs added

@@ -176,6 +176,17 @@ async fn kernel_table(
         cull_idle_timeout: (config.cull_idle_timeout > 0)
             .then(|| Duration::from_secs(config.cull_idle_timeout)),
         heartbeat: HeartbeatCheck::default(),
+        hibernate: kernelgate::kernels::hibernate::Policy {
+            after: (config.hibernate_after > 0)
+                .then(|| Duration::from_secs(config.hibernate_after)),
+            dir: config.hibernate_dir.clone(),
+            max_bytes: config.hibernate_max_mb << 20,
+            max_hibernated: config.max_hibernated,
+            retention: (config.hibernate_retention > 0)
+                .then(|| Duration::from_secs(config.hibernate_retention)),
+            lossy: config.hibernate_lossy,
+            runtime_dir: config.runtime_dir.display().to_string(),
+        },
         specs: Arc::new(specs),
         limits: ClientLimits {
             kernel_message_bytes: config.max_message_mb * 1024 * 1024,
@@ -488,6 +499,7 @@ fn keys_command(args: KeysArgs) -> anyhow::Result<()> {
             name,
             admin,
             max_kernels,
+            max_hibernated,
             max_memory_mb,
             max_cpus,
         } => {
@@ -503,6 +515,7 @@ fn keys_command(args: KeysArgs) -> anyhow::Result<()> {
                 token_sha256: hex::encode(token_digest(&token)),
                 admin,
                 max_kernels,
+                max_hibernated,
                 max_memory_mb,
                 max_cpus,
             });

@@ -109,6 +109,16 @@ struct Metrics {
     pool_refills: Counter,
     docker_errors: Family<CallLabel, Counter>,
     reconciled: Family<FixLabel, Counter>,
+    hibernated: Gauge,
+    hibernated_bytes: Gauge,
+    hibernations: Family<OutcomeLabel, Counter>,
+    hibernate_seconds: Histogram,
+    resume_seconds: Histogram,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OutcomeLabel {
+    outcome: &'static str,
 }
 
 /// This node's id in cluster mode: every series carries it as `node`.
@@ -148,6 +158,11 @@ static METRICS: LazyLock<Metrics> = LazyLock::new(|| {
         pool_refills: Counter::default(),
         docker_errors: Family::default(),
         reconciled: Family::default(),
+        hibernated: Gauge::default(),
+        hibernated_bytes: Gauge::default(),
+        hibernations: Family::default(),
+        hibernate_seconds: seconds_histogram(),
+        resume_seconds: seconds_histogram(),
         registry: Registry::default(),
     };
     registry.register(
@@ -221,6 +236,32 @@ static METRICS: LazyLock<Metrics> = LazyLock::new(|| {
          reconcile fixed: a record of a kernel this node no longer has (stale_record), or a \
          kernel of this node the registry did not know (unregistered_kernel)",
         m.reconciled.clone(),
+    );
+    registry.register(
+        "hibernated_kernels",
+        "Kernels hibernated: their state on disk, no container",
+        m.hibernated.clone(),
+    );
+    registry.register(
+        "hibernated_state_bytes",
+        "Bytes of hibernated kernels' saved state on disk",
+        m.hibernated_bytes.clone(),
+    );
+    registry.register(
+        "hibernations",
+        "Hibernation attempts, by outcome: hibernated, blocked (a variable or the budget \
+         stops it; the kernel keeps running), busy (work came in) or failed",
+        m.hibernations.clone(),
+    );
+    registry.register(
+        "hibernate_seconds",
+        "Time to save a kernel's state and remove its container",
+        m.hibernate_seconds.clone(),
+    );
+    registry.register(
+        "resume_seconds",
+        "Time from the request that woke a hibernated kernel until its state is loaded",
+        m.resume_seconds.clone(),
     );
     let relayed = [Direction::KernelToClient, Direction::ClientToKernel].map(|d| {
         let label = DirectionLabel {
@@ -326,6 +367,22 @@ pub fn reconciled(fix: &'static str, count: u64) {
         .inc_by(count);
 }
 
+/// How a hibernation attempt ended: `hibernated`, `blocked`, `busy` or `failed`.
+pub fn hibernation(outcome: &'static str, took: Duration) {
+    METRICS
+        .hibernations
+        .get_or_create(&OutcomeLabel { outcome })
+        .inc();
+    if outcome == "hibernated" {
+        METRICS.hibernate_seconds.observe(took.as_secs_f64());
+    }
+}
+
+/// A hibernated kernel runs again, `took` after the request that woke it.
+pub fn resumed(took: Duration) {
+    METRICS.resume_seconds.observe(took.as_secs_f64());
+}
+
 /// The state of the kernel table, set just before a scrape.
 #[derive(Debug, Default)]
 pub struct TableSnapshot {
@@ -333,6 +390,8 @@ pub struct TableSnapshot {
     pub states: Vec<(&'static str, i64)>,
     pub pooled: i64,
     pub buffered_bytes: i64,
+    pub hibernated: i64,
+    pub hibernated_bytes: i64,
 }
 
 /// The exposition text, with the table gauges set from `snapshot`.
@@ -347,6 +406,8 @@ pub fn render(snapshot: &TableSnapshot) -> String {
     }
     METRICS.pool_kernels.set(snapshot.pooled);
     METRICS.replay_bytes.set(snapshot.buffered_bytes);
+    METRICS.hibernated.set(snapshot.hibernated);
+    METRICS.hibernated_bytes.set(snapshot.hibernated_bytes);
     let mut text = String::new();
     // Writing into a String cannot fail.
     let _ = prometheus_client::encoding::text::encode(&mut text, &METRICS.registry);
@@ -367,10 +428,13 @@ mod tests {
         relayed(Direction::KernelToClient, 100);
         dropped(DropReason::ClientBehind, 3);
         docker_error("launch");
+        hibernation("blocked", Duration::ZERO);
         let text = render(&TableSnapshot {
             states: vec![("idle", 2), ("busy", 1)],
             pooled: 1,
             buffered_bytes: 42,
+            hibernated: 3,
+            hibernated_bytes: 4096,
         });
         for needle in [
             r#"kernelgate_kernels{state="idle"} 2"#,
@@ -384,6 +448,10 @@ mod tests {
             "kernelgate_replay_buffer_bytes 42",
             "kernelgate_pool_kernels 1",
             "kernelgate_pool_refills_total",
+            "kernelgate_hibernated_kernels 3",
+            "kernelgate_hibernated_state_bytes 4096",
+            r#"kernelgate_hibernations_total{outcome="blocked"} 1"#,
+            "kernelgate_resume_seconds_count",
             r#"kernelgate_docker_errors_total{call="launch"}"#,
             "# EOF",
         ] {

@@ -23,6 +23,8 @@ pub struct Tenant {
     /// Sees and manages every tenant's kernels.
     pub admin: bool,
     pub max_kernels: Option<usize>,
+    /// Kernels hibernated at once, at most (docs/hibernation.md).
+    pub max_hibernated: Option<usize>,
     /// Per kernel, at most.
     pub max_memory_mb: Option<u64>,
     /// Per kernel, at most.
@@ -38,6 +40,7 @@ impl Tenant {
             name: name.to_owned(),
             admin: true,
             max_kernels: None,
+            max_hibernated: None,
             max_memory_mb: None,
             max_cpus: None,
             revoked: CancellationToken::new(),
@@ -60,6 +63,8 @@ pub struct KeyEntry {
     pub admin: bool,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_kernels: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_hibernated: Option<usize>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_memory_mb: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -266,6 +271,7 @@ impl Keys {
                     name: entry.name.clone(),
                     admin: entry.admin,
                     max_kernels: entry.max_kernels,
+                    max_hibernated: entry.max_hibernated,
                     max_memory_mb: entry.max_memory_mb,
                     max_cpus: entry.max_cpus,
                     revoked: revoked_token,
@@ -322,6 +328,7 @@ mod tests {
             token_sha256: hex::encode(token_digest(token)),
             admin: false,
             max_kernels: Some(2),
+            max_hibernated: None,
             max_memory_mb: None,
             max_cpus: None,
         }

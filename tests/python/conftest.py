@@ -207,6 +207,9 @@ def start_gateway(log_path: Path, extra: list[str] | None = None) -> Gateway:
     extra = [a.replace("{port}", str(port)) for a in (extra or [])]
     if "--pool-size" not in extra:
         extra += ["--pool-size", "0"]
+    if "--hibernate-dir" not in extra:
+        # Beside the runtime directory, removed with it.
+        extra += ["--hibernate-dir", f"{runtime_dir}.hibernated"]
     if "--audit-log" not in extra:
         # Beside the gateway's log, not in the host's /var/log.
         extra += ["--audit-log", str(log_path.with_name(log_path.stem + "-audit.log"))]
@@ -265,7 +268,9 @@ def stop_gateway(gw: Gateway) -> None:
 def remove_leftovers(runtime_dir: Path) -> None:
     """Removes what a gateway on `runtime_dir` may have left (nothing, after a clean stop; a
     failed test's gateway may not have stopped cleanly): its containers, the mounts below the
-    directory, the directory. Every test leaves the machine as it found it."""
+    directory, the directory, its hibernated kernels' state. Every test leaves the machine
+    as it found it."""
+    shutil.rmtree(f"{runtime_dir}.hibernated", ignore_errors=True)
     listed = subprocess.run(
         ["docker", "ps", "-aq", "--filter", f"label=org.kernelgate.runtime_dir={runtime_dir}"],
         capture_output=True, text=True, check=False,

@@ -203,6 +203,12 @@ impl Gateway {
         if given_dir.is_none() {
             args.extend(["--runtime-dir".into(), runtime_dir.display().to_string()]);
         }
+        if !extra.contains(&"--hibernate-dir") {
+            args.extend([
+                "--hibernate-dir".into(),
+                hibernate_dir(&runtime_dir).display().to_string(),
+            ]);
+        }
         if !extra.contains(&"--pool-size") {
             args.extend(["--pool-size".into(), "0".into()]);
         }
@@ -443,6 +449,7 @@ impl Drop for Gateway {
         }
         // Empty once the gateway removed its kernels; else kept to look at.
         let _ = std::fs::remove_dir(&self.runtime_dir);
+        let _ = std::fs::remove_dir_all(hibernate_dir(&self.runtime_dir));
         if self.owns_audit_log {
             let _ = std::fs::remove_file(&self.audit_log);
         }
@@ -490,7 +497,15 @@ impl Drop for Crashed {
 /// Removes what a gateway on `runtime_dir` created, as the gateway itself would at its
 /// shutdown: the containers labelled with the directory, the mounts below it, the
 /// directory.
+/// Where the harness's gateway on `runtime_dir` keeps hibernated kernels (unless the test
+/// gives `--hibernate-dir`): beside the runtime directory, so a restarted gateway on the
+/// same directory finds them.
+pub fn hibernate_dir(runtime_dir: &std::path::Path) -> PathBuf {
+    PathBuf::from(format!("{}.hibernated", runtime_dir.display()))
+}
+
 pub fn remove_leftovers(runtime_dir: &std::path::Path) {
+    let _ = std::fs::remove_dir_all(hibernate_dir(runtime_dir));
     let filter = format!("label=org.kernelgate.runtime_dir={}", runtime_dir.display());
     let listed = std::process::Command::new("docker")
         .args(["ps", "-aq", "--filter", &filter])

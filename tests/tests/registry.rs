@@ -147,6 +147,7 @@ async fn a_node_that_stops_renewing_loses_its_kernels_in_the_others_view() -> Re
         tenant: "admin".into(),
         spec: "python3".into(),
         created: "2026-01-01T00:00:00.000000Z".into(),
+        hibernated: false,
     };
     a.claim("k1", &kernel).await?;
     let seen = Instant::now();

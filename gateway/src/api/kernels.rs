@@ -34,6 +34,12 @@ pub struct KernelModel {
     pub execution_state: &'static str,
     /// WebSockets connected to it.
     pub connections: usize,
+    /// Its state is on disk and it has no process; the next request that needs it brings
+    /// it back (`execution_state` is `idle`).
+    pub hibernated: bool,
+    /// Why it could not hibernate last time it tried (variables that cannot be saved, the
+    /// budget), until its next execution; `null` otherwise.
+    pub hibernate_blocked: Option<String>,
 }
 
 fn execution_state_schema() -> utoipa::openapi::Object {
@@ -52,6 +58,8 @@ impl KernelModel {
             last_activity: iso(k.last_activity()),
             execution_state: k.execution_state().as_str(),
             connections: k.connections(),
+            hibernated: live.is_hibernated(),
+            hibernate_blocked: live.hibernate_blocked(),
         }
     }
 }
@@ -251,4 +259,36 @@ pub async fn restart(
     let live = find(&state, &caller, &id)?;
     state.kernels.restart(&live, &caller.0.name).await?;
     Ok(Json(KernelModel::of(&live)))
+}
+
+/// Hibernates the kernel now: its variables, files and history go to disk and its
+/// container is removed; the next request that needs it brings it back (docs/hibernation.md).
+#[utoipa::path(
+    post, path = "/api/kernels/{id}/hibernate", tag = "kernels", operation_id = "hibernate_kernel",
+    params(KernelPath),
+    responses(
+        (status = 200, description = "Hibernated (or it was already)", body = KernelModel),
+        (status = 404, description = "No such kernel", body = ErrorBody),
+        (status = 409, description = "It keeps running: it is busy, or its state cannot be kept \
+            (the message names the variables or files, or the budget it passes)", body = ErrorBody),
+        (status = 503, description = "Saving failed (the message says why); it keeps running", body = ErrorBody),
+    ),
+)]
+pub async fn hibernate(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(KernelPath { id }): Path<KernelPath>,
+) -> Result<Json<KernelModel>, ApiError> {
+    use crate::kernels::hibernate::HibernateError;
+    let live = find(&state, &caller, &id)?;
+    match state.kernels.hibernate(&live).await {
+        Ok(()) => Ok(Json(KernelModel::of(&live))),
+        Err(
+            e @ (HibernateError::Busy(_) | HibernateError::Blocked(_) | HibernateError::Full(_)),
+        ) => Err(ApiError::new(StatusCode::CONFLICT, e.to_string())),
+        Err(e) => Err(ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            e.to_string(),
+        )),
+    }
 }

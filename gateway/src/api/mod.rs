@@ -107,6 +107,7 @@ pub fn surface() -> Surface {
         .operations(routes!(kernels::get, kernels::delete))
         .operations(routes!(kernels::interrupt))
         .operations(routes!(kernels::restart))
+        .operations(routes!(kernels::hibernate))
         .prose(
             "/api/kernels/{id}/channels",
             get(channels::connect),

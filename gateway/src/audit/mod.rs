@@ -103,6 +103,22 @@ pub enum Record {
     },
     /// An idle kernel was removed (`--cull-idle-timeout`).
     KernelCulled { kernel: String },
+    /// A kernel hibernated: its state (`bytes` on disk) was saved and its container
+    /// removed; `dropped` names what could not be kept (`--hibernate-lossy`).
+    KernelHibernated {
+        kernel: String,
+        owner: String,
+        bytes: u64,
+        took_ms: u64,
+        #[serde(skip_serializing_if = "Vec::is_empty")]
+        dropped: Vec<String>,
+    },
+    /// A hibernated kernel runs again, with its state loaded into a fresh process.
+    KernelResumed {
+        kernel: String,
+        owner: String,
+        took_ms: u64,
+    },
     /// Code is on its way to the kernel (written before it is sent).
     ExecutionRequested {
         #[serde(flatten)]

@@ -106,6 +106,9 @@ pub struct KernelRecord {
     pub spec: String,
     /// When it was created, as Jupyter writes times.
     pub created: String,
+    /// It hibernates: its state is on its owner's disk, it wakes on the next request.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub hibernated: bool,
 }
 
 #[cfg(test)]

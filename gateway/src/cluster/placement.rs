@@ -52,6 +52,7 @@ mod tests {
             tenant: String::new(),
             spec: "python3".into(),
             created: String::new(),
+            hibernated: false,
         }
     }
 

@@ -71,7 +71,7 @@ pub enum FileError {
 /// Runs `op` on `path` in `live`'s working directory for the key `key` (audited).
 /// Output larger than `max_bytes` is refused with [`FileError::TooLarge`].
 pub async fn perform(
-    kernels: &Kernels,
+    kernels: &std::sync::Arc<Kernels>,
     live: &LiveKernel,
     key: &str,
     op: FileOp,
@@ -99,7 +99,7 @@ pub async fn perform(
 /// Reads at most `length` bytes of the file at `path` from `offset` (none past its end),
 /// for the key `key` (audited as a read); also the file's size.
 pub async fn read_part(
-    kernels: &Kernels,
+    kernels: &std::sync::Arc<Kernels>,
     live: &LiveKernel,
     key: &str,
     path: &str,
@@ -139,7 +139,7 @@ pub async fn read_part(
 
 /// Runs the files script with `args` in the kernel's container.
 async fn script(
-    kernels: &Kernels,
+    kernels: &std::sync::Arc<Kernels>,
     live: &LiveKernel,
     args: &[&str],
     body: Bytes,
@@ -151,6 +151,13 @@ async fn script(
             path: path.escape_default().to_string(),
             reason: "file paths may not contain NUL or other control characters".into(),
         });
+    }
+    // Its files are in its saved state while it hibernates: bring it back first.
+    if let Some(live) = kernels.get(live.id()).filter(|l| l.is_hibernated()) {
+        kernels.resume(&live).await.map_err(|e| FileError::Failed {
+            path: path.to_owned(),
+            reason: format!("the hibernated kernel could not be resumed: {e}"),
+        })?;
     }
     let argv = ["python3", "-c", SCRIPT]
         .into_iter()

@@ -35,4 +35,7 @@ pub trait Ledger: Send + Sync + std::fmt::Debug {
 
     /// A kernel gone from the table.
     fn release<'a>(&'a self, id: &'a str) -> BoxFuture<'a, ()>;
+
+    /// A kernel hibernated (`true`) or woke (`false`); it stays this table's.
+    fn hibernated<'a>(&'a self, id: &'a str, hibernated: bool) -> BoxFuture<'a, ()>;
 }

@@ -10,6 +10,7 @@ use crate::relay::clients::ClientLimits;
 
 mod adopt;
 pub mod files;
+pub mod hibernate;
 pub mod ledger;
 mod pool;
 pub mod runner;
@@ -68,6 +69,8 @@ pub struct Settings {
     pub guard: Option<Arc<crate::policy::Guard>>,
     /// Where the table's own kernels are recorded beyond this process (cluster mode).
     pub ledger: Option<Arc<dyn ledger::Ledger>>,
+    /// When kernels hibernate, and where their state goes.
+    pub hibernate: hibernate::Policy,
 }
 
 /// The kernel process a [`LiveKernel`] runs in now: a restart may move it into a warm
@@ -101,9 +104,33 @@ pub struct LiveKernel {
     /// restart; unset when none can (limits of its own, variables only a fresh process
     /// reads, or unknown for a kernel re-adopted from an earlier run).
     warm_env: OnceLock<BTreeMap<String, String>>,
+    /// What a fresh process for it starts with: its create's environment and limits.
+    origin: OnceLock<(BTreeMap<String, String>, Limits)>,
+    /// Its key's `max_hibernated`, as the keys file said at its create.
+    max_hibernated: OnceLock<usize>,
+    /// Its hibernation.
+    sleep: Mutex<hibernate::Sleep>,
 }
 
 impl LiveKernel {
+    fn new(relay: Arc<Relay>, name: &str, process: Process, cancel: CancellationToken) -> Self {
+        LiveKernel {
+            relay,
+            name: name.to_owned(),
+            process: Mutex::new(process),
+            ops: tokio::sync::Mutex::new(()),
+            epoch: AtomicU64::new(0),
+            rearm: Notify::new(),
+            runs: Arc::default(),
+            cancel,
+            owner: OnceLock::new(),
+            warm_env: OnceLock::new(),
+            origin: OnceLock::new(),
+            max_hibernated: OnceLock::new(),
+            sleep: Mutex::default(),
+        }
+    }
+
     pub fn id(&self) -> &str {
         self.relay.id()
     }
@@ -153,8 +180,16 @@ impl Table {
         }
     }
 
+    /// Kernels that run (hibernated ones count against no limit), and creates under way.
+    fn running(&self) -> usize {
+        self.live.values().filter(|l| !l.is_hibernated()).count() + self.reserved
+    }
+
     fn owned_by(&self, owner: &str) -> usize {
-        self.live.values().filter(|l| l.owner() == owner).count()
+        self.live
+            .values()
+            .filter(|l| l.owner() == owner && !l.is_hibernated())
+            .count()
             + self.reserved_by.get(owner).copied().unwrap_or(0)
     }
 }
@@ -261,6 +296,12 @@ impl Kernels {
             let me = self.clone();
             self.tracker.spawn(async move { me.cull(idle).await });
         }
+        self.restore_hibernated().await;
+        let hibernate = &self.settings.hibernate;
+        if hibernate.after.is_some() || hibernate.retention.is_some() {
+            let me = self.clone();
+            self.tracker.spawn(me.hibernate_idle());
+        }
     }
 
     /// Creates a kernel: checks the spec, environment and limit, then takes one from the
@@ -293,6 +334,7 @@ impl Kernels {
         };
         let owner = tenant.name.clone();
         let max_kernels = tenant.max_kernels;
+        let max_hibernated = tenant.max_hibernated;
         self.tracker.spawn(
             async move {
                 let started = std::time::Instant::now();
@@ -315,6 +357,10 @@ impl Kernels {
                         return;
                     }
                 };
+                let _ = live.origin.set((env.clone(), limits));
+                if let Some(max) = max_hibernated {
+                    let _ = live.max_hibernated.set(max);
+                }
                 if limits == Limits::default() && pool::warm_can_take(&env) {
                     let _ = live.warm_env.set(env);
                 }
@@ -365,7 +411,7 @@ impl Kernels {
     /// create fails.
     fn reserve(self: &Arc<Self>, tenant: &Tenant) -> Result<Slot, CreateError> {
         let mut t = self.lock();
-        if t.live.len() + t.reserved >= self.settings.max_kernels {
+        if t.running() >= self.settings.max_kernels {
             return Err(CreateError::TooMany {
                 max: self.settings.max_kernels,
             });
@@ -434,10 +480,15 @@ impl Kernels {
                 .or_default() += 1;
             buffered += live.relay.buffered_bytes();
         }
+        let pooled =
+            i64::try_from(t.pool.values().map(VecDeque::len).sum::<usize>()).unwrap_or(i64::MAX);
+        drop(t);
+        let (hibernated, hibernated_bytes) = self.hibernated_totals();
         TableSnapshot {
+            hibernated,
+            hibernated_bytes,
             states: states.into_iter().collect(),
-            pooled: i64::try_from(t.pool.values().map(VecDeque::len).sum::<usize>())
-                .unwrap_or(i64::MAX),
+            pooled,
             buffered_bytes: i64::try_from(buffered).unwrap_or(i64::MAX),
         }
     }
@@ -521,18 +572,12 @@ impl Kernels {
             kernel.disconnect();
             return Err(e);
         }
-        let live = Arc::new(LiveKernel {
-            relay: kernel,
-            name: name.to_owned(),
-            process: Mutex::new(Process { handle, connection }),
-            ops: tokio::sync::Mutex::new(()),
-            epoch: AtomicU64::new(0),
-            rearm: Notify::new(),
-            runs: Arc::default(),
+        let live = Arc::new(LiveKernel::new(
+            kernel,
+            name,
+            Process { handle, connection },
             cancel,
-            owner: OnceLock::new(),
-            warm_env: OnceLock::new(),
-        });
+        ));
         self.watch(&live);
         Ok(live)
     }
@@ -575,7 +620,11 @@ impl Kernels {
 
     /// Interrupts the kernel's process (SIGINT); executions still waiting for approval are
     /// cancelled.
+    /// A hibernated kernel runs nothing: interrupting it does nothing.
     pub async fn interrupt(&self, live: &LiveKernel) -> Result<(), BackendError> {
+        if live.is_hibernated() {
+            return Ok(());
+        }
         live.relay.interrupted().await;
         self.backend.interrupt(&live.handle()).await
     }
@@ -590,6 +639,9 @@ impl Kernels {
     ) -> Option<Result<(), BackendError>> {
         let live = self.lock().live.remove(id)?;
         let owner = live.owner().to_owned();
+        if live.is_hibernated() {
+            self.forget_state(id).await;
+        }
         if let Some(ledger) = &self.settings.ledger {
             ledger.release(id).await;
         }
@@ -628,6 +680,10 @@ impl Kernels {
         live.relay.set_state(ExecutionState::Dead, true);
         live.relay.disconnect();
         live.relay.close_clients();
+        if live.is_hibernated() {
+            // Its process is gone already.
+            return Ok(());
+        }
         self.backend.remove(&live.handle()).await
     }
 
@@ -651,8 +707,20 @@ impl Kernels {
     }
 
     /// Removes every kernel, pooled ones included (graceful shutdown).
+    /// Hibernated kernels stay on disk for the next run.
     pub async fn shutdown(&self) {
-        let all = self.take_all();
+        let all: Vec<_> = self
+            .take_all()
+            .into_iter()
+            .filter(|live| {
+                let hibernated = live.is_hibernated();
+                if hibernated {
+                    live.cancel.cancel();
+                    live.relay.close_clients();
+                }
+                !hibernated
+            })
+            .collect();
         let removals = all.iter().map(|live| self.discard(live));
         for (live, result) in all.iter().zip(futures::future::join_all(removals).await) {
             if let Err(e) = result {

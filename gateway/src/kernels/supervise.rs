@@ -93,6 +93,14 @@ impl Kernels {
         let restart = self.tracker.spawn(
             async move {
                 let _ops = live.ops.lock().await;
+                if live.is_hibernated() {
+                    // Fresh, as any restart: the saved state goes.
+                    me.forget_state(live.id()).await;
+                    live.relay
+                        .refuse_waiting("the kernel was restarted".into())
+                        .await;
+                    return me.wake_fresh(&live).await;
+                }
                 live.epoch.fetch_add(1, Ordering::SeqCst);
                 live.relay
                     .lost_executions("KernelRestarted", "the kernel was restarted")
@@ -271,6 +279,11 @@ impl Kernels {
 
     async fn watch_loop(self: &Arc<Self>, live: &Arc<LiveKernel>) {
         loop {
+            if live.is_hibernated() {
+                // No process to watch until it wakes in one.
+                live.rearm.notified().await;
+                continue;
+            }
             let epoch = live.epoch.load(Ordering::SeqCst);
             let Process { handle, connection } = live.process();
             let cause = tokio::select! {
@@ -342,7 +355,9 @@ impl Kernels {
                 .filter(|l| {
                     let k = &l.relay;
                     let quiet = (now - k.last_activity()).to_std().unwrap_or_default();
-                    k.connections() == 0
+                    // A hibernated kernel costs no memory: --hibernate-retention ends it.
+                    !l.is_hibernated()
+                        && k.connections() == 0
                         && k.execution_state() != ExecutionState::Busy
                         && quiet >= idle
                 })

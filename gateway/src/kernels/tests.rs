@@ -21,6 +21,7 @@ pub(super) fn settings() -> Settings {
         startup_timeout: Duration::from_secs(10),
         autorestart: true,
         cull_idle_timeout: None,
+        hibernate: Default::default(),
         heartbeat: HeartbeatCheck::default(),
         specs: specs(&[], &["0"]),
         audit: crate::audit::Audit::disabled(),
@@ -249,6 +250,7 @@ async fn a_dead_kernel_is_restarted_or_reported_dead() {
 async fn idle_kernels_without_connections_are_culled() {
     let (kernels, fake) = table(Settings {
         cull_idle_timeout: Some(Duration::from_millis(300)),
+        hibernate: Default::default(),
         ..settings()
     })
     .await;
@@ -351,6 +353,7 @@ pub(super) fn tenant(name: &str, max_kernels: Option<usize>) -> Arc<Tenant> {
         name: name.into(),
         admin: false,
         max_kernels,
+        max_hibernated: None,
         max_memory_mb: None,
         max_cpus: None,
         revoked: CancellationToken::new(),

@@ -12,6 +12,7 @@ mod hold_queue;
 mod holding;
 pub mod link;
 mod requests;
+mod sleep;
 
 use crate::audit::{Audit, Record, Sender, Written};
 use crate::metrics::{self, Direction, DropReason};
@@ -70,6 +71,11 @@ struct State {
     /// Why the kernel is dead for good and what brings it back: set when it could not be
     /// restarted. Execute requests are answered with it in the kernel's place.
     dead: Option<String>,
+    /// The kernel hibernates: its state is on disk, its process gone or going. Client
+    /// messages wait in the backlog and wake it.
+    hibernated: bool,
+    /// Messages clients (not the gateway itself) sent so far.
+    client_sends: u64,
 }
 
 /// Most client messages held while a kernel restarts; past this, sends fail.
@@ -91,6 +97,8 @@ pub struct Relay {
     /// The aliases this kernel's cells bound, as the policy resolves names.
     scope: Arc<Mutex<kernelgate_policy::Scope>>,
     state: Mutex<State>,
+    /// Told when a client message reaches a hibernated kernel.
+    wake: tokio::sync::Notify,
 }
 
 impl Relay {
@@ -117,7 +125,10 @@ impl Relay {
                 holds: HoldQueue::default(),
                 in_flight: VecDeque::new(),
                 dead: None,
+                hibernated: false,
+                client_sends: 0,
             }),
+            wake: tokio::sync::Notify::new(),
         })
     }
 
@@ -132,12 +143,23 @@ impl Relay {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// The state clients are told; a hibernated kernel is `idle`.
     pub fn execution_state(&self) -> ExecutionState {
-        self.lock().execution_state
+        let st = self.lock();
+        if st.hibernated {
+            ExecutionState::Idle
+        } else {
+            st.execution_state
+        }
     }
 
     pub fn last_activity(&self) -> DateTime<Utc> {
         self.lock().last_activity
+    }
+
+    /// Sets the last activity (a hibernated kernel listed again after a gateway restart).
+    pub fn set_last_activity(&self, at: DateTime<Utc>) {
+        self.lock().last_activity = at;
     }
 
     pub fn connections(&self) -> usize {
@@ -172,6 +194,7 @@ impl Relay {
         let backlog = {
             let mut st = self.lock();
             st.link = Some(link.clone());
+            st.hibernated = false;
             // Whatever the previous process was asked is answered or lost by now.
             st.in_flight.clear();
             let backlog = std::mem::take(&mut st.backlog);
@@ -317,6 +340,9 @@ impl Relay {
             fx.audit(requested.clone());
             metrics::relayed(Direction::ClientToKernel, wire_size(&message));
             st.last_activity = Utc::now();
+            if key != GATEWAY_KEY {
+                st.client_sends += 1;
+            }
             // Behind a held message, or held itself: the policy keeps shell order.
             let hold = channel == Channel::Shell
                 && st.holds.must_hold(matches!(decision, Decision::Ask(_)));
@@ -350,6 +376,9 @@ impl Relay {
     /// records are awaited (in the file, and synced with `--audit-fsync`), then clients
     /// get their messages, then the kernel its one.
     async fn carry_out(&self, fx: Effects) -> Result<(), KernelError> {
+        if fx.wake {
+            self.wake.notify_one();
+        }
         if fx.written.is_pending() {
             fx.written.await;
         }
@@ -377,13 +406,16 @@ impl Relay {
         code_sha256: Option<String>,
     ) -> Result<(), KernelError> {
         let execute = message.kind() == MsgKind::ExecuteRequest;
-        let queue = st.link.is_none()
+        // A hibernated kernel queues everything (and wakes); a (re)starting one what comes
+        // before its process answers.
+        let starting = st.link.is_none()
             && matches!(
                 st.execution_state,
                 ExecutionState::Starting | ExecutionState::Restarting
-            )
-            && st.backlog.len() < MAX_BACKLOG;
-        if st.link.is_none() && !queue {
+            );
+        let queue = (st.hibernated || starting) && st.backlog.len() < MAX_BACKLOG;
+        fx.wake |= st.hibernated && queue;
+        if (st.link.is_none() || st.hibernated) && !queue {
             return match st.dead.clone() {
                 // A cell sent to a dead kernel fails at once, saying what brings it back.
                 Some(why) if execute => {
@@ -402,7 +434,7 @@ impl Relay {
             st.executions
                 .started(&message.header, key, code_sha256.unwrap_or_default());
         }
-        match st.link.clone() {
+        match st.link.clone().filter(|_| !st.hibernated) {
             Some(link) => {
                 if execute {
                     track(&mut st.in_flight, &message.header);
@@ -423,6 +455,8 @@ struct Effects {
     written: Written,
     to_clients: Vec<Arc<Outbound>>,
     to_kernel: Option<(Arc<Link>, Channel, Message)>,
+    /// A client message reached a hibernated kernel.
+    wake: bool,
 }
 
 impl Effects {

@@ -69,6 +69,14 @@ impl<R: Registry + Clone + std::fmt::Debug> Ledger for Membership<R> {
             self.publish_load().await;
         })
     }
+
+    fn hibernated<'a>(&'a self, id: &'a str, hibernated: bool) -> BoxFuture<'a, ()> {
+        Box::pin(async move {
+            if let Err(e) = self.set_hibernated(id, hibernated).await {
+                tracing::warn!(kernel = %id, error = %e, "cannot mark the kernel's record hibernated in the cluster registry");
+            }
+        })
+    }
 }
 
 /// Everyone's records, as this node last saw them.
@@ -265,6 +273,32 @@ impl<R: Registry + Clone> Membership<R> {
         Ok(())
     }
 
+    /// Marks kernel `id`'s record hibernated (or awake again), if it is this node's.
+    pub async fn set_hibernated(&self, id: &str, hibernated: bool) -> Result<(), RegistryError> {
+        let (lease, bytes) = {
+            let mut own = self.own();
+            let lease = own.lease;
+            let Some(bytes) = own.kernels.get_mut(id) else {
+                return Ok(());
+            };
+            let Ok(mut record) = serde_json::from_slice::<KernelRecord>(bytes) else {
+                return Ok(());
+            };
+            record.hibernated = hibernated;
+            *bytes = serde_json::to_vec(&record).unwrap_or_default();
+            (lease, bytes.clone())
+        };
+        match lease {
+            Some(lease) => self
+                .registry
+                .put(&kernel_key(id), &bytes, lease)
+                .await
+                .map(drop),
+            // Registered as it is now when the lease comes back.
+            None => Ok(()),
+        }
+    }
+
     /// A record of kernel `id`, owned by this node's incarnation.
     fn record_of(&self, owner: &str, spec: &str) -> KernelRecord {
         KernelRecord {
@@ -273,6 +307,7 @@ impl<R: Registry + Clone> Membership<R> {
             tenant: owner.to_owned(),
             spec: spec.to_owned(),
             created: crate::time::now_iso(),
+            hibernated: false,
         }
     }
 

@@ -23,6 +23,7 @@ fn kernel(node: &str) -> KernelRecord {
         tenant: "admin".into(),
         spec: "python3".into(),
         created: "2026-01-01T00:00:00.000000Z".into(),
+        hibernated: false,
     }
 }
 

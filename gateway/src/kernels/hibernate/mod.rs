@@ -1,0 +1,449 @@
+//! Hibernation: an idle kernel's state goes to disk and its container away; the first
+//! request that needs the kernel brings it back under the same id (docs/hibernation.md).
+//!
+//! Saving: the kernel's own `kernelgate_state` helper (in the image) pickles every user
+//! variable to a file in its home and refuses, naming them, when some cannot be saved.
+//! The gateway then takes the home (working directory and saved state) out of the
+//! container as a tar, keeps only directories and regular files with relative paths, and
+//! commits it with a description into `--hibernate-dir/<id>` (written to a temporary
+//! directory, synced, renamed). Only then is the container removed: a gateway killed at
+//! any point finds either the running container or the committed state. The gateway never
+//! reads what the variables hold; the state is only ever loaded into a sandboxed kernel.
+//!
+//! Resuming: a warm kernel from the pool (or a cold start) gets the tar unpacked into its
+//! home, and a load of the state is put in front of whatever clients sent meanwhile, so
+//! the first cell after the wake sees the old variables. The kernel's clients stay
+//! attached throughout.
+
+use super::{CreateError, Kernels, Limits, LiveKernel, Process, Removal};
+use crate::audit::Record;
+use crate::metrics;
+use crate::relay::GATEWAY_KEY;
+use chrono::{DateTime, Utc};
+use kernelgate_protocol::content::{ExecuteRequest, ExecutionState};
+use kernelgate_protocol::{Channel, ConnectionInfo, Execution, RawJson};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::{Component, Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tracing::Instrument;
+
+const STATE_OUT: &str = include_str!("../../../assets/state_out.py");
+const STATE_IN: &str = include_str!("../../../assets/state_in.py");
+
+/// Where the kernel's helper writes its state, inside the kernel's home.
+const STATE_DIR: &str = "/home/kernel/.kernelgate-state";
+/// Its description of the saved variables, as the home's tar names it.
+const MANIFEST: &str = ".kernelgate-state/manifest.json";
+/// The kernel's Python, which runs the helper scripts.
+const PYTHON: &str = "/opt/kernel/venv/bin/python";
+/// How long saving or loading a state may take inside the kernel.
+const KERNEL_TIMEOUT: Duration = Duration::from_secs(300);
+/// The files of a committed state.
+const TAR: &str = "state.tar";
+const META: &str = "kernel.json";
+
+/// What governs hibernation, from the configuration.
+#[derive(Debug, Clone)]
+pub struct Policy {
+    /// Hibernate kernels with no execution for this long; `None` never.
+    pub after: Option<Duration>,
+    pub dir: PathBuf,
+    pub max_bytes: u64,
+    pub max_hibernated: usize,
+    /// Delete hibernated kernels after this long; `None` keeps them.
+    pub retention: Option<Duration>,
+    pub lossy: bool,
+    /// The gateway's runtime directory: a state names it, and a gateway lists again only
+    /// the hibernated kernels of its own runtime directory (as it re-adopts containers).
+    pub runtime_dir: String,
+}
+
+impl Default for Policy {
+    fn default() -> Self {
+        Policy {
+            after: None,
+            dir: std::env::temp_dir().join("kernelgate-hibernated"),
+            max_bytes: 512 << 20,
+            max_hibernated: 256,
+            retention: None,
+            lossy: false,
+            runtime_dir: String::new(),
+        }
+    }
+}
+
+/// A kernel's hibernation, as its model shows it.
+#[derive(Debug, Default)]
+pub(super) struct Sleep {
+    /// Since when it hibernates, with the bytes of its state; `None` while it runs.
+    since: Option<(DateTime<Utc>, u64)>,
+    /// Why it cannot hibernate, until its next execution.
+    blocked: Option<String>,
+    /// The client messages sent when the block was found: an automatic try waits for
+    /// new work.
+    blocked_at: Option<u64>,
+}
+
+/// Why a kernel did not hibernate.
+#[derive(Debug, thiserror::Error)]
+pub enum HibernateError {
+    /// Something runs, or work came in while it saved.
+    #[error("the kernel is busy: {0}")]
+    Busy(String),
+    /// Its state cannot be kept (variables, links, the budget); it keeps running.
+    #[error("{0}")]
+    Blocked(String),
+    #[error("{0}")]
+    Full(String),
+    #[error("cannot hibernate the kernel: {0}")]
+    Failed(String),
+}
+
+/// What is kept beside a hibernated kernel's state: enough to list it and bring it back.
+#[derive(Debug, Serialize, Deserialize)]
+struct Meta {
+    id: String,
+    runtime_dir: String,
+    spec: String,
+    owner: String,
+    env: BTreeMap<String, String>,
+    memory_mb: Option<u64>,
+    cpus: Option<f64>,
+    #[serde(default)]
+    max_hibernated: Option<usize>,
+    hibernated_at: DateTime<Utc>,
+    last_activity: DateTime<Utc>,
+    bytes: u64,
+}
+
+impl LiveKernel {
+    /// Whether the kernel hibernates (its state on disk, no process).
+    pub fn is_hibernated(&self) -> bool {
+        self.relay.is_hibernated()
+    }
+
+    /// Why the kernel could not hibernate last time it tried, until its next execution.
+    pub fn hibernate_blocked(&self) -> Option<String> {
+        let sleep = self.sleep();
+        match (&sleep.blocked, sleep.blocked_at) {
+            (Some(why), Some(at)) if at == self.relay.client_sends() => Some(why.clone()),
+            _ => None,
+        }
+    }
+
+    fn sleep(&self) -> std::sync::MutexGuard<'_, Sleep> {
+        self.sleep.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn block(&self, why: &str) {
+        let mut sleep = self.sleep();
+        sleep.blocked = Some(why.to_owned());
+        sleep.blocked_at = Some(self.relay.client_sends());
+    }
+}
+
+impl Kernels {
+    fn state_dir(&self, id: &str) -> PathBuf {
+        self.settings.hibernate.dir.join(id)
+    }
+
+    /// Hibernates `live` now: its state saved, its container removed. A kernel that is
+    /// busy, or whose state cannot be kept, keeps running and the error says why.
+    pub async fn hibernate(self: &Arc<Self>, live: &Arc<LiveKernel>) -> Result<(), HibernateError> {
+        let (me, live) = (self.clone(), live.clone());
+        let task = self.tracker.spawn(
+            async move {
+                let started = Instant::now();
+                let result = me.hibernate_now(&live).await;
+                let outcome = match &result {
+                    Ok(()) => "hibernated",
+                    Err(HibernateError::Blocked(_) | HibernateError::Full(_)) => "blocked",
+                    Err(HibernateError::Busy(_)) => "busy",
+                    Err(HibernateError::Failed(_)) => "failed",
+                };
+                metrics::hibernation(outcome, started.elapsed());
+                match &result {
+                    Ok(()) => {}
+                    Err(e @ (HibernateError::Blocked(_) | HibernateError::Full(_))) => {
+                        tracing::info!(kernel = %live.id(), reason = %e, "the kernel cannot hibernate; it keeps running");
+                        live.block(&e.to_string());
+                    }
+                    Err(e) => tracing::info!(kernel = %live.id(), reason = %e, "the kernel did not hibernate"),
+                }
+                result
+            }
+            .in_current_span(),
+        );
+        task.await
+            .unwrap_or_else(|e| Err(HibernateError::Failed(e.to_string())))
+    }
+
+    async fn hibernate_now(self: &Arc<Self>, live: &Arc<LiveKernel>) -> Result<(), HibernateError> {
+        let _ops = live.ops.lock().await;
+        if live.is_hibernated() {
+            return Ok(());
+        }
+        let policy = &self.settings.hibernate;
+        let hibernated = self
+            .lock()
+            .live
+            .values()
+            .filter(|l| l.is_hibernated())
+            .count();
+        if hibernated >= policy.max_hibernated {
+            return Err(HibernateError::Full(format!(
+                "{hibernated} kernels hibernate, the most --max-hibernated allows; the kernel keeps running"
+            )));
+        }
+        if let Some(&max) = live.max_hibernated.get() {
+            let owner = live.owner();
+            let theirs = self
+                .lock()
+                .live
+                .values()
+                .filter(|l| l.owner() == owner && l.is_hibernated())
+                .count();
+            if theirs >= max {
+                return Err(HibernateError::Full(format!(
+                    "key {owner:?} may keep at most {max} kernels hibernated (max_hibernated in the keys file); the kernel keeps running"
+                )));
+            }
+        }
+        if !live.relay.quiet() {
+            return Err(HibernateError::Busy("it runs or holds code".into()));
+        }
+        let started = Instant::now();
+        let since = live.relay.client_sends();
+        let code = format!(
+            "__import__('kernelgate_state').save({}, lossy={}, max_bytes={})",
+            py_str(STATE_DIR),
+            if policy.lossy { "True" } else { "False" },
+            policy.max_bytes
+        );
+        match self.run_silently(live, &code).await? {
+            None => {}
+            Some((ename, evalue)) if ename == "HibernateBlocked" => {
+                return Err(HibernateError::Blocked(evalue))
+            }
+            Some((ename, _)) if ename == "ModuleNotFoundError" => {
+                return Err(HibernateError::Blocked(format!(
+                    "the kernel's image {:?} has no kernelgate_state helper, so its state cannot be saved; build images from kernel-image/ or derive them from kernelgate-kernel (docs/custom-images.md)",
+                    self.settings.specs.get(&live.name).map(|s| s.image.clone()).unwrap_or_default()
+                )))
+            }
+            Some((ename, evalue)) => {
+                return Err(HibernateError::Failed(format!("saving the state: {ename}: {evalue}")))
+            }
+        }
+        let max = usize::try_from(policy.max_bytes).unwrap_or(usize::MAX);
+        let argv = [PYTHON, "-c", STATE_OUT].map(str::to_owned).to_vec();
+        let out = self
+            .backend
+            .exec(&live.handle(), argv, bytes::Bytes::new(), max)
+            .await
+            .map_err(|e| HibernateError::Failed(format!("taking the state out: {e}")))?;
+        if out.truncated {
+            return Err(HibernateError::Blocked(format!(
+                "the kernel's variables and files pass the {} MiB allowed (--hibernate-max-mb); delete some, or raise it",
+                policy.max_bytes >> 20
+            )));
+        }
+        if out.exit_code != 0 {
+            return Err(HibernateError::Failed(format!(
+                "taking the state out: {}",
+                out.stderr.trim()
+            )));
+        }
+        let kept = keep_files(&out.stdout, policy.lossy)?;
+        let limits = live.origin.get().cloned().unwrap_or_default();
+        let meta = Meta {
+            id: live.id().to_owned(),
+            runtime_dir: policy.runtime_dir.clone(),
+            spec: live.name.clone(),
+            owner: live.owner().to_owned(),
+            env: limits.0,
+            memory_mb: limits.1.memory_mb,
+            cpus: limits.1.cpus,
+            max_hibernated: live.max_hibernated.get().copied(),
+            hibernated_at: Utc::now(),
+            last_activity: live.relay.last_activity(),
+            bytes: kept.tar.len() as u64,
+        };
+        if !live.relay.seal(since) {
+            return Err(HibernateError::Busy(
+                "work came in while its state was saved".into(),
+            ));
+        }
+        let dir = self.state_dir(live.id());
+        let committed = {
+            let (root, meta_ref, tar) = (policy.dir.clone(), &meta, kept.tar);
+            let dir = dir.clone();
+            let meta = serde_json::to_vec_pretty(meta_ref).map_err(|e| e.to_string());
+            tokio::task::spawn_blocking(move || commit(&root, &dir, &meta?, &tar))
+                .await
+                .map_err(|e| e.to_string())
+                .and_then(|r| r)
+        };
+        if let Err(e) = committed {
+            if let Err(re) = live.relay.unseal().await {
+                tracing::warn!(kernel = %live.id(), error = %re, "cannot hand waiting messages to the kernel");
+            }
+            return Err(HibernateError::Failed(format!(
+                "writing {}: {e}",
+                dir.display()
+            )));
+        }
+        // The exit this causes is not a death.
+        live.epoch.fetch_add(1, Ordering::SeqCst);
+        live.relay.disconnect();
+        let handle = live.handle();
+        if let Err(e) = self.backend.remove(&handle).await {
+            tracing::warn!(kernel = %live.id(), error = %e, "cannot remove a hibernated kernel's container");
+        }
+        {
+            let mut sleep = live.sleep();
+            sleep.since = Some((meta.hibernated_at, meta.bytes));
+            sleep.blocked = None;
+        }
+        if let Some(ledger) = &self.settings.ledger {
+            ledger.hibernated(live.id(), true).await;
+        }
+        let took = started.elapsed();
+        self.settings
+            .audit
+            .record(&Record::KernelHibernated {
+                kernel: live.id().to_owned(),
+                owner: live.owner().to_owned(),
+                bytes: meta.bytes,
+                took_ms: took.as_millis() as u64,
+                dropped: kept.dropped,
+            })
+            .await;
+        tracing::info!(kernel = %live.id(), bytes = meta.bytes, ?took, "kernel hibernated");
+        self.pool_wanted.notify_waiters();
+        self.wake_on_request(live);
+        Ok(())
+    }
+
+    /// Runs `code` in the kernel as the gateway (silent: no execution count, no history);
+    /// `Some((ename, evalue))` when it raised.
+    async fn run_silently(
+        &self,
+        live: &LiveKernel,
+        code: &str,
+    ) -> Result<Option<(String, String)>, HibernateError> {
+        let session = format!("kernelgate-state-{}", uuid::Uuid::new_v4());
+        let me = live.relay.attach(&session, true, GATEWAY_KEY);
+        let message = live
+            .relay
+            .request("execute_request", RawJson::from_value(&silent(code)));
+        let mut execution = Execution::new(message.msg_id());
+        me.send(Channel::Shell, message)
+            .await
+            .map_err(|e| HibernateError::Failed(e.to_string()))?;
+        collect(&me, &mut execution).await
+    }
+
+    /// Deletes a hibernated kernel's state (the kernel is deleted, or restarted fresh).
+    pub(in crate::kernels) async fn forget_state(&self, id: &str) {
+        forget(&self.state_dir(id)).await;
+    }
+
+    /// Hibernates kernels with no execution for `after`, and deletes hibernated ones
+    /// kept past the retention.
+    pub(in crate::kernels) async fn hibernate_idle(self: Arc<Self>) {
+        let policy = self.settings.hibernate.clone();
+        let shortest = [policy.after, policy.retention]
+            .into_iter()
+            .flatten()
+            .min()
+            .unwrap_or(Duration::from_secs(60));
+        let every = (shortest / 4).clamp(Duration::from_secs(1), Duration::from_secs(30));
+        loop {
+            tokio::select! {
+                _ = self.cancel.cancelled() => return,
+                _ = tokio::time::sleep(every) => {}
+            }
+            let now = Utc::now();
+            for live in self.list() {
+                let quiet = (now - live.relay.last_activity())
+                    .to_std()
+                    .unwrap_or_default();
+                if live.is_hibernated() {
+                    let since = live.sleep().since.map(|(at, _)| at).unwrap_or(now);
+                    let kept = (now - since).to_std().unwrap_or_default();
+                    if policy.retention.is_some_and(|r| kept >= r) {
+                        tracing::info!(kernel = %live.id(), "deleting a kernel hibernated past --hibernate-retention");
+                        let why =
+                            Removal::Because("hibernated longer than --hibernate-retention".into());
+                        if let Some(Err(e)) = self.delete(live.id(), why).await {
+                            tracing::warn!(kernel = %live.id(), error = %e, "cannot delete an expired hibernated kernel");
+                        }
+                    }
+                    continue;
+                }
+                let tried = live.sleep().blocked_at == Some(live.relay.client_sends());
+                let idle = live.relay.execution_state() == ExecutionState::Idle;
+                if policy.after.is_some_and(|a| quiet >= a) && idle && !tried {
+                    let _ = self.hibernate(&live).await;
+                }
+            }
+        }
+    }
+
+    /// Hibernated kernels and the bytes of their state, for the metrics.
+    pub(in crate::kernels) fn hibernated_totals(&self) -> (i64, i64) {
+        let t = self.lock();
+        t.live
+            .values()
+            .filter_map(|l| l.sleep().since.map(|(_, bytes)| bytes))
+            .fold((0, 0), |(n, b), bytes| (n + 1, b + bytes as i64))
+    }
+}
+
+fn silent(code: &str) -> ExecuteRequest {
+    let mut request = ExecuteRequest::new(code);
+    request.silent = true;
+    request.store_history = false;
+    request.allow_stdin = false;
+    request
+}
+
+/// Waits for the reply of `execution`; `Some((ename, evalue))` when the code raised.
+async fn collect(
+    me: &crate::relay::Attachment,
+    execution: &mut Execution,
+) -> Result<Option<(String, String)>, HibernateError> {
+    let deadline = tokio::time::Instant::now() + KERNEL_TIMEOUT;
+    while !execution.is_done() {
+        let batch = tokio::time::timeout_at(deadline, me.recv())
+            .await
+            .map_err(|_| {
+                HibernateError::Failed(format!(
+                    "the kernel did not answer within {KERNEL_TIMEOUT:?}"
+                ))
+            })?
+            .ok_or_else(|| HibernateError::Failed("the kernel went away".into()))?;
+        for out in batch {
+            execution.feed(out.channel, &out.message);
+        }
+    }
+    match execution.reply() {
+        Some(r) if r.status == "ok" => Ok(None),
+        Some(r) => Ok(Some((r.ename.clone(), r.evalue.clone()))),
+        None => Err(HibernateError::Failed("the kernel went away".into())),
+    }
+}
+
+/// A Python string literal for `s` (a JSON string is one).
+fn py_str(s: &str) -> String {
+    serde_json::to_string(s).unwrap_or_default()
+}
+
+mod resume;
+mod store;
+use store::{commit, forget, keep_files};

@@ -1,0 +1,121 @@
+//! A hibernating kernel's messaging side: sealed once its state is saved (client messages
+//! wait in the backlog from then on and wake it), unsealed when the hibernation is called
+//! off, and woken by the first client message.
+
+use super::*;
+use std::future::Future;
+
+impl Relay {
+    /// Messages clients have sent so far: a hibernation compares the count before and
+    /// after saving, so work sent meanwhile calls it off.
+    pub fn client_sends(&self) -> u64 {
+        self.lock().client_sends
+    }
+
+    /// Whether nothing runs or waits: no execution in flight, none held by the policy.
+    pub fn quiet(&self) -> bool {
+        let st = self.lock();
+        st.in_flight.is_empty()
+            && !st.holds.must_hold(false)
+            && st.backlog.is_empty()
+            && st.execution_state == ExecutionState::Idle
+    }
+
+    /// Seals the kernel for hibernation if clients sent nothing since `since` and nothing
+    /// runs: from now on their messages wait in the backlog (and wake it). The link stays
+    /// until [`Relay::disconnect`], for [`Relay::unseal`].
+    pub fn seal(&self, since: u64) -> bool {
+        let mut st = self.lock();
+        let quiet = st.client_sends == since
+            && st.in_flight.is_empty()
+            && !st.holds.must_hold(false)
+            && st.backlog.is_empty();
+        if quiet {
+            st.hibernated = true;
+            st.execution_state = ExecutionState::Restarting;
+        }
+        quiet
+    }
+
+    /// Calls a hibernation off: messages that waited meanwhile go to the still-running
+    /// process, in order.
+    pub async fn unseal(&self) -> Result<(), KernelError> {
+        let (link, backlog) = {
+            let mut st = self.lock();
+            st.hibernated = false;
+            st.execution_state = ExecutionState::Idle;
+            let backlog = std::mem::take(&mut st.backlog);
+            for (_, message) in &backlog {
+                if message.kind() == MsgKind::ExecuteRequest {
+                    track(&mut st.in_flight, &message.header);
+                }
+            }
+            (st.link.clone(), backlog)
+        };
+        // The permit a waiting message left is spent: the kernel is awake.
+        self.wake_consumed();
+        let Some(link) = link else {
+            return Err(KernelError::KernelGone);
+        };
+        for (channel, message) in backlog {
+            link.send(channel, message).await?;
+        }
+        Ok(())
+    }
+
+    /// Marks a kernel with no process as hibernated (one found on disk at start).
+    pub fn set_hibernated(&self) {
+        let mut st = self.lock();
+        st.hibernated = true;
+        st.execution_state = ExecutionState::Restarting;
+    }
+
+    pub fn is_hibernated(&self) -> bool {
+        self.lock().hibernated
+    }
+
+    /// Resolves when a client message reached the hibernated kernel (at once if one did
+    /// since the last call).
+    pub async fn woken(&self) {
+        self.wake.notified().await;
+    }
+
+    fn wake_consumed(&self) {
+        // A stored permit resolves the next `notified` at once; spend it.
+        let spent = self.wake.notified();
+        tokio::pin!(spent);
+        let waker = futures::task::noop_waker();
+        let _ = spent
+            .as_mut()
+            .poll(&mut std::task::Context::from_waker(&waker));
+    }
+
+    /// Puts a message of the gateway's own (`session`, attached with [`Relay::attach`])
+    /// in front of the backlog: the first thing the next process gets, before what
+    /// clients sent meanwhile.
+    pub fn send_first(&self, session: &str, channel: Channel, message: Message) {
+        let mut st = self.lock();
+        st.clients.note_request(message.msg_id(), session);
+        st.backlog.insert(0, (channel, message));
+    }
+
+    /// A resume failed: executions that waited for it are answered in the kernel's
+    /// place with `why`; the kernel stays hibernated for the next try.
+    pub async fn refuse_waiting(&self, why: String) {
+        let mut fx = Effects::default();
+        {
+            let mut st = self.lock();
+            let refusal = Refusal {
+                ename: "KernelUnavailable",
+                evalue: why,
+            };
+            for (channel, message) in std::mem::take(&mut st.backlog) {
+                if channel == Channel::Shell && message.kind() == MsgKind::ExecuteRequest {
+                    self.answer_in_place(&mut fx, &message.header, "", None, &refusal);
+                }
+            }
+        }
+        self.wake_consumed();
+        let _ = self.carry_out(fx).await;
+    }
+}
