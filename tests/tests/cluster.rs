@@ -222,6 +222,11 @@ impl Cluster {
     }
 
     /// Whether node `n` says it is `registered` (holds a live lease).
+    /// Kernel `id`'s record in etcd.
+    async fn kernel_record(&self, id: &str) -> Result<serde_json::Value> {
+        kernel_record(&reqwest::Client::new(), &self.etcd.url(), id).await
+    }
+
     async fn registered(&self, n: usize, registered: bool) -> Result<bool> {
         let (_, api) = self.nodes[n].get_json("/api").await?;
         Ok(api["kernelgate"]["cluster"]["registered"] == registered)
@@ -385,6 +390,22 @@ async fn any_node_answers(bed: &Testbed) -> Result<()> {
             .all(|r| r["key"].as_str().is_some_and(|k| !k.is_empty())),
         "{forwarded:?}"
     );
+    // Hibernated through a node that does not own it: the owner keeps it, its record says
+    // so, and a cell through the other non-owner wakes it with its variables.
+    let (status, body) = c.nodes[0]
+        .post_json(&format!("/api/kernels/{id}/hibernate"), json!({}))
+        .await?;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["hibernated"], true, "{body}");
+    let record = c.kernel_record(&id).await?;
+    assert_eq!(
+        (record["node"].as_str(), record["hibernated"].as_bool()),
+        (Some("node-2"), Some(true)),
+        "{record}"
+    );
+    let woken = c.nodes[1].execute(&id, "print(x)").await?;
+    assert_eq!(woken["stdout"], "41\n", "{woken}");
+    assert_ne!(c.kernel_record(&id).await?["hibernated"], true);
 
     // Its channels WebSocket, through a non-owner: the owner answers the upgrade, in the
     // legacy encoding and in v1 (the subprotocol the owner chose comes back).
@@ -1245,21 +1266,7 @@ async fn a_node_reaches_an_etcd_that_serves_tls_with_its_client_certificate() ->
     let kernel = node.create_kernel().await?;
     let id = kernel["id"].as_str().context("kernel id")?.to_owned();
     // The kernel's record, read from etcd over TLS with the test's own client certificate.
-    let range: serde_json::Value = tls
-        .client()?
-        .post(format!("{url}/v3/kv/range"))
-        .json(&json!({"key": B64.encode(format!("/kernelgate/v1/kernels/{id}"))}))
-        .send()
-        .await?
-        .error_for_status()?
-        .json()
-        .await?;
-    let value = B64.decode(
-        range["kvs"][0]["value"]
-            .as_str()
-            .context("the kernel's record")?,
-    )?;
-    let record: serde_json::Value = serde_json::from_slice(&value)?;
+    let record = kernel_record(&tls.client()?, &url, &id).await?;
     assert_eq!(record["node"], "tls-node", "{record}");
     assert_eq!(node.delete_kernel(&id).await?, 204);
     drop(node);
@@ -1295,6 +1302,24 @@ async fn a_node_reaches_an_etcd_that_serves_tls_with_its_client_certificate() ->
         assert!(!registered(&node).await?, "{id} registered");
     }
     Ok(())
+}
+
+/// Kernel `id`'s record, read from the etcd at `url` with `http`.
+async fn kernel_record(http: &reqwest::Client, url: &str, id: &str) -> Result<serde_json::Value> {
+    let range: serde_json::Value = http
+        .post(format!("{url}/v3/kv/range"))
+        .json(&json!({"key": B64.encode(format!("/kernelgate/v1/kernels/{id}"))}))
+        .send()
+        .await?
+        .error_for_status()?
+        .json()
+        .await?;
+    let value = B64.decode(
+        range["kvs"][0]["value"]
+            .as_str()
+            .context("no such record")?,
+    )?;
+    Ok(serde_json::from_slice(&value)?)
 }
 
 fn now_seconds() -> u64 {

@@ -371,3 +371,116 @@ async fn an_idle_kernel_hibernates_and_its_open_websocket_wakes_it() -> Result<(
     assert_eq!(next.execution_count, Some(2));
     Ok(())
 }
+
+/// `kernelgate keys ARGS --file FILE`: the token it printed.
+fn add_key(file: &std::path::Path, args: &[&str]) -> Result<String> {
+    let out = std::process::Command::new(kernelgate_tests::binary())
+        .arg("keys")
+        .args(args)
+        .arg("--file")
+        .arg(file)
+        .output()?;
+    anyhow::ensure!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(String::from_utf8(out.stdout)?.trim().to_owned())
+}
+
+#[tokio::test]
+async fn hibernated_kernels_count_against_their_own_caps_and_go_with_their_key() -> Result<()> {
+    use reqwest::Method;
+    let dir = tempfile::tempdir()?;
+    let file = dir.path().join("keys.toml");
+    let alice = add_key(&file, &["add", "alice", "--max-hibernated", "2"])?;
+    let root = add_key(&file, &["add", "root", "--admin"])?;
+    let gw = Gateway::start(&["--keys", &file.display().to_string(), "--max-kernels", "1"]).await?;
+    let call = |method: Method, path: String, body: Option<Value>| {
+        let (gw, alice) = (&gw, alice.clone());
+        async move { gw.call_as(&alice, method, &path, body).await }
+    };
+    let create = || async {
+        let (status, body) = call(Method::POST, "/api/kernels".into(), Some(json!({}))).await?;
+        anyhow::Ok((status, body["id"].as_str().unwrap_or_default().to_owned()))
+    };
+    let execute = |id: String, code: &'static str| {
+        call(
+            Method::POST,
+            format!("/api/kernels/{id}/execute"),
+            Some(json!({"code": code})),
+        )
+    };
+    let hibernate = |id: String| {
+        call(
+            Method::POST,
+            format!("/api/kernels/{id}/hibernate"),
+            Some(json!({})),
+        )
+    };
+
+    let (status, k1) = create().await?;
+    assert_eq!(status, 201);
+    execute(k1.clone(), "a = 1").await?;
+    assert_eq!(hibernate(k1.clone()).await?.0, 200);
+    // A hibernated kernel does not count against --max-kernels 1.
+    let (status, k2) = create().await?;
+    assert_eq!(status, 201);
+    execute(k2.clone(), "b = 2").await?;
+    // Waking k1 at the limit hibernates alice's other idle kernel first.
+    let (status, woken) = execute(k1.clone(), "print(a)").await?;
+    assert_eq!(
+        (status, woken["stdout"].as_str()),
+        (200, Some("1\n")),
+        "{woken}"
+    );
+    let (_, k2_model) = gw
+        .call_as(&root, Method::GET, &format!("/api/kernels/{k2}"), None)
+        .await?;
+    assert_eq!(k2_model["hibernated"], true, "{k2_model}");
+    assert_eq!(create().await?.0, 403, "past --max-kernels");
+    assert_eq!(hibernate(k1.clone()).await?.0, 200);
+    let (status, k3) = create().await?;
+    assert_eq!(status, 201);
+    // Two hibernated already: alice's max_hibernated.
+    let (status, body) = hibernate(k3.clone()).await?;
+    assert_eq!(status, 409, "{body}");
+    assert!(
+        body["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("max_hibernated"),
+        "{body}"
+    );
+
+    // Revoking alice's key deletes her kernels, hibernated ones with their state.
+    let states = hibernate_dir(&gw.runtime_dir);
+    assert_eq!(std::fs::read_dir(&states)?.count(), 2);
+    add_key(&file, &["remove", "alice"])?;
+    let pid = gw.pid().context("gateway pid")?;
+    assert!(std::process::Command::new("kill")
+        .args(["-HUP", &pid.to_string()])
+        .status()?
+        .success());
+    let since = Instant::now();
+    while !gw
+        .get_json("/api/kernels")
+        .await?
+        .1
+        .as_array()
+        .is_some_and(Vec::is_empty)
+    {
+        assert!(
+            since.elapsed() < Duration::from_secs(20),
+            "alice's kernels outlived her key"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        std::fs::read_dir(&states)?.count(),
+        0,
+        "hibernated state outlived the key"
+    );
+    assert_eq!(containers(&gw)?, 0);
+    Ok(())
+}
