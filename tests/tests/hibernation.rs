@@ -223,8 +223,11 @@ async fn what_cannot_be_saved_keeps_the_kernel_running_and_says_why() -> Result<
         "--hibernate-max-mb",
     )
     .await?;
-    // The kernel ran on throughout, with its state.
+    // The kernel ran on throughout, with its state, and what it saved for the refused
+    // hibernations is gone from its home.
     assert_eq!(run(&gw, &id, "print(kept)").await?.trim(), "7");
+    let leftover = run(&gw, &id, "print(os.path.exists('.kernelgate-state'))").await?;
+    assert_eq!(leftover.trim(), "False");
     // Nothing of a refused state is left on the host.
     let dir = hibernate_dir(&gw.runtime_dir);
     let left = std::fs::read_dir(&dir).map(|d| d.count()).unwrap_or(0);

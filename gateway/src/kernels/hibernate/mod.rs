@@ -239,6 +239,29 @@ impl Kernels {
                 return Err(HibernateError::Failed(format!("saving the state: {ename}: {evalue}")))
             }
         }
+        let put_away = self.put_away(live, since, started).await;
+        if put_away.is_err() && !live.is_hibernated() {
+            // The kernel runs on: the state it wrote into its home goes.
+            let code = format!(
+                "__import__('shutil').rmtree({}, ignore_errors=True)",
+                py_str(STATE_DIR)
+            );
+            if let Err(e) = self.run_silently(live, &code).await {
+                tracing::debug!(kernel = %live.id(), error = %e, "cannot remove the state a kernel saved");
+            }
+        }
+        put_away
+    }
+
+    /// Takes the state the kernel saved out of its container, seals the kernel (unless
+    /// clients sent work since `since`), commits the state and removes the container.
+    async fn put_away(
+        self: &Arc<Self>,
+        live: &Arc<LiveKernel>,
+        since: u64,
+        started: Instant,
+    ) -> Result<(), HibernateError> {
+        let policy = &self.settings.hibernate;
         let max = usize::try_from(policy.max_bytes).unwrap_or(usize::MAX);
         let argv = [PYTHON, "-c", STATE_OUT].map(str::to_owned).to_vec();
         let out = self
