@@ -97,31 +97,29 @@ impl Tls {
 impl EtcdServer {
     /// Starts etcd on free loopback ports and waits until it answers.
     pub async fn start() -> Result<EtcdServer> {
-        let data = tempfile::Builder::new().prefix("kg-etcd-").tempdir()?;
-        let mut server = EtcdServer {
-            child: None,
-            data,
-            host: None,
-            client_port: crate::free_port()?,
-            peer_port: crate::free_port()?,
-            tls: None,
-        };
-        server.spawn().await?;
-        Ok(server)
+        Self::on_loopback(false).await
     }
 
     /// Starts etcd on free loopback ports serving TLS only, and only to clients that show a
     /// certificate signed by its test CA ([`EtcdServer::tls`]).
     pub async fn start_tls() -> Result<EtcdServer> {
+        Self::on_loopback(true).await
+    }
+
+    async fn on_loopback(tls: bool) -> Result<EtcdServer> {
         let data = tempfile::Builder::new().prefix("kg-etcd-").tempdir()?;
-        let tls = Tls::write(data.path())?;
+        let tls = if tls {
+            Some(Tls::write(data.path())?)
+        } else {
+            None
+        };
         let mut server = EtcdServer {
             child: None,
             data,
             host: None,
             client_port: crate::free_port()?,
             peer_port: crate::free_port()?,
-            tls: Some(tls),
+            tls,
         };
         server.spawn().await?;
         Ok(server)

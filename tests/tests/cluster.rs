@@ -1099,83 +1099,50 @@ async fn cluster_flags_are_checked_before_anything_starts() -> Result<()> {
     let long = dir.path().join("long.secret");
     std::fs::write(&long, "a".repeat(64))?;
     let long = long.display().to_string();
+    // A node's flags up to its secret, with `etcd` as the URL, then `more`.
+    let node = |etcd: &'static str, secret: &str, more: &[&'static str]| -> Vec<String> {
+        let mut all = vec!["--etcd", etcd, "--advertise", "http://127.0.0.1:1"]
+            .into_iter()
+            .map(str::to_owned)
+            .collect::<Vec<_>>();
+        if !secret.is_empty() {
+            all.extend(["--cluster-secret-file".to_owned(), secret.to_owned()]);
+        }
+        all.extend(more.iter().map(|s| s.to_string()));
+        all
+    };
+    let (http, https) = ("http://127.0.0.1:1", "https://127.0.0.1:1");
+    let owned = |args: &[&str]| args.iter().map(|s| s.to_string()).collect::<Vec<_>>();
     for (args, says) in [
-        (vec!["--advertise", "http://127.0.0.1:1"], "give --etcd too"),
-        (vec!["--etcd", "http://127.0.0.1:1"], "--advertise"),
         (
-            vec![
-                "--etcd",
-                "http://127.0.0.1:1",
-                "--advertise",
-                "http://127.0.0.1:1",
-            ],
-            "--cluster-secret-file",
+            owned(&["--advertise", "http://127.0.0.1:1"]),
+            "give --etcd too",
         ),
+        (owned(&["--etcd", http]), "--advertise"),
+        (node(http, "", &[]), "--cluster-secret-file"),
+        (node(http, &short, &[]), "at least 32"),
+        (node(http, &long, &["--etcd-user", "root"]), "go together"),
+        (owned(&["--etcd-user", "root"]), "give --etcd too"),
         (
-            vec![
-                "--etcd",
-                "http://127.0.0.1:1",
-                "--advertise",
-                "http://127.0.0.1:1",
-                "--cluster-secret-file",
-                &short,
-            ],
-            "at least 32",
-        ),
-        (
-            vec![
-                "--etcd",
-                "http://127.0.0.1:1",
-                "--advertise",
-                "http://127.0.0.1:1",
-                "--cluster-secret-file",
-                &long,
-                "--etcd-user",
-                "root",
-            ],
-            "go together",
-        ),
-        (vec!["--etcd-user", "root"], "give --etcd too"),
-        (
-            vec![
-                "--etcd",
-                "https://127.0.0.1:1",
-                "--advertise",
-                "http://127.0.0.1:1",
-                "--cluster-secret-file",
-                &long,
-                "--etcd-cert-file",
-                &long,
-            ],
+            [
+                node(https, &long, &["--etcd-cert-file"]),
+                vec![long.clone()],
+            ]
+            .concat(),
             "--etcd-cert-file and --etcd-key-file go together",
         ),
         (
-            vec![
-                "--etcd",
-                "http://127.0.0.1:1",
-                "--advertise",
-                "http://127.0.0.1:1",
-                "--cluster-secret-file",
-                &long,
-                "--etcd-ca-file",
-                &long,
-            ],
+            [node(http, &long, &["--etcd-ca-file"]), vec![long.clone()]].concat(),
             "give its https:// URLs",
         ),
         (
-            vec![
-                "--etcd",
-                "https://127.0.0.1:1",
-                "--advertise",
-                "http://127.0.0.1:1",
-                "--cluster-secret-file",
-                &long,
-                "--etcd-ca-file",
-                &long,
-            ],
+            [node(https, &long, &["--etcd-ca-file"]), vec![long.clone()]].concat(),
             "no PEM certificate",
         ),
-        (vec!["--etcd-ca-file", "/etc/ssl/ca.pem"], "give --etcd too"),
+        (
+            owned(&["--etcd-ca-file", "/etc/ssl/ca.pem"]),
+            "give --etcd too",
+        ),
     ] {
         let out = std::process::Command::new(kernelgate_tests::binary())
             .arg("serve")

@@ -213,16 +213,7 @@ impl Kernels {
         warm.cancel.cancel();
         warm.relay.disconnect();
         let (old, new) = (live.process(), warm.process());
-        live.set_process(new.clone());
-        let connected = self
-            .connect_watched(
-                &live.relay,
-                &new.handle,
-                &new.connection,
-                live.cancel.child_token(),
-                self.settings.startup_timeout,
-            )
-            .await;
+        let connected = self.connect_into(live, &new).await;
         if let Err(e) = connected {
             live.set_process(old);
             if let Err(re) = self.backend.remove(&new.handle).await {
@@ -257,6 +248,24 @@ impl Kernels {
             .in_current_span(),
         );
         Ok(())
+    }
+
+    /// Makes `process` the one `live` runs in and connects its relay to it (what the relay
+    /// holds for the next process goes to it first).
+    pub(super) async fn connect_into(
+        self: &Arc<Self>,
+        live: &Arc<LiveKernel>,
+        process: &Process,
+    ) -> Result<(), CreateError> {
+        live.set_process(process.clone());
+        self.connect_watched(
+            &live.relay,
+            &process.handle,
+            &process.connection,
+            live.cancel.child_token(),
+            self.settings.startup_timeout,
+        )
+        .await
     }
 
     /// Watches one kernel for death: process exit (noticed at once) or a heartbeat that

@@ -103,16 +103,7 @@ impl Kernels {
             }
             None => None,
         };
-        live.set_process(new.clone());
-        let connected = self
-            .connect_watched(
-                &live.relay,
-                &new.handle,
-                &new.connection,
-                live.cancel.child_token(),
-                self.settings.startup_timeout,
-            )
-            .await;
+        let connected = self.connect_into(live, &new).await;
         if let Err(e) = connected {
             // What the failed process was sent is answered; the state stays on disk.
             live.relay

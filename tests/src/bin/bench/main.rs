@@ -4,7 +4,7 @@
 //!
 //! Usage: bench [--out FILE.json] [--md FILE.md] [--venv DIR] [--rounds N] [--pool-size N]
 //!              [--idle-kernels N] [--quick] [--mcp-only] [--audit-only] [--restart-only]
-//!              [--cluster-only]
+//!              [--cluster-only] [--hibernate-only]
 //!
 //! Kernelgate runs each kernel in a Docker container under runc (ipc sockets
 //! bind-mounted), then, in a table of its own, under runc and gVisor side by side; JKG and
@@ -14,6 +14,7 @@
 mod audit;
 mod cluster;
 mod conn;
+mod hibernate;
 mod mcp;
 mod procs;
 mod report;
@@ -57,6 +58,12 @@ struct Opts {
     restart_only: bool,
     /// Only cluster mode's costs.
     cluster_only: bool,
+    /// Only hibernation and resume.
+    hibernate_only: bool,
+    /// Hibernate-resume rounds of the kernel holding only `x = 1` (and warm creates).
+    hibernate_rounds: usize,
+    /// Hibernate-resume rounds of the kernel holding 100 MiB.
+    hibernate_large_rounds: usize,
 }
 
 impl Opts {
@@ -79,6 +86,9 @@ impl Opts {
             audit_only: false,
             restart_only: false,
             cluster_only: false,
+            hibernate_only: false,
+            hibernate_rounds: 10,
+            hibernate_large_rounds: 5,
         };
         let mut args = std::env::args().skip(1);
         while let Some(a) = args.next() {
@@ -95,6 +105,7 @@ impl Opts {
                 "--audit-only" => o.audit_only = true,
                 "--restart-only" => o.restart_only = true,
                 "--cluster-only" => o.cluster_only = true,
+                "--hibernate-only" => o.hibernate_only = true,
                 "--quick" => {
                     // For trying the bench out, not for numbers.
                     o.rounds = 1;
@@ -105,6 +116,8 @@ impl Opts {
                     o.parallel_kernels = 3;
                     o.parallel_for = Duration::from_secs(3);
                     o.idle_kernels = 5;
+                    o.hibernate_rounds = 3;
+                    o.hibernate_large_rounds = 2;
                 }
                 "-h" | "--help" => {
                     println!("{}", USAGE);
@@ -122,7 +135,7 @@ impl Opts {
 
 const USAGE: &str = "usage: bench [--out FILE.json] [--md FILE.md] [--venv DIR] [--rounds N] \
                      [--pool-size N] [--idle-kernels N] [--quick] [--mcp-only] [--audit-only] \
-                     [--restart-only] [--cluster-only]";
+                     [--restart-only] [--cluster-only] [--hibernate-only]";
 
 /// One target's kernels and client connections during the run.
 #[derive(Debug)]
@@ -178,6 +191,7 @@ async fn main() -> Result<()> {
         && !opts.audit_only
         && !opts.restart_only
         && !opts.cluster_only
+        && !opts.hibernate_only
         && !venv.join("bin/jupyter-kernelgateway").exists()
     {
         bail!(
@@ -217,6 +231,9 @@ async fn main() -> Result<()> {
             "audit_only": opts.audit_only,
             "restart_only": opts.restart_only,
             "cluster_only": opts.cluster_only,
+            "hibernate_only": opts.hibernate_only,
+            "hibernate_rounds": opts.hibernate_rounds,
+            "hibernate_large_rounds": opts.hibernate_large_rounds,
         },
         "metrics": results.metrics,
     });
@@ -245,6 +262,9 @@ async fn measure_all(opts: &Opts, paths: &Paths, results: &mut Results) -> Resul
     }
     if opts.cluster_only {
         return cluster::compare(opts, paths, results).await;
+    }
+    if opts.hibernate_only {
+        return hibernate::compare(opts, paths, results).await;
     }
     log(format!(
         "starting Kernelgate (warm pool {}) and JKG",
@@ -295,7 +315,8 @@ async fn measure_all(opts: &Opts, paths: &Paths, results: &mut Results) -> Resul
     mcp::compare(opts, paths, results).await?;
     runtimes::compare(opts, paths, results).await?;
     restart::compare(opts, paths, results).await?;
-    cluster::compare(opts, paths, results).await
+    cluster::compare(opts, paths, results).await?;
+    hibernate::compare(opts, paths, results).await
 }
 
 async fn measure(

@@ -197,6 +197,9 @@ pub fn markdown(doc: &Value) -> String {
     if doc["settings"]["cluster_only"] == Value::Bool(true) {
         return cluster_table(m);
     }
+    if doc["settings"]["hibernate_only"] == Value::Bool(true) {
+        return hibernate_table(m);
+    }
     let mut out = String::new();
     out.push_str("| metric | Kernelgate | JKG | direct ZMQ | ratio vs direct | target | met? |\n");
     out.push_str("|---|---:|---:|---:|---:|---|---|\n");
@@ -270,6 +273,139 @@ pub fn markdown(doc: &Value) -> String {
     out.push_str(&runtimes_table(m));
     out.push_str(&restart_table(m));
     out.push_str(&cluster_table(m));
+    out.push_str(&hibernate_table(m));
+    out
+}
+
+/// Hibernate and resume of an idle kernel and of one holding 100 MiB, against a create
+/// from the warm pool.
+fn hibernate_table(m: &Value) -> String {
+    let h = &m["hibernate"];
+    let get = |case: &str, path: &[&str]| {
+        let mut v = &h[case];
+        for p in path {
+            v = &v[*p];
+        }
+        num(v)
+    };
+    let mib = |v: Option<f64>| v.map(|b| b / (1024.0 * 1024.0));
+    let met = |ok: Option<bool>| match ok {
+        Some(true) => "yes",
+        Some(false) => "**no**",
+        None => "",
+    };
+    let create = get("warm_create", &["create_p50_ms"]);
+    let ratio = |case: &str| {
+        get(case, &["resume_ms", "p50"])
+            .zip(create)
+            .filter(|(_, c)| *c > 0.0)
+            .map(|(r, c)| r / c)
+    };
+    let resume = get("large", &["resume_ms", "p50"]);
+    let after = get("large", &["memory_bytes", "after"]);
+    let rows: [(&str, Option<f64>, Option<f64>, usize, &str, &str); 9] = [
+        (
+            "hibernate: `POST /api/kernels/{id}/hibernate` p50 (ms)",
+            get("idle", &["hibernate_ms", "p50"]),
+            get("large", &["hibernate_ms", "p50"]),
+            0,
+            "",
+            "",
+        ),
+        (
+            "hibernate p90 (ms)",
+            get("idle", &["hibernate_ms", "p90"]),
+            get("large", &["hibernate_ms", "p90"]),
+            0,
+            "",
+            "",
+        ),
+        (
+            "resume: the `POST /api/kernels/{id}/execute` that wakes it, p50 (ms)",
+            get("idle", &["resume_ms", "p50"]),
+            resume,
+            0,
+            "under 1 s (100 MiB)",
+            met(resume.map(|r| r < 1000.0)),
+        ),
+        (
+            "resume p90 (ms)",
+            get("idle", &["resume_ms", "p90"]),
+            get("large", &["resume_ms", "p90"]),
+            0,
+            "",
+            "",
+        ),
+        (
+            "resume p50 / warm create p50 (x)",
+            ratio("idle"),
+            ratio("large"),
+            1,
+            "",
+            "",
+        ),
+        (
+            "the same execute on the running kernel, p50 (ms)",
+            get("idle", &["running_ms", "p50"]),
+            get("large", &["running_ms", "p50"]),
+            1,
+            "",
+            "",
+        ),
+        (
+            "state on disk (MiB)",
+            mib(get("idle", &["state_bytes", "median"])),
+            mib(get("large", &["state_bytes", "median"])),
+            3,
+            "",
+            "",
+        ),
+        (
+            "kernel container's memory before hibernating (MiB)",
+            mib(get("idle", &["memory_bytes", "before"])),
+            mib(get("large", &["memory_bytes", "before"])),
+            1,
+            "",
+            "",
+        ),
+        (
+            "its memory after: the container is gone (MiB)",
+            mib(get("idle", &["memory_bytes", "after"])),
+            mib(after),
+            1,
+            "all of it returned",
+            met(after.map(|a| a == 0.0)),
+        ),
+    ];
+    let mut out = String::from(
+        "\n| hibernation | `x = 1` | 100 MiB array + 1M-row DataFrame | target | met? |\n\
+         |---|---:|---:|---|---|\n",
+    );
+    for (label, idle, large, decimals, target, met) in rows {
+        out.push_str(&format!(
+            "| {label} | {} | {} | {target} | {met} |\n",
+            fmt(idle, decimals),
+            fmt(large, decimals),
+        ));
+    }
+    out.push_str(&format!(
+        "\nOne gateway (release build, runc, warm pool of 1): a create from the warm pool \
+         (`POST /api/kernels`) takes {} ms (p50), its first execute {} ms. Each round, with the \
+         pool filled (`GET /readyz`) and quiet: hibernate, then the execute that resumes the \
+         kernel in the warm kernel, its output checked; {} and {} rounds, {} and {} of the \
+         resumes in the warm kernel. The 100 MiB kernel: `a = np.ones(100 * 2**20 // 8)` and \
+         `df = pd.DataFrame({{\"i\": range(1_000_000), \"s\": [\"row\"] * 1_000_000}})`, \
+         woken by `print(a.sum(), len(df))`. Memory: the container's cgroup (page cache and \
+         its home's tmpfs included; {} MiB of it anonymous), read just before the \
+         hibernation; state: the `bytes` of its `kernel_hibernated` audit record.\n",
+        fmt(create, 1),
+        fmt(get("warm_create", &["first_execute_p50_ms"]), 1),
+        h["idle"]["rounds"],
+        h["large"]["rounds"],
+        h["idle"]["from_pool"],
+        h["large"]["from_pool"],
+        fmt(mib(get("large", &["memory_bytes", "before_anon"])), 1),
+    ));
     out
 }
 
