@@ -58,7 +58,7 @@ impl KernelModel {
             last_activity: iso(k.last_activity()),
             execution_state: k.execution_state().as_str(),
             connections: k.connections(),
-            hibernated: live.is_hibernated(),
+            hibernated: live.hibernated(),
             hibernate_blocked: live.hibernate_blocked(),
         }
     }

@@ -121,9 +121,16 @@ struct Meta {
 }
 
 impl LiveKernel {
-    /// Whether the kernel hibernates (its state on disk, no process).
+    /// Whether the kernel hibernates or is about to: sealed, its messages wait for the
+    /// next process. For the table's own bookkeeping.
     pub fn is_hibernated(&self) -> bool {
         self.relay.is_hibernated()
+    }
+
+    /// Whether the kernel hibernates as its model says: its state committed to disk and
+    /// its container removed.
+    pub fn hibernated(&self) -> bool {
+        self.sleep().since.is_some()
     }
 
     /// Why the kernel could not hibernate last time it tried, until its next execution.
