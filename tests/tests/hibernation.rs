@@ -213,8 +213,14 @@ async fn what_cannot_be_saved_keeps_the_kernel_running_and_says_why() -> Result<
         "conn (sqlite3.Connection)",
     )
     .await?;
+    // An image without the save helper: the import fails as it would there.
     refused(
-        "conn.close(); del conn\nimport os\nos.symlink('/etc/shadow', 'escape')",
+        "conn.close(); del conn\nimport sys; sys.modules['kernelgate_state'] = None",
+        "has no kernelgate_state helper",
+    )
+    .await?;
+    refused(
+        "del sys.modules['kernelgate_state']\nimport os\nos.symlink('/etc/shadow', 'escape')",
         "escape",
     )
     .await?;
@@ -234,7 +240,7 @@ async fn what_cannot_be_saved_keeps_the_kernel_running_and_says_why() -> Result<
     assert_eq!(left, 0, "{} holds state", dir.display());
     let metrics = gw.metrics().await?;
     assert!(
-        metrics.contains(r#"kernelgate_hibernations_total{outcome="blocked"} 4"#),
+        metrics.contains(r#"kernelgate_hibernations_total{outcome="blocked"} 5"#),
         "{metrics}"
     );
     Ok(())
@@ -332,17 +338,19 @@ async fn hibernated_kernels_outlive_a_gateway_killed_with_sigkill() -> Result<()
         .await?;
     assert_eq!(interrupted.status(), 204);
     assert_eq!(model(&gw, &id).await?["hibernated"], true);
+    let state = hibernate_dir(&gw.runtime_dir).join(&id);
+    assert!(state.exists());
     let (status, body) = gw
         .post_json(&format!("/api/kernels/{id}/restart"), json!({}))
         .await?;
     assert_eq!(status, 200, "{body}");
     assert_eq!(body["hibernated"], false, "{body}");
+    assert!(!state.exists(), "a restart kept the saved state");
     let fresh = gw.execute(&id, "answer").await?;
     assert_eq!(fresh["error"]["ename"], "NameError", "{fresh}");
     // Deleting a hibernated kernel deletes its state.
     let (status, _) = hibernate(&gw, &id).await?;
     assert_eq!(status, 200);
-    let state = hibernate_dir(&gw.runtime_dir).join(&id);
     assert!(state.exists());
     assert_eq!(gw.delete_kernel(&id).await?, 204);
     assert!(!state.exists(), "the state outlived the kernel");

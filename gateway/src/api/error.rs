@@ -229,6 +229,10 @@ impl From<CreateError> for ApiError {
                 format!("{e}; try again shortly"),
             )
             .retry_after(5),
+            CreateError::Resume(_) => ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("{e}; try again, or delete the kernel"),
+            ),
         }
     }
 }

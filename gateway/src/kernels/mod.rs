@@ -51,6 +51,9 @@ pub enum CreateError {
     /// The cluster registry did not take the kernel: it was removed again.
     #[error("the kernel could not be registered in the cluster: {0}")]
     Unregistered(String),
+    /// A hibernated kernel's state could not be put into a fresh process; it stays on disk.
+    #[error("the hibernated kernel's state could not be loaded: {0}")]
+    Resume(String),
 }
 
 /// What governs kernels, taken from the configuration.

@@ -68,19 +68,25 @@ impl Kernels {
         self.make_room_for(live).await?;
         let (env, limits) = live.origin.get().cloned().unwrap_or_default();
         let dir = self.state_dir(live.id());
-        let tar = if with_state {
-            let path = dir.join(TAR);
-            Some(tokio::fs::read(&path).await.map_err(|e| {
-                CreateError::Unregistered(format!("cannot read {}: {e}", path.display()))
-            })?)
-        } else {
-            None
-        };
+        let tar =
+            if with_state {
+                let path = dir.join(TAR);
+                Some(tokio::fs::read(&path).await.map_err(|e| {
+                    CreateError::Resume(format!("cannot read {}: {e}", path.display()))
+                })?)
+            } else {
+                None
+            };
         let (warm, _) = self.obtain(&live.name, env, live.owner(), limits).await?;
         // The fresh kernel's own watcher and link go; its process serves `live` now.
         warm.cancel.cancel();
         warm.relay.disconnect();
         let new = warm.process();
+        if live.cancel.is_cancelled() {
+            // Deleted (or the gateway stops) meanwhile.
+            self.drop_process(&new.handle).await;
+            return Err(CreateError::ShuttingDown);
+        }
         let loaded = match tar {
             Some(tar) => Some(self.unpack(live, &new.handle, tar).await),
             None => None,
@@ -195,7 +201,7 @@ impl Kernels {
         let argv = [PYTHON, "-c", STATE_IN].map(str::to_owned).to_vec();
         let out = self.backend.exec(handle, argv, tar.into(), 4096).await?;
         if out.exit_code != 0 {
-            return Err(CreateError::Unregistered(format!(
+            return Err(CreateError::Resume(format!(
                 "cannot put the state of kernel {} into its new process: {}",
                 live.id(),
                 out.stderr.trim()

@@ -277,6 +277,17 @@ pub fn markdown(doc: &Value) -> String {
     out
 }
 
+/// A row of the hibernation table: label, the idle and the 100 MiB kernel's values,
+/// decimals, target, met.
+type CaseRow = (
+    &'static str,
+    Option<f64>,
+    Option<f64>,
+    usize,
+    &'static str,
+    &'static str,
+);
+
 /// Hibernate and resume of an idle kernel and of one holding 100 MiB, against a create
 /// from the warm pool.
 fn hibernate_table(m: &Value) -> String {
@@ -303,7 +314,7 @@ fn hibernate_table(m: &Value) -> String {
     };
     let resume = get("large", &["resume_ms", "p50"]);
     let after = get("large", &["memory_bytes", "after"]);
-    let rows: [(&str, Option<f64>, Option<f64>, usize, &str, &str); 9] = [
+    let rows: [CaseRow; 9] = [
         (
             "hibernate: `POST /api/kernels/{id}/hibernate` p50 (ms)",
             get("idle", &["hibernate_ms", "p50"]),
