@@ -309,6 +309,13 @@ async fn requests_that_come_together_wake_a_kernel_once_from_the_pool() -> Resul
     assert_eq!(file.status(), 200);
     assert_eq!(file.text().await?, "still here");
     assert_eq!(model(&gw, &id).await?["hibernated"], false);
+    // And an MCP tool call.
+    let (status, body) = hibernate(&gw, &id).await?;
+    assert_eq!(status, 200, "{body}");
+    let mut mcp = kernelgate_client::mcp::McpCalls::new(gw.client());
+    let text = mcp.run_python(&id, "print(len(seen))").await?;
+    assert_eq!(text.trim(), "4", "{text}");
+    assert_eq!(model(&gw, &id).await?["hibernated"], false);
     Ok(())
 }
 

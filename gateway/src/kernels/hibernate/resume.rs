@@ -109,6 +109,9 @@ impl Kernels {
             }
             None => None,
         };
+        // It runs from here: what clients sent meanwhile may be answered before the
+        // connect returns.
+        let slept = live.sleep().since.take();
         let connected = self.connect_into(live, &new).await;
         if let Err(e) = connected {
             // What the failed process was sent is answered; the state stays on disk.
@@ -119,6 +122,7 @@ impl Kernels {
                 )
                 .await;
             live.relay.set_hibernated();
+            live.sleep().since = slept;
             self.drop_process(&new.handle).await;
             return Err(e);
         }
@@ -131,7 +135,6 @@ impl Kernels {
             tracing::warn!(kernel = %live.id(), error = %e, "cannot record the kernel's new container");
         }
         live.rearm.notify_one();
-        live.sleep().since = None;
         if let Some(ledger) = &self.settings.ledger {
             ledger.hibernated(live.id(), false).await;
         }
