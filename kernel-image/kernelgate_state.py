@@ -85,6 +85,7 @@ VARS = "vars"
 # IPython's own names, never the user's data even when rebound.
 IPYTHON_NAMES = frozenset({"In", "Out", "exit", "quit", "get_ipython"})
 NOTICE = "Kernelgate: the kernel hibernated and these variables could not be kept: "
+LOST = "Kernelgate: the kernel hibernated, but its saved state could not be loaded, so it starts afresh: "
 MIB = 1 << 20
 _MISSING = object()
 
@@ -116,12 +117,19 @@ def load(state_dir: str) -> None:
     `state_dir`. A variable that fails to load is left out and named, with the other lost
     ones, on stderr when the next cell runs."""
     shell = _shell()
-    with open(os.path.join(state_dir, MANIFEST), encoding="utf-8") as f:
-        manifest = json.load(f)
-    if manifest.get("version") != FORMAT_VERSION:
-        raise ValueError(
-            f"{state_dir} holds state format {manifest.get('version')!r}; this kernel reads {FORMAT_VERSION}"
-        )
+    try:
+        with open(os.path.join(state_dir, MANIFEST), encoding="utf-8") as f:
+            manifest = json.load(f)
+        if manifest.get("version") != FORMAT_VERSION:
+            raise ValueError(
+                f"{state_dir} holds state format {manifest.get('version')!r}; this kernel reads {FORMAT_VERSION}"
+            )
+    except KeyboardInterrupt:
+        raise
+    except BaseException as err:
+        # Nothing can be restored: the user hears it at the next cell, not only the log.
+        _tell_next_cell(shell, LOST + _error_text(err))
+        raise
     if manifest.get("cwd"):
         try:
             os.chdir(manifest["cwd"])
@@ -406,7 +414,11 @@ def _announce(shell, dropped: list[dict]) -> None:
         f"{entry['name']} ({entry.get('type') or entry.get('error')})"
         for entry in sorted(dropped, key=lambda entry: entry["name"])
     )
-    line = NOTICE + listed
+    _tell_next_cell(shell, NOTICE + listed)
+
+
+def _tell_next_cell(shell, line: str) -> None:
+    """Prints `line` once, on stderr of the next cell the user runs."""
 
     def notice(*_):
         shell.events.unregister("pre_run_cell", notice)

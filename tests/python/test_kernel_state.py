@@ -26,6 +26,7 @@ IMAGE = os.environ.get("KERNELGATE_IMAGE", "kernelgate-kernel:latest")
 PYTHON = "/opt/kernel/venv/bin/python"
 STATE = "/home/kernel/.kernelgate-state"
 NOTICE = "Kernelgate: the kernel hibernated and these variables could not be kept: "
+LOST = "Kernelgate: the kernel hibernated, but its saved state could not be loaded, so it starts afresh: "
 # The sandbox the gateway gives a kernel, minus its limits; the home comes from the test.
 SANDBOX = [
     "--network", "none", "--read-only", "--cap-drop", "ALL",
@@ -230,6 +231,34 @@ def test_what_cannot_be_pickled_blocks_the_save_unless_lossy(tmp_path: Path) -> 
     assert loaded["second"] == ""
     assert loaded["y"] == 3 and loaded["gen"] is False
     assert {"x", "big"} <= set(loaded["restored"]) and "gen" not in loaded["restored"]
+
+
+CLOSED_AND_CORRUPT = '''
+run("with open('/tmp/notes.txt', 'w') as f:\\n    f.write('a')")
+kernelgate_state.save(STATE)
+del shell.user_ns["f"]
+kernelgate_state.load(STATE)
+closed = shell.user_ns["f"].closed
+os.makedirs(STATE)
+with open(STATE + "/manifest.json", "w") as m:
+    m.write("{not json")
+try:
+    kernelgate_state.load(STATE)
+    error = None
+except Exception as e:
+    error = type(e).__name__
+report(closed=closed, error=error, first=run("x = 1"), second=run("x = 2"))
+'''
+
+
+def test_a_closed_file_comes_back_closed_and_an_unreadable_state_says_so(tmp_path: Path) -> None:
+    out = in_image(kernel_home(tmp_path), CLOSED_AND_CORRUPT)
+    # What `with open(...) as f:` leaves behind does not block a hibernation.
+    assert out["closed"] is True
+    # A state that cannot be read fails the load, and the user hears it at the next cell.
+    assert out["error"] == "JSONDecodeError"
+    assert out["first"].startswith(LOST), out["first"]
+    assert out["second"] == ""
 
 
 # --- the kernel the gateway runs ---------------------------------------------------------------

@@ -62,6 +62,7 @@ OPERATIONS = sorted(
         "DELETE /api/kernels/{id}",
         "POST /api/kernels/{id}/interrupt",
         "POST /api/kernels/{id}/restart",
+        "POST /api/kernels/{id}/hibernate",
         "POST /api/kernels/{id}/execute",
         "GET /api/kernels/{id}/files",
         "GET /api/kernels/{id}/files/{path}",
