@@ -712,18 +712,14 @@ impl Kernels {
     /// Removes every kernel, pooled ones included (graceful shutdown).
     /// Hibernated kernels stay on disk for the next run.
     pub async fn shutdown(&self) {
-        let all: Vec<_> = self
+        let (hibernated, all): (Vec<_>, Vec<_>) = self
             .take_all()
             .into_iter()
-            .filter(|live| {
-                let hibernated = live.is_hibernated();
-                if hibernated {
-                    live.cancel.cancel();
-                    live.relay.close_clients();
-                }
-                !hibernated
-            })
-            .collect();
+            .partition(|live| live.is_hibernated());
+        for live in hibernated {
+            live.cancel.cancel();
+            live.relay.close_clients();
+        }
         let removals = all.iter().map(|live| self.discard(live));
         for (live, result) in all.iter().zip(futures::future::join_all(removals).await) {
             if let Err(e) = result {

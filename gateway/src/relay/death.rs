@@ -84,11 +84,7 @@ impl Relay {
                 ename: "KernelUnavailable",
                 evalue: why.clone(),
             };
-            for (channel, message) in std::mem::take(&mut st.backlog) {
-                if channel == Channel::Shell && message.kind() == MsgKind::ExecuteRequest {
-                    self.answer_in_place(&mut fx, &message.header, "", None, &refusal);
-                }
-            }
+            self.refuse_backlog(&mut st, &mut fx, &refusal);
             st.dead = Some(why);
             st.link.take()
         };

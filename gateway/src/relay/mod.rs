@@ -197,19 +197,9 @@ impl Relay {
             st.hibernated = false;
             // Whatever the previous process was asked is answered or lost by now.
             st.in_flight.clear();
-            let backlog = std::mem::take(&mut st.backlog);
-            for (_, message) in &backlog {
-                if message.kind() == MsgKind::ExecuteRequest {
-                    track(&mut st.in_flight, &message.header);
-                }
-            }
-            backlog
+            take_backlog(&mut st)
         };
-        // Their audit records are in the file before the kernel sees them.
-        self.audit.made_so_far().await;
-        for (channel, message) in backlog {
-            link.send(channel, message).await?;
-        }
+        self.send_backlog(&link, backlog).await?;
         let reply = self.wait_ready(deadline, timeout).await?;
         let mut st = self.lock();
         st.execution_state = ExecutionState::Idle;
@@ -462,6 +452,44 @@ struct Effects {
 impl Effects {
     fn audit(&mut self, record: Written) {
         self.written = std::mem::take(&mut self.written).and(record);
+    }
+}
+
+/// What waited in the backlog, for the process it goes to now: its execute requests are
+/// followed from here on.
+fn take_backlog(st: &mut State) -> Vec<(Channel, Message)> {
+    let backlog = std::mem::take(&mut st.backlog);
+    for (_, message) in &backlog {
+        if message.kind() == MsgKind::ExecuteRequest {
+            track(&mut st.in_flight, &message.header);
+        }
+    }
+    backlog
+}
+
+impl Relay {
+    /// Sends what [`take_backlog`] took to `link`, in order; their audit records are in
+    /// the file before the kernel sees them.
+    async fn send_backlog(
+        &self,
+        link: &Link,
+        backlog: Vec<(Channel, Message)>,
+    ) -> Result<(), KernelError> {
+        self.audit.made_so_far().await;
+        for (channel, message) in backlog {
+            link.send(channel, message).await?;
+        }
+        Ok(())
+    }
+
+    /// Answers every execute request waiting in the backlog in the kernel's place with
+    /// `refusal`, and empties it.
+    fn refuse_backlog(&self, st: &mut State, fx: &mut Effects, refusal: &Refusal) {
+        for (channel, message) in std::mem::take(&mut st.backlog) {
+            if channel == Channel::Shell && message.kind() == MsgKind::ExecuteRequest {
+                self.answer_in_place(fx, &message.header, "", None, refusal);
+            }
+        }
     }
 }
 

@@ -44,23 +44,14 @@ impl Relay {
             let mut st = self.lock();
             st.hibernated = false;
             st.execution_state = ExecutionState::Idle;
-            let backlog = std::mem::take(&mut st.backlog);
-            for (_, message) in &backlog {
-                if message.kind() == MsgKind::ExecuteRequest {
-                    track(&mut st.in_flight, &message.header);
-                }
-            }
-            (st.link.clone(), backlog)
+            (st.link.clone(), take_backlog(&mut st))
         };
         // The permit a waiting message left is spent: the kernel is awake.
         self.wake_consumed();
         let Some(link) = link else {
             return Err(KernelError::KernelGone);
         };
-        for (channel, message) in backlog {
-            link.send(channel, message).await?;
-        }
-        Ok(())
+        self.send_backlog(&link, backlog).await
     }
 
     /// Marks a kernel with no process as hibernated (one found on disk at start).
@@ -104,16 +95,11 @@ impl Relay {
     pub async fn refuse_waiting(&self, why: String) {
         let mut fx = Effects::default();
         {
-            let mut st = self.lock();
             let refusal = Refusal {
                 ename: "KernelUnavailable",
                 evalue: why,
             };
-            for (channel, message) in std::mem::take(&mut st.backlog) {
-                if channel == Channel::Shell && message.kind() == MsgKind::ExecuteRequest {
-                    self.answer_in_place(&mut fx, &message.header, "", None, &refusal);
-                }
-            }
+            self.refuse_backlog(&mut self.lock(), &mut fx, &refusal);
         }
         self.wake_consumed();
         let _ = self.carry_out(fx).await;

@@ -7,7 +7,7 @@
 //! it hibernated and after. Baselines from the same gateway: the same execute on the
 //! running kernel, and a create from the warm pool.
 
-use crate::procs::{self, Paths, Server};
+use crate::procs::{self, containers, Paths, Server};
 use crate::stats::{median, ms, percentile};
 use crate::{log, stop_and_check, Opts, Results};
 use anyhow::{bail, Context, Result};
@@ -269,24 +269,6 @@ async fn hibernate(server: &Server, id: &str) -> Result<()> {
         bail!("hibernate answered {status}: {model}");
     }
     Ok(())
-}
-
-/// The running containers of the gateway on `runtime_dir` (full ids).
-fn containers(runtime_dir: &Path) -> Result<Vec<String>> {
-    let out = std::process::Command::new("docker")
-        .args(["ps", "-q", "--no-trunc", "--filter"])
-        .arg(format!(
-            "label=org.kernelgate.runtime_dir={}",
-            runtime_dir.display()
-        ))
-        .output()?;
-    if !out.status.success() {
-        bail!("docker ps: {}", String::from_utf8_lossy(&out.stderr));
-    }
-    Ok(String::from_utf8_lossy(&out.stdout)
-        .split_whitespace()
-        .map(str::to_owned)
-        .collect())
 }
 
 /// The container (full id) that runs kernel `id` now: the gateway names it after the

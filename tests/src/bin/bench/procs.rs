@@ -349,8 +349,8 @@ impl Drop for DirectKernel {
     }
 }
 
-/// Containers of a Kernelgate runtime directory (ids), via the Docker CLI.
-fn containers(runtime_dir: &Path) -> Result<Vec<String>> {
+/// The running containers of a Kernelgate runtime directory (full ids), via the Docker CLI.
+pub fn containers(runtime_dir: &Path) -> Result<Vec<String>> {
     let out = std::process::Command::new("docker")
         .args(["ps", "-q", "--no-trunc", "--filter"])
         .arg(format!(
@@ -358,6 +358,9 @@ fn containers(runtime_dir: &Path) -> Result<Vec<String>> {
             runtime_dir.display()
         ))
         .output()?;
+    if !out.status.success() {
+        bail!("docker ps: {}", String::from_utf8_lossy(&out.stderr));
+    }
     Ok(String::from_utf8_lossy(&out.stdout)
         .split_whitespace()
         .map(str::to_owned)
