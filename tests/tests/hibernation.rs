@@ -51,6 +51,19 @@ fn audited(gw: &Gateway, event: &str) -> Result<Vec<Value>> {
         .collect())
 }
 
+/// The `kernel_resumed` records, once the latest resume wrote its own: the gateway writes
+/// it when the load is confirmed, which the waking cell's answer may overtake.
+async fn resumes(gw: &Gateway) -> Result<usize> {
+    let since = Instant::now();
+    loop {
+        let n = audited(gw, "kernel_resumed")?.len();
+        if n > 0 || since.elapsed() > Duration::from_secs(10) {
+            return Ok(n);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 const NAMESPACE: &str = r#"
 import os, hashlib
 import numpy as np
@@ -171,7 +184,7 @@ async fn a_hibernated_kernel_resumes_with_its_variables_files_and_count() -> Res
     assert_eq!(hibernations.len(), 1);
     assert_eq!(hibernations[0]["kernel"], id.as_str());
     assert!(hibernations[0]["bytes"].as_u64().unwrap_or(0) > 10 << 20);
-    assert_eq!(audited(&gw, "kernel_resumed")?.len(), 1);
+    assert_eq!(resumes(&gw).await?, 1);
     let metrics = gw.metrics().await?;
     assert!(
         metrics.contains("kernelgate_hibernated_kernels 0"),
@@ -294,7 +307,7 @@ async fn requests_that_come_together_wake_a_kernel_once_from_the_pool() -> Resul
         assert_eq!(answer["status"], "ok", "{answer}");
     }
     assert_eq!(run(&gw, &id, "print(seen)").await?.trim(), "[0, 1, 2, 3]");
-    assert_eq!(audited(&gw, "kernel_resumed")?.len(), 1);
+    assert_eq!(resumes(&gw).await?, 1);
     // Files come back with the kernel: reading one wakes it too.
     run(&gw, &id, "open('kept.txt', 'w').write('still here')").await?;
     let (status, body) = hibernate(&gw, &id).await?;
