@@ -199,6 +199,13 @@ impl Gateway {
         self.send(r).await.map(drop)
     }
 
+    /// Installs packages from the gateway's allowlist into the kernel: the gateway's
+    /// answer (`installed`, `already`), or [`Error::Refused`] saying why none was.
+    pub async fn install_packages(&self, id: &str, packages: &[String]) -> Result<Value, Error> {
+        let r = self.request(Method::POST, &format!("/api/kernels/{id}/packages"));
+        self.json(r.json(&json!({ "packages": packages }))).await
+    }
+
     /// The agent API: runs code and waits for the whole answer.
     pub async fn execute(&self, id: &str, body: &ExecuteBody) -> Result<ExecuteResult, Error> {
         let r = self.request(Method::POST, &format!("/api/kernels/{id}/execute"));

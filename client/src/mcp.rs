@@ -147,6 +147,11 @@ impl McpCalls {
         }
     }
 
+    /// `tools/call` of `tool`; its result (a tool error is a result with `isError`).
+    pub async fn call_tool(&mut self, tool: &str, arguments: Value) -> Result<Value, McpError> {
+        self.call(tool, arguments).await
+    }
+
     /// `tools/call` of `tool`; its result.
     async fn call(&mut self, tool: &str, arguments: Value) -> Result<Value, McpError> {
         self.next_id += 1;

@@ -25,6 +25,9 @@ pub enum Command {
     Keys(KeysArgs),
     /// Read the audit log back as a table (or JSON lines).
     Audit(AuditArgs),
+    /// Manage the package allowlist (`--packages`) and fill the wheelhouse kernels
+    /// install from (docs/packages.md).
+    Packages(PackagesArgs),
     /// Serve MCP (Model Context Protocol) over stdin/stdout, for hosts that launch a
     /// command: kernels run on the local Docker engine (every `serve` flag that applies
     /// works here), or on a running gateway with `--url` (and its token).
@@ -98,6 +101,81 @@ pub fn default_audit_log() -> PathBuf {
     }
     let home = std::env::var_os("HOME").map_or_else(|| PathBuf::from("."), PathBuf::from);
     home.join(".local/state/kernelgate/audit.log")
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct PackagesArgs {
+    /// The allowlist file: requirement specifiers, one a line (`NAME=FILE` is taken as
+    /// FILE, so the gateway's KERNELGATE_PACKAGES works here).
+    #[arg(long, global = true, env = "KERNELGATE_PACKAGES", value_name = "FILE")]
+    pub packages: Option<String>,
+    #[command(subcommand)]
+    pub action: PackagesAction,
+}
+
+#[derive(Debug, Clone, Subcommand)]
+pub enum PackagesAction {
+    /// Allows packages: adds requirement specifiers (`seaborn`, `scikit-learn==1.5.2`) to
+    /// the file, creating it if needed. Then sync, and send SIGHUP to a running gateway.
+    Add {
+        #[arg(required = true, value_name = "REQUIREMENT")]
+        requirements: Vec<String>,
+    },
+    /// Removes packages from the file (kernels that installed them keep them until their
+    /// restart). Send SIGHUP to a running gateway.
+    Remove {
+        #[arg(required = true, value_name = "NAME")]
+        names: Vec<String>,
+    },
+    /// Lists the allowed packages and, with --wheelhouse, the version synced for the image.
+    List {
+        #[arg(long, env = "KERNELGATE_WHEELHOUSE", value_name = "DIR")]
+        wheelhouse: Option<PathBuf>,
+        /// The image whose sync to show (default: the gateway's default image).
+        #[arg(
+            long,
+            env = "KERNELGATE_IMAGE",
+            default_value = "kernelgate-kernel:latest"
+        )]
+        image: String,
+    },
+    /// Resolves the allowlist with pip on this host for the image's own Python (version,
+    /// ABI, platform, installed packages), downloads the wheels it lacks and unpacks them
+    /// into the wheelhouse with a lock file. The only step that needs a package index
+    /// (or --find-links).
+    Sync {
+        #[arg(long, env = "KERNELGATE_WHEELHOUSE", value_name = "DIR")]
+        wheelhouse: PathBuf,
+        /// A directory of wheels to use instead of a package index (air-gapped sites);
+        /// repeatable.
+        #[arg(long = "find-links", value_name = "DIR")]
+        find_links: Vec<PathBuf>,
+        /// The kernel image to sync for (default: the gateway's default image).
+        #[arg(
+            long,
+            env = "KERNELGATE_IMAGE",
+            default_value = "kernelgate-kernel:latest"
+        )]
+        image: String,
+        /// A host Python that has pip (`python3 -m pip` must work).
+        #[arg(long, default_value = "python3", value_name = "PATH")]
+        python: PathBuf,
+    },
+}
+
+impl PackagesArgs {
+    /// The allowlist file, or a message saying how to name it.
+    pub fn file(&self) -> Result<PathBuf, String> {
+        let value = self
+            .packages
+            .as_deref()
+            .ok_or("name the allowlist file with --packages FILE (or KERNELGATE_PACKAGES)")?;
+        let file = value.rsplit_once('=').map_or(value, |(_, f)| f).trim();
+        if file.is_empty() {
+            return Err("--packages: the file is missing".to_owned());
+        }
+        Ok(PathBuf::from(file))
+    }
 }
 
 #[derive(Debug, Clone, Args)]
@@ -344,6 +422,23 @@ pub struct Config {
         value_delimiter = ','
     )]
     pub kernelspecs: Vec<String>,
+
+    /// Package allowlist: a file of requirement specifiers, one a line (`seaborn`,
+    /// `scikit-learn==1.5.2`), that kernels may install offline from --wheelhouse. `FILE`
+    /// for python3, `NAME=FILE` for another kernel spec (repeatable or comma-separated);
+    /// re-read on SIGHUP (docs/packages.md).
+    #[arg(
+        long = "packages",
+        env = "KERNELGATE_PACKAGES",
+        value_delimiter = ',',
+        value_name = "[NAME=]FILE"
+    )]
+    pub packages: Vec<String>,
+
+    /// The wheelhouse `kernelgate packages sync` fills: kernels see the wheels synced for
+    /// their image, read-only.
+    #[arg(long, env = "KERNELGATE_WHEELHOUSE", value_name = "DIR")]
+    pub wheelhouse: Option<PathBuf>,
 
     /// Memory limit per kernel in MiB (swap is not allowed beyond it).
     #[arg(long, env = "KERNELGATE_KERNEL_MEMORY_MB", default_value_t = 1024, value_parser = clap::value_parser!(u64).range(64..))]

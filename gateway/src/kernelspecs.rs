@@ -273,6 +273,7 @@ mod tests {
                 "/opt/kernel/launch.py",
                 CONTAINER_CONNECTION_FILE,
             ]),
+            id: "sha256:0123456789ab".to_owned(),
         });
         assert_eq!(spec.display_name, "Python 3 + fixture");
         assert!(spec.logo_png.starts_with(b"\x89PNG"));

@@ -18,6 +18,7 @@ pub mod kernels;
 pub mod kernelspecs;
 pub mod mcp;
 pub mod metrics;
+pub mod packages;
 pub mod policy;
 pub mod relay;
 pub mod tenants;

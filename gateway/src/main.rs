@@ -14,6 +14,7 @@ use kernelgate::cluster::node::{ClusterNode, Offer, AWAY_FOR};
 use kernelgate::config::{Cli, Command, Config, KeysAction, KeysArgs, LogFormat, McpArgs};
 use kernelgate::kernels::{HeartbeatCheck, Kernels, Settings};
 use kernelgate::kernelspecs::KernelSpecs;
+use kernelgate::packages::Packages;
 use kernelgate::relay::clients::ClientLimits;
 use kernelgate::tenants::{
     generate_token, token_digest, KeyEntry, Keys, KeysFile, Tenant, TOKEN_KEY,
@@ -30,7 +31,9 @@ async fn main() -> anyhow::Result<()> {
     let format = match &cli.command {
         Command::Serve(config) => config.log_format,
         Command::Mcp(args) => args.config.log_format,
-        Command::Run(_) | Command::Keys(_) | Command::Audit(_) => LogFormat::Text,
+        Command::Run(_) | Command::Keys(_) | Command::Audit(_) | Command::Packages(_) => {
+            LogFormat::Text
+        }
     };
     init_logging(format);
     match cli.command {
@@ -39,6 +42,7 @@ async fn main() -> anyhow::Result<()> {
         Command::Run(args) => Ok(kernelgate_client::notebook::run(args.into_client()).await?),
         Command::Keys(args) => keys_command(args),
         Command::Audit(args) => kernelgate::audit::read_back(&args),
+        Command::Packages(args) => kernelgate::packages::cli::run(args).await,
     }
 }
 
@@ -71,6 +75,7 @@ struct Prepared {
     audit_path: std::path::PathBuf,
     guard: Option<Arc<kernelgate::policy::Guard>>,
     cluster: Option<Arc<ClusterNode>>,
+    packages: Option<Arc<Packages>>,
 }
 
 fn prepare(
@@ -98,6 +103,18 @@ fn prepare(
             )
         })?
     };
+    let packages = Packages::start(
+        &config.packages,
+        config.wheelhouse.as_deref(),
+        &config.runtime_dir,
+        kernelgate::kernelspecs::DEFAULT_SPEC,
+        &specs.names_list(),
+    )
+    .map_err(anyhow::Error::msg)?
+    .map(Arc::new);
+    if let Some(p) = &packages {
+        tracing::info!(wheelhouse = %p.mounts().wheelhouse.display(), "package allowlists in force");
+    }
     let guard = match &config.policy {
         None => None,
         Some(path) => {
@@ -107,6 +124,15 @@ fn prepare(
                 anyhow::anyhow!("policy file {}: {e} (see docs/policy.md)", path.display())
             })?;
             tracing::info!(policy = %path.display(), rules = policy.rules(), "execution policy in force");
+            let policy = match &packages {
+                Some(p) => {
+                    let p = p.clone();
+                    policy.with_installable(kernelgate_policy::Installable(Arc::new(
+                        move |name: &str| p.allows(name),
+                    )))
+                }
+                None => policy,
+            };
             Some(kernelgate::policy::Guard::new(
                 policy,
                 Duration::from_secs(config.approval_timeout),
@@ -130,6 +156,7 @@ fn prepare(
         audit_path,
         guard,
         cluster,
+        packages,
     })
 }
 
@@ -156,8 +183,11 @@ async fn kernel_table(
         audit_path,
         guard,
         cluster,
+        packages,
     } = prepared;
-    let backend = DockerBackend::connect(DockerSettings::from(config))
+    let mut docker_settings = DockerSettings::from(config);
+    docker_settings.packages = packages.as_ref().map(|p| p.mounts().clone());
+    let backend = DockerBackend::connect(docker_settings)
         .await
         .context("cannot start kernels")?;
     backend.check().await.context("cannot start kernels")?;
@@ -187,6 +217,7 @@ async fn kernel_table(
             lossy: config.hibernate_lossy,
             runtime_dir: config.runtime_dir.display().to_string(),
         },
+        packages,
         specs: Arc::new(specs),
         limits: ClientLimits {
             kernel_message_bytes: config.max_message_mb * 1024 * 1024,
@@ -457,7 +488,8 @@ fn auth_from(config: &Config) -> anyhow::Result<(Keys, Option<String>)> {
     Ok((keys, generated))
 }
 
-/// On SIGHUP the audit log is reopened (log rotation) and the keys file read again:
+/// On SIGHUP the audit log is reopened (log rotation), the package allowlists and the keys
+/// file read again:
 /// revoked keys are refused from then on, their WebSockets close, and their kernels are
 /// removed.
 async fn reload_on_sighup(
@@ -477,6 +509,14 @@ async fn reload_on_sighup(
         }
         if let Err(e) = audit.reopen().await {
             tracing::error!(error = %e, "cannot reopen the audit log; records go to the old file");
+        }
+        if let Some(packages) = kernels.packages() {
+            match packages.reload() {
+                Ok(entries) => tracing::info!(entries, "package allowlists reloaded"),
+                Err(e) => {
+                    tracing::error!(error = %e, "package allowlists not reloaded; the lists in force stay")
+                }
+            }
         }
         match keys.reload() {
             Err(e) => tracing::error!(error = %e, "keys file not reloaded; the keys in force stay"),

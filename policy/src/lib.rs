@@ -99,6 +99,18 @@ pub struct Rule {
 pub struct Policy {
     on_parse_error: OnParseError,
     rules: Vec<Rule>,
+    installable: Option<Installable>,
+}
+
+/// Says whether a package (normalized name) is on the gateway's allowlist: `%pip install`
+/// of such packages only is no shell command.
+#[derive(Clone)]
+pub struct Installable(pub std::sync::Arc<dyn Fn(&str) -> bool + Send + Sync>);
+
+impl std::fmt::Debug for Installable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Installable")
+    }
 }
 
 impl Policy {
@@ -130,7 +142,14 @@ impl Policy {
         Ok(Policy {
             on_parse_error: file.on_parse_error,
             rules: file.rules,
+            installable: None,
         })
+    }
+
+    /// Lets `%pip install` of packages `installable` accepts pass as no shell command.
+    pub fn with_installable(mut self, installable: Installable) -> Self {
+        self.installable = Some(installable);
+        self
     }
 
     /// How many rules it has.
@@ -192,8 +211,18 @@ impl Policy {
             findings.imports.extend(f.imports);
             findings.names.extend(f.names);
             findings.shell.extend(f.shell);
+            findings.installs.extend(f.installs);
             if findings.limit.is_none() {
                 findings.limit = f.limit;
+            }
+        }
+        for (shown, names) in std::mem::take(&mut findings.installs) {
+            let allowed = self
+                .installable
+                .as_ref()
+                .is_some_and(|f| names.iter().all(|n| (f.0)(n)));
+            if !allowed {
+                findings.shell.push(shown);
             }
         }
         if findings.limit == Some(scan::Limit::TooDeep) {

@@ -82,6 +82,10 @@ pub struct Findings {
     pub names: Vec<(String, bool)>,
     /// Shell commands, as people read them (`!ls`, `%%bash`, `%system id`).
     pub shell: Vec<String>,
+    /// `%pip install NAME...` lines that name packages and nothing else (no other option,
+    /// no shell syntax, no IPython expansion): as shown, and the normalized names. They
+    /// count as shell commands unless every name is on the gateway's allowlist.
+    pub installs: Vec<(String, Vec<String>)>,
     /// Parts that could not be judged; the first one.
     pub limit: Option<Limit>,
 }
@@ -124,8 +128,7 @@ pub fn python(code: &str, scope: &mut Scope) -> Findings {
 fn scan_cell(code: &str, scope: &mut Scope, out: &mut Findings, inner: usize) -> bool {
     let transformed = ipython::transform_cell(code);
     if let Some((name, args)) = ipython::automagic(&transformed, SHELL_LINE_MAGICS) {
-        out.shell
-            .push(format!("%{name} {args}").trim_end().to_owned());
+        shell_magic(name, args, out);
     }
     if let Some((name, args)) = ipython::automagic(&transformed, PYTHON_LINE_MAGICS) {
         python_argument(args, scope, out, inner + 1);
@@ -390,8 +393,7 @@ fn classify(name: &str, r: &Ref, out: &mut Findings, inner: &mut Vec<(InnerKind,
 
 fn line_magic(magic: &str, args: &str, out: &mut Findings, inner: &mut Vec<(InnerKind, String)>) {
     if SHELL_LINE_MAGICS.contains(&magic) {
-        out.shell
-            .push(format!("%{magic} {args}").trim_end().to_owned());
+        shell_magic(magic, args, out);
     } else if PYTHON_LINE_MAGICS.contains(&magic) {
         inner.push((InnerKind::Argument, args.to_owned()));
     } else if magic == "run" || magic == "load_ext" || magic == "reload_ext" {
@@ -406,6 +408,102 @@ fn line_magic(magic: &str, args: &str, out: &mut Findings, inner: &mut Vec<(Inne
             out.imports.push(m.to_owned());
         }
     }
+}
+
+/// A shell magic: an install of named packages (`%pip install seaborn "tqdm>=4"`) or a
+/// shell command.
+fn shell_magic(magic: &str, args: &str, out: &mut Findings) {
+    let shown = format!("%{magic} {args}").trim_end().to_owned();
+    match (magic, pip_install_names(args)) {
+        ("pip", Some(names)) => out.installs.push((shown, names)),
+        _ => out.shell.push(shown),
+    }
+}
+
+/// The normalized package names of `install [-q|-U...] REQ...` when that is all the line
+/// says. IPython hands the line to `/bin/sh` after expanding `{expr}` and `$name`, so any
+/// character either would act on makes it a shell command: only names, version
+/// specifiers and extras remain, the specifiers' `<`, `>`, `!`, `~`, `[`, `,` and spaces
+/// only inside quotes.
+pub fn pip_install_names(args: &str) -> Option<Vec<String>> {
+    let mut words = args.split_whitespace();
+    if words.next()? != "install" {
+        return None;
+    }
+    let rest: Vec<&str> = words.collect();
+    let line = rest.join(" ");
+    if line.contains([
+        '{', '}', '$', '`', '\\', ';', '&', '|', '(', ')', '\n', '#', '*', '?',
+    ]) {
+        return None;
+    }
+    let mut names = Vec::new();
+    let mut chars = line.chars().peekable();
+    while chars.peek().is_some() {
+        let mut word = String::new();
+        while let Some(&c) = chars.peek() {
+            if c == ' ' {
+                chars.next();
+                break;
+            }
+            if c == '"' || c == '\'' {
+                chars.next();
+                let mut closed = false;
+                for q in chars.by_ref() {
+                    if q == c {
+                        closed = true;
+                        break;
+                    }
+                    if !(q.is_ascii_alphanumeric() || "._-=<>!~,[] ".contains(q)) {
+                        return None;
+                    }
+                    word.push(q);
+                }
+                if !closed {
+                    return None;
+                }
+                continue;
+            }
+            if !(c.is_ascii_alphanumeric() || "._-=".contains(c)) {
+                return None;
+            }
+            word.push(c);
+            chars.next();
+        }
+        let word = word.trim();
+        if word.is_empty() {
+            continue;
+        }
+        match word {
+            "-q" | "--quiet" | "-U" | "--upgrade" => continue,
+            w if w.starts_with('-') => return None,
+            w => {
+                let end = w
+                    .find(|c: char| !(c.is_ascii_alphanumeric() || "._-".contains(c)))
+                    .unwrap_or(w.len());
+                if end == 0 {
+                    return None;
+                }
+                names.push(normalize(&w[..end]));
+            }
+        }
+    }
+    (!names.is_empty()).then_some(names)
+}
+
+/// A project name as PEP 503 compares them: lowercase, `-`, `_` and `.` runs as one `-`.
+fn normalize(name: &str) -> String {
+    let mut out = String::new();
+    for c in name.chars() {
+        if "-_.".contains(c) {
+            if !out.ends_with('-') {
+                out.push('-');
+            }
+        } else {
+            out.push(c.to_ascii_lowercase());
+        }
+    }
+    out
 }
 
 /// A name as the code spells it: a root and the attributes after it.

@@ -284,3 +284,40 @@ proptest::proptest! {
         let _ = policy().check(&code, [code.as_str()]);
     }
 }
+
+#[test]
+fn installing_allowlisted_packages_with_pip_magic_is_no_shell_command() {
+    let allowed = policy().with_installable(crate::Installable(std::sync::Arc::new(|name| {
+        ["seaborn", "scikit-learn", "tqdm"].contains(&name)
+    })));
+    let denied_here = |code: &str| matches!(allowed.check(code, []), Decision::Deny(_));
+    for code in [
+        "%pip install seaborn",
+        "%pip install -q Scikit_Learn==1.5.2 seaborn",
+        "%pip install \"tqdm>=4,<5\"",
+        "pip install seaborn",
+        "get_ipython().run_line_magic('pip', 'install seaborn')",
+        "%pip install -U 'scikit-learn[extra] >= 1.5'",
+    ] {
+        assert!(!denied_here(code), "{code:?} denied");
+    }
+    for code in [
+        "!pip install seaborn",
+        "%pip install requests",
+        "%pip install seaborn requests",
+        "%pip install seaborn; id",
+        "%pip install seaborn && id",
+        "%pip install {name}",
+        "%pip install $name",
+        "%pip install seaborn>=1",
+        "%pip install --index-url http://x seaborn",
+        "%pip install -r reqs.txt",
+        "%pip uninstall seaborn",
+        "%pip install `id`",
+        "%pip install 'seaborn$(id)'",
+    ] {
+        assert!(denied_here(code), "{code:?} passed");
+    }
+    // Without an allowlist every %pip is a shell command.
+    assert!(denied("%pip install seaborn").is_some());
+}

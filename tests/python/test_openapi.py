@@ -64,12 +64,14 @@ OPERATIONS = sorted(
         "POST /api/kernels/{id}/restart",
         "POST /api/kernels/{id}/hibernate",
         "POST /api/kernels/{id}/execute",
+        "POST /api/kernels/{id}/packages",
         "GET /api/kernels/{id}/files",
         "GET /api/kernels/{id}/files/{path}",
         "PUT /api/kernels/{id}/files/{path}",
         "DELETE /api/kernels/{id}/files/{path}",
         "GET /api/kernelgate/approvals",
         "POST /api/kernelgate/approvals/{id}",
+        "GET /api/kernelgate/packages",
     ]
 )
 

@@ -59,6 +59,10 @@ async fn launch_and_exercise(runtime_dir: &std::path::Path) -> Result<()> {
         } else {
             RuntimeChoice::Runc
         },
+        packages: Some(kernelgate::packages::Mounts {
+            wheelhouse: runtime_dir.join("wheelhouse"),
+            shim_dir: runtime_dir.join("packages"),
+        }),
     };
     let backend = DockerBackend::connect(settings).await?;
     backend.check().await?;
@@ -75,12 +79,16 @@ async fn launch_and_exercise(runtime_dir: &std::path::Path) -> Result<()> {
             cpus: None,
         })
         .await?;
-    let result = exercise(&launched.handle, &launched.connection).await;
+    let result = exercise(&launched.handle, &launched.connection, runtime_dir).await;
     backend.remove(&launched.handle).await?;
     result
 }
 
-async fn exercise(handle: &str, connection: &kernelgate_protocol::ConnectionInfo) -> Result<()> {
+async fn exercise(
+    handle: &str,
+    connection: &kernelgate_protocol::ConnectionInfo,
+    runtime_dir: &std::path::Path,
+) -> Result<()> {
     // The container has exactly the hardening docs/architecture.md lists.
     let inspect = std::process::Command::new("docker")
         .args(["inspect", handle])
@@ -97,7 +105,43 @@ async fn exercise(handle: &str, connection: &kernelgate_protocol::ConnectionInfo
     assert_eq!(host["Memory"], 1024 * 1024 * 1024);
     assert_eq!(host["Memory"], host["MemorySwap"]);
     assert_eq!(host["Privileged"], false);
-    assert_eq!(host["Binds"].as_array().map(|b| b.len()), Some(1));
+    // The socket directory, and read-only: the wheelhouse's tree for this image and the
+    // package installer. Nothing else of the host.
+    let out = std::process::Command::new("docker")
+        .args([
+            "image",
+            "inspect",
+            "--format",
+            "{{.Id}}",
+            &kernelgate_tests::image(),
+        ])
+        .output()?;
+    let image_id = String::from_utf8_lossy(&out.stdout)
+        .trim()
+        .trim_start_matches("sha256:")
+        .chars()
+        .take(12)
+        .collect::<String>();
+    let socket_dir = inspect[0]["Mounts"]
+        .as_array()
+        .and_then(|m| m.iter().find(|m| m["Destination"] == "/run/kernel"))
+        .and_then(|m| m["Source"].as_str())
+        .unwrap_or_default()
+        .to_owned();
+    assert_eq!(
+        host["Binds"],
+        serde_json::json!([
+            format!("{socket_dir}:/run/kernel:rw"),
+            format!(
+                "{}:/opt/kernelgate/packages:ro",
+                runtime_dir.join("wheelhouse").join(image_id).display()
+            ),
+            format!(
+                "{}:/opt/kernelgate/python:ro",
+                runtime_dir.join("packages").display()
+            ),
+        ])
+    );
     assert!(host["Tmpfs"]["/tmp"].is_string());
     assert_eq!(inspect[0]["Config"]["User"], "1000:1000");
 

@@ -17,6 +17,7 @@ pub mod mcp;
 pub mod openapi;
 pub mod ops;
 pub mod origin;
+pub mod packages;
 pub mod ui;
 
 use crate::kernels::Kernels;
@@ -114,10 +115,12 @@ pub fn surface() -> Surface {
             CHANNELS,
         )
         .operations(routes!(execute::execute))
+        .operations(routes!(packages::install))
         .operations(routes!(files::list_root))
         .operations(routes!(files::get, files::put, files::delete))
         .operations(routes!(approvals::list))
         .operations(routes!(approvals::answer))
+        .operations(routes!(packages::list))
         .prose("/mcp", any(mcp::serve), MCP);
     Surface { public, protected }
 }

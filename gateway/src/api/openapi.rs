@@ -365,6 +365,7 @@ mod tests {
                 output_bytes: 1 << 20,
                 replay_for: Duration::from_secs(60),
             },
+            packages: None,
         };
         let (tracker, cancel) = (TaskTracker::new(), CancellationToken::new());
         let kernels = Kernels::new(
@@ -533,12 +534,14 @@ mod tests {
             "POST /api/kernels/{id}/restart",
             "POST /api/kernels/{id}/hibernate",
             "POST /api/kernels/{id}/execute",
+            "POST /api/kernels/{id}/packages",
             "GET /api/kernels/{id}/files",
             "GET /api/kernels/{id}/files/{path}",
             "PUT /api/kernels/{id}/files/{path}",
             "DELETE /api/kernels/{id}/files/{path}",
             "GET /api/kernelgate/approvals",
             "POST /api/kernelgate/approvals/{id}",
+            "GET /api/kernelgate/packages",
         ];
         assert_eq!(listed, expected);
         let description = doc.info.description.unwrap_or_default();
@@ -571,7 +574,9 @@ mod tests {
                     let json = response.content.get("application/json");
                     let schema = json.and_then(|c| c.schema.as_ref());
                     assert!(
-                        matches!(schema, Some(RefOr::Ref(r)) if r.ref_location.ends_with("/ErrorBody")),
+                        // A refused install also says what was refused: an ErrorBody and more.
+                        matches!(schema, Some(RefOr::Ref(r)) if r.ref_location.ends_with("/ErrorBody")
+                            || (id == "install_packages" && status == "422" && r.ref_location.ends_with("/RefusedBody"))),
                         "{method} {id} {status}: not an ErrorBody"
                     );
                 }

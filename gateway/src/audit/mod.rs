@@ -188,6 +188,34 @@ pub enum Record {
         approval_id: Option<String>,
         by: Option<String>,
     },
+    /// The gateway installed packages into a kernel (`install_packages`, `POST
+    /// /api/kernels/{id}/packages`): what was asked for, what the kernel now has from the
+    /// wheelhouse, and what was refused (then nothing was installed).
+    PackagesInstalled {
+        key: String,
+        kernel: String,
+        requested: Vec<String>,
+        installed: Vec<PackageVersion>,
+        #[serde(skip_serializing_if = "Vec::is_empty")]
+        already: Vec<PackageVersion>,
+        #[serde(skip_serializing_if = "Vec::is_empty")]
+        refused: Vec<PackageRefusal>,
+    },
+    /// The kernel reported an install asked for from inside it (`%pip`, `!pip`), written
+    /// just before the record of the cell it ran in. The kernel's own word: `trusted` is
+    /// always false.
+    PackagesReported {
+        key: String,
+        kernel: String,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        msg_id: Option<String>,
+        argv: Vec<String>,
+        requested: Vec<String>,
+        installed: Vec<PackageVersion>,
+        #[serde(skip_serializing_if = "Vec::is_empty")]
+        refused: Vec<PackageRefusal>,
+        trusted: bool,
+    },
     /// The working directory was listed.
     FileListed(FileAccess),
     /// A file was read (`offset` and `length` for a part).
@@ -210,6 +238,20 @@ pub enum Record {
         method: String,
         path: String,
     },
+}
+
+/// A package and the version a kernel got.
+#[derive(Debug, Clone, Serialize, serde::Deserialize, PartialEq, Eq, utoipa::ToSchema)]
+pub struct PackageVersion {
+    pub name: String,
+    pub version: String,
+}
+
+/// A requirement that was not installed, and why.
+#[derive(Debug, Clone, Serialize, serde::Deserialize, PartialEq, Eq, utoipa::ToSchema)]
+pub struct PackageRefusal {
+    pub requirement: String,
+    pub reason: String,
 }
 
 /// Who touched which file of a kernel's working directory.

@@ -45,6 +45,8 @@ pub struct DockerSettings {
     pub pids: i64,
     pub disk_mb: u64,
     pub runtime: RuntimeChoice,
+    /// The wheelhouse and installer kernels mount (`--wheelhouse`); none without.
+    pub packages: Option<crate::packages::Mounts>,
 }
 
 impl From<&Config> for DockerSettings {
@@ -57,6 +59,7 @@ impl From<&Config> for DockerSettings {
             pids: config.kernel_pids,
             disk_mb: config.kernel_disk_mb,
             runtime: config.runtime,
+            packages: None,
         }
     }
 }
@@ -147,8 +150,11 @@ impl DockerBackend {
             source,
         })?;
 
+        let (package_binds, package_env) = self.package_mounts(req).await;
         let created = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
         let body = ContainerSpec {
+            extra_binds: &package_binds,
+            extra_env: &package_env,
             image: &req.image,
             kernel_id: &req.kernel_id,
             kernel_name: &req.kernel_name,
@@ -308,6 +314,27 @@ impl DockerBackend {
         Ok(labelled.or_else(|| self.known_dirs().get(handle).cloned()))
     }
 
+    /// The wheelhouse tree of the kernel's image and the installer, when packages are
+    /// configured. A failure to prepare them is logged and the kernel starts without:
+    /// installs then say the wheelhouse is missing.
+    async fn package_mounts(&self, req: &LaunchRequest) -> (Vec<String>, Vec<String>) {
+        let Some(mounts) = &self.settings.packages else {
+            return (Vec::new(), Vec::new());
+        };
+        let id = match self.docker.inspect_image(&req.image).await {
+            Ok(inspect) => inspect.id.unwrap_or_default(),
+            // Creating the container says what is wrong with the image.
+            Err(_) => return (Vec::new(), Vec::new()),
+        };
+        match mounts.for_kernel(&id, &req.kernel_name) {
+            Ok(both) => both,
+            Err(e) => {
+                tracing::error!(image = %req.image, wheelhouse = %mounts.wheelhouse.display(), error = %e, "cannot prepare the wheelhouse for this image; the kernel starts without packages");
+                (Vec::new(), Vec::new())
+            }
+        }
+    }
+
     fn runtime_dir_label(&self) -> String {
         self.settings.runtime_dir.to_string_lossy().into_owned()
     }
@@ -369,6 +396,7 @@ impl KernelBackend for DockerBackend {
                     Ok(ImageFacts {
                         labels: config.labels.unwrap_or_default(),
                         cmd: config.cmd.unwrap_or_default(),
+                        id: inspect.id.unwrap_or_default(),
                     })
                 }
                 Err(e) if status(&e) == Some(404) => Err(self.image_missing(image)),

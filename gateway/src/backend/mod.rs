@@ -34,6 +34,8 @@ pub struct ImageFacts {
     pub labels: std::collections::HashMap<String, String>,
     /// The command a container of it runs (its `CMD`).
     pub cmd: Vec<String>,
+    /// The image's id (`sha256:...`): the wheelhouse keeps one tree per image.
+    pub id: String,
 }
 
 /// A started kernel.

@@ -12,6 +12,7 @@ mod adopt;
 pub mod files;
 pub mod hibernate;
 pub mod ledger;
+pub mod packages;
 mod pool;
 pub mod runner;
 mod slot;
@@ -74,6 +75,8 @@ pub struct Settings {
     pub ledger: Option<Arc<dyn ledger::Ledger>>,
     /// When kernels hibernate, and where their state goes.
     pub hibernate: hibernate::Policy,
+    /// The package allowlists and wheelhouse (`--packages`, `--wheelhouse`).
+    pub packages: Option<Arc<crate::packages::Packages>>,
 }
 
 /// The kernel process a [`LiveKernel`] runs in now: a restart may move it into a warm
@@ -254,6 +257,11 @@ impl Kernels {
     /// The audit trail.
     pub fn audit(&self) -> &Audit {
         &self.settings.audit
+    }
+
+    /// The package allowlists and wheelhouse, when `--wheelhouse` is set.
+    pub fn packages(&self) -> Option<&Arc<crate::packages::Packages>> {
+        self.settings.packages.as_ref()
     }
 
     pub fn get(&self, id: &str) -> Option<Arc<LiveKernel>> {

@@ -33,6 +33,7 @@ pub(super) fn settings() -> Settings {
             output_bytes: 1 << 30,
             replay_for: Duration::from_secs(60),
         },
+        packages: None,
     }
 }
 

@@ -97,6 +97,20 @@ impl Place for Local {
         })
     }
 
+    fn install<'a>(
+        &'a self,
+        kernel: &'a KernelRef,
+        key: &'a str,
+        packages: &'a [String],
+    ) -> BoxFuture<'a, Result<crate::kernels::packages::Installed, String>> {
+        Box::pin(async move {
+            let live = self.live(kernel, "").map_err(|e| e.to_string())?;
+            crate::kernels::packages::install(&self.0, &live, key, packages)
+                .await
+                .map_err(|e| e.to_string())
+        })
+    }
+
     fn execute<'a>(
         &'a self,
         tracker: &'a TaskTracker,

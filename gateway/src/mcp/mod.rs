@@ -59,7 +59,9 @@ const SESSION_HEADER: &str = "mcp-session-id";
 const INSTRUCTIONS: &str = "Kernelgate runs Python for you in a persistent, sandboxed IPython \
     kernel (no network). Use run_python for code; variables persist between calls. Use \
     write_file/read_file/list_files to move data in and out of the kernel's working \
-    directory, restart_kernel to start over (it removes the files too). Results are limited \
+    directory, restart_kernel to start over (it removes the files too). The kernel cannot \
+    download packages: install_packages adds those the operator allowed (offline, in about a \
+    second), and %pip install in run_python does the same. Results are limited \
     in size: write large output to a file and read it in parts with read_file's offset and \
     length. Without a session, call start_kernel first and pass its kernel_id to every other \
     tool.";
@@ -111,6 +113,13 @@ pub trait Place: std::fmt::Debug + Send + Sync + 'static {
         body: Vec<u8>,
         max_bytes: usize,
     ) -> BoxFuture<'a, Result<Vec<u8>, FileError>>;
+    /// Installs packages from the allowlist into the kernel for `key`.
+    fn install<'a>(
+        &'a self,
+        kernel: &'a KernelRef,
+        key: &'a str,
+        packages: &'a [String],
+    ) -> BoxFuture<'a, Result<crate::kernels::packages::Installed, String>>;
     /// At most `length` bytes of a file from `offset`, and the file's size.
     fn read_part<'a>(
         &'a self,
@@ -312,6 +321,18 @@ impl Mcp {
         self.place
             .read_part(kernel, key, path, offset, length)
             .await
+    }
+
+    async fn install(
+        &self,
+        kernel: &KernelRef,
+        key: &str,
+        packages: &[String],
+    ) -> Result<crate::kernels::packages::Installed, ToolError> {
+        self.place
+            .install(kernel, key, packages)
+            .await
+            .map_err(tools::error)
     }
 
     async fn restart(&self, kernel: &KernelRef, tenant: &Tenant) -> Result<(), ToolError> {

@@ -117,6 +117,23 @@ impl Place for Remote {
         })
     }
 
+    fn install<'a>(
+        &'a self,
+        kernel: &'a KernelRef,
+        _key: &'a str,
+        packages: &'a [String],
+    ) -> BoxFuture<'a, Result<crate::kernels::packages::Installed, String>> {
+        Box::pin(async move {
+            let answer = self
+                .gateway
+                .install_packages(&kernel.id, packages)
+                .await
+                .map_err(|e| e.to_string())?;
+            serde_json::from_value(answer)
+                .map_err(|e| format!("the gateway's answer to the install is not understood: {e}"))
+        })
+    }
+
     fn execute<'a>(
         &'a self,
         tracker: &'a TaskTracker,

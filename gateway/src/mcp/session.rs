@@ -288,6 +288,35 @@ impl Session {
                     a.path
                 ))]))
             }
+            "install_packages" => {
+                let a: tools::InstallPackages =
+                    tools::parse("install_packages", tools::InstallPackages::EXAMPLE, args)?;
+                let (kernel, _) = self.kernel(&caller, a.kernel_id.as_deref()).await?;
+                let mcp = &self.state.mcp;
+                let done = mcp.install(&kernel, &caller.tenant.name, &a.packages).await;
+                mcp.touch(kernel.id());
+                let done = done?;
+                let shown = |list: &[crate::audit::PackageVersion]| {
+                    list.iter()
+                        .map(|p| format!("{} {}", p.name, p.version))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                };
+                let mut text = if done.installed.is_empty() {
+                    "Nothing new to install.".to_owned()
+                } else {
+                    format!(
+                        "Installed {}. Import them in run_python now.",
+                        shown(&done.installed)
+                    )
+                };
+                if !done.already.is_empty() {
+                    text.push_str(&format!(" Already there: {}.", shown(&done.already)));
+                }
+                let mut result = CallToolResult::success(vec![ContentBlock::text(text)]);
+                result.structured_content = serde_json::to_value(&done).ok();
+                Ok(result)
+            }
             "restart_kernel" => {
                 let a: tools::Target = tools::parse("restart_kernel", "{}", args)?;
                 let (kernel, _) = self.kernel(&caller, a.kernel_id.as_deref()).await?;
@@ -312,7 +341,7 @@ impl Session {
             }
             other => Err(tools::error(format!(
                 "there is no tool named {other:?}; the tools are run_python, list_files, \
-                 read_file, write_file, restart_kernel and start_kernel"
+                 read_file, write_file, install_packages, restart_kernel and start_kernel"
             ))),
         }
     }

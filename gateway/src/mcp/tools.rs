@@ -43,7 +43,8 @@ pub fn all() -> Vec<Tool> {
              fit are replaced by a note (write big output to a file and read it with \
              read_file). An exception comes back as an error result with its name, value and \
              traceback; the kernel keeps its state. The kernel has no network access. \
-             IPython magics (%timeit) work.",
+             IPython magics (%timeit) work. Packages the image lacks cannot be downloaded: \
+             install_packages (or %pip install) adds those on the gateway's allowlist.",
             schema(json!({
                 "type": "object",
                 "properties": {
@@ -100,6 +101,25 @@ pub fn all() -> Vec<Tool> {
             })),
         ),
         Tool::new(
+            "install_packages",
+            "Install Python packages into the kernel so run_python's code can import them at \
+             once (no restart). The kernel has no network: only packages on this gateway's \
+             allowlist can be installed, offline, with what they need; anything else is \
+             refused with a message naming it (and, when it is one, the allowed names). All or \
+             nothing: when one package is refused, none is installed. Packages stay until \
+             restart_kernel.",
+            schema(json!({
+                "type": "object",
+                "properties": {
+                    "packages": {"type": "array", "minItems": 1, "maxItems": 64,
+                                 "items": {"type": "string"},
+                                 "description": "Package names, each optionally with a version specifier: [\"seaborn\", \"scikit-learn==1.5.2\"]."},
+                    "kernel_id": {"type": "string", "description": KERNEL_ID},
+                },
+                "required": ["packages"],
+            })),
+        ),
+        Tool::new(
             "restart_kernel",
             "Restart the kernel: it starts afresh in a new sandbox, so every variable and \
              import is lost and every file in the working directory is removed (write_file \
@@ -147,6 +167,18 @@ pub fn parse<T: DeserializeOwned>(
             "invalid arguments for {tool}: {e}. Send them like {example}"
         ))
     })
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct InstallPackages {
+    pub packages: Vec<String>,
+    #[serde(default)]
+    pub kernel_id: Option<String>,
+}
+
+impl InstallPackages {
+    pub const EXAMPLE: &'static str = r#"{"packages": ["seaborn"]}"#;
 }
 
 /// `kernel_id`, which every tool takes.

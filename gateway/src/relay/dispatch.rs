@@ -24,6 +24,23 @@ impl Dispatch for Relay {
             let reply = message.content_as::<ReplyStatus>().unwrap_or_default();
             if let Some(f) = finished {
                 metrics::execution_ended(&reply.status, f.took);
+                for reported in st
+                    .installs
+                    .as_mut()
+                    .map(|r| r.take_new())
+                    .unwrap_or_default()
+                {
+                    let _ = self.audit.record(&Record::PackagesReported {
+                        key: f.key.clone(),
+                        kernel: self.id.clone(),
+                        msg_id: message.parent_msg_id().map(str::to_owned),
+                        argv: reported.argv,
+                        requested: reported.requested,
+                        installed: reported.installed,
+                        refused: reported.refused,
+                        trusted: false,
+                    });
+                }
                 // In the file before the reply is forwarded.
                 finished_record = self.audit.record(&Record::ExecutionFinished {
                     key: f.key,

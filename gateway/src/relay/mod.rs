@@ -10,6 +10,7 @@ pub mod gate;
 pub mod heartbeat;
 mod hold_queue;
 mod holding;
+mod installs;
 pub mod link;
 mod requests;
 mod sleep;
@@ -68,6 +69,8 @@ struct State {
     /// Execute requests sent to the current process and not replied to, oldest first (the
     /// one running, then those queued behind it): answered by the gateway if it dies.
     in_flight: VecDeque<Header>,
+    /// Installs the current process reported from inside (`%pip install`).
+    installs: Option<installs::Reports>,
     /// Why the kernel is dead for good and what brings it back: set when it could not be
     /// restarted. Execute requests are answered with it in the kernel's place.
     dead: Option<String>,
@@ -125,6 +128,7 @@ impl Relay {
                 holds: HoldQueue::default(),
                 in_flight: VecDeque::new(),
                 dead: None,
+                installs: None,
                 hibernated: false,
                 client_sends: 0,
             }),
@@ -195,6 +199,9 @@ impl Relay {
             let mut st = self.lock();
             st.link = Some(link.clone());
             st.hibernated = false;
+            st.installs = std::path::Path::new(&info.ip)
+                .parent()
+                .map(installs::Reports::at);
             // Whatever the previous process was asked is answered or lost by now.
             st.in_flight.clear();
             take_backlog(&mut st)

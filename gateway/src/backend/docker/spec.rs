@@ -71,6 +71,11 @@ pub struct ContainerSpec<'a> {
     pub runtime_label: &'a str,
     /// The tenant it is started for, if any (for the label).
     pub owner: Option<&'a str>,
+    /// Read-only mounts beyond the socket directory (`host:container:ro`): the wheelhouse
+    /// tree and the package installer (docs/packages.md).
+    pub extra_binds: &'a [String],
+    /// Environment the gateway sets beyond the client's (`NAME=value`).
+    pub extra_env: &'a [String],
 }
 
 impl ContainerSpec<'_> {
@@ -97,6 +102,7 @@ impl ContainerSpec<'_> {
         if self.preload {
             env.push("KERNELGATE_PRELOAD=1".to_owned());
         }
+        env.extend(self.extra_env.iter().cloned());
         // Docker adds noexec,nosuid,nodev to every tmpfs; the options here only add to them.
         let tmpfs = HashMap::from([
             (
@@ -124,7 +130,11 @@ impl ContainerSpec<'_> {
             memory: Some(memory),
             memory_swap: Some(memory),
             nano_cpus: Some((self.cpus.max(0.0) * 1e9).round() as i64),
-            binds: Some(vec![format!("{}:{CONTAINER_DIR}:rw", self.socket_dir)]),
+            binds: Some(
+                std::iter::once(format!("{}:{CONTAINER_DIR}:rw", self.socket_dir))
+                    .chain(self.extra_binds.iter().cloned())
+                    .collect(),
+            ),
             ipc_mode: Some("private".to_owned()),
             // Its own view of the cgroup tree, not the host's paths.
             cgroupns_mode: Some(HostConfigCgroupnsModeEnum::PRIVATE),
@@ -195,6 +205,8 @@ mod tests {
             runtime: "kernelgate-runsc",
             runtime_label: "runsc",
             owner: Some("alice"),
+            extra_binds: &[],
+            extra_env: &[],
         }
     }
 

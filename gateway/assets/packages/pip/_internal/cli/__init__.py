@@ -1,0 +1,1 @@
+"""Kernelgate's stand-in for pip's command line package."""

@@ -1,0 +1,658 @@
+//! Packages on demand, end to end under the runtime of the run: `kernelgate packages sync`
+//! fills a wheelhouse from fixture wheels this test builds offline, and kernels install
+//! allowlisted packages with `%pip`, `!pip`, `python -m pip`, the agent API and MCP, import
+//! them in the same kernel at once, are refused anything else with a message that says what
+//! to do, and every install is in the audit trail. Installs survive hibernation, go with a
+//! restart, hold when the home is full, and `%pip install` of allowed packages passes a
+//! policy that denies shell commands while `!pip` does not.
+
+use anyhow::{ensure, Context, Result};
+use kernelgate_client::mcp::McpCalls;
+use kernelgate_tests::{Gateway, Outcome};
+use serde_json::{json, Value};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// The host Python whose pip sync uses: the test venv's (`make test-tools`).
+fn host_python() -> PathBuf {
+    std::env::var_os("KERNELGATE_TEST_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../.venv-tests/bin/python"))
+}
+
+/// A wheelhouse synced from the fixture wheels for the kernel image.
+struct Wheelhouse {
+    dir: tempfile::TempDir,
+    allowlist: PathBuf,
+    wheelhouse: PathBuf,
+    /// Whether the native-extension fixture could be built here.
+    native: bool,
+}
+
+const ALLOWED: &str =
+    "# fixtures\nkgfix-hello\nkgfix-app\nkgfix-usesnumpy\nkgfix-pth\nkgfix-oldnumpy\n";
+
+impl Wheelhouse {
+    fn new() -> Result<Wheelhouse> {
+        let dir = tempfile::Builder::new().prefix("kg-wheelhouse").tempdir()?;
+        let wheels = dir.path().join("fixture-wheels");
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("packages/make_wheels.py");
+        let built = std::process::Command::new(host_python())
+            .arg(&script)
+            .arg(&wheels)
+            .output()
+            .context("run make_wheels.py with the test venv's Python")?;
+        ensure!(
+            built.status.success(),
+            "make_wheels.py: {}",
+            String::from_utf8_lossy(&built.stderr)
+        );
+        let native = wheels
+            .join("kgfix_native-1.0-cp311-cp311-linux_x86_64.whl")
+            .exists();
+        if !native {
+            eprintln!("{}", String::from_utf8_lossy(&built.stdout).trim());
+        }
+        let allowlist = dir.path().join("allowed.txt");
+        let mut text = ALLOWED.to_owned();
+        if native {
+            text.push_str("kgfix-native\n");
+        }
+        std::fs::write(&allowlist, text)?;
+        let wheelhouse = dir.path().join("wheelhouse");
+        let me = Wheelhouse {
+            dir,
+            allowlist,
+            wheelhouse,
+            native,
+        };
+        let out = me.sync(&kernelgate_tests::image())?;
+        ensure!(
+            out.status.success(),
+            "sync failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Ok(me)
+    }
+
+    /// `kernelgate packages sync` for `image` from the fixture wheels alone.
+    fn sync(&self, image: &str) -> Result<std::process::Output> {
+        Ok(std::process::Command::new(kernelgate_tests::binary())
+            .args(["packages", "sync", "--packages"])
+            .arg(&self.allowlist)
+            .arg("--wheelhouse")
+            .arg(&self.wheelhouse)
+            .arg("--find-links")
+            .arg(self.dir.path().join("fixture-wheels"))
+            .args(["--image", image, "--python"])
+            .arg(host_python())
+            .output()?)
+    }
+
+    fn flags(&self) -> Vec<String> {
+        vec![
+            "--packages".into(),
+            self.allowlist.display().to_string(),
+            "--wheelhouse".into(),
+            self.wheelhouse.display().to_string(),
+        ]
+    }
+
+    /// The lock of the kernel image.
+    fn lock(&self) -> Result<Value> {
+        let text = std::fs::read_to_string(self.wheelhouse.join(image_key()?).join("lock.json"))?;
+        Ok(serde_json::from_str(&text)?)
+    }
+}
+
+/// The wheelhouse's name for the kernel image: the first 12 hex digits of its id.
+fn image_key() -> Result<String> {
+    let out = std::process::Command::new("docker")
+        .args([
+            "image",
+            "inspect",
+            "--format",
+            "{{.Id}}",
+            &kernelgate_tests::image(),
+        ])
+        .output()?;
+    let id = String::from_utf8_lossy(&out.stdout);
+    let id = id.trim().trim_start_matches("sha256:");
+    ensure!(id.len() >= 12, "no image id: {id:?}");
+    Ok(id[..12].to_owned())
+}
+
+async fn gateway(w: &Wheelhouse, extra: &[&str]) -> Result<Gateway> {
+    let mut flags: Vec<String> = w.flags();
+    flags.extend(extra.iter().map(|s| s.to_string()));
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    Gateway::start(&flags).await
+}
+
+fn audited(gw: &Gateway, event: &str) -> Result<Vec<Value>> {
+    Ok(std::fs::read_to_string(&gw.audit_log)?
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|r| r["event"] == event)
+        .collect())
+}
+
+/// What a cell printed on stdout and stderr together.
+fn printed(o: &Outcome) -> String {
+    format!("{}{}", o.stdout, o.stderr)
+}
+
+#[tokio::test]
+async fn allowed_packages_install_offline_and_import_in_the_same_kernel() -> Result<()> {
+    let w = Wheelhouse::new()?;
+    // A warm kernel: pooled kernels get the wheelhouse too.
+    let gw = gateway(&w, &["--pool-size", "1"]).await?;
+    gw.wait_pool("filled").await?;
+    let kernel = gw.create_kernel().await?;
+    let id = kernel["id"].as_str().context("id")?;
+    let mut ws = gw.channels(id, "packages").await?;
+
+    // %pip: the package and what it needs, importable at once.
+    let out = ws.execute("%pip install kgfix-app").await?;
+    ensure!(out.status == "ok", "{out:?}");
+    let text = printed(&out);
+    assert!(
+        text.contains("Successfully installed kgfix-app-2.0 kgfix-dep-0.3"),
+        "{text}"
+    );
+    let out = ws
+        .execute("import kgfix_app\nprint(kgfix_app.VALUE)")
+        .await?;
+    assert_eq!(out.stdout.trim(), "42", "{out:?}");
+
+    // !pip, and python -m pip in a subprocess.
+    let out = ws.execute("!pip install kgfix-hello").await?;
+    assert!(
+        printed(&out).contains("Successfully installed kgfix-hello-1.0"),
+        "{out:?}"
+    );
+    let out = ws
+        .execute("import kgfix_hello, importlib.metadata as m\nprint(kgfix_hello.greet(), m.version('kgfix-hello'))")
+        .await?;
+    assert_eq!(
+        out.stdout.trim(),
+        "hello from the wheelhouse 1.0",
+        "{out:?}"
+    );
+    let out = ws
+        .execute("import subprocess, sys\nr = subprocess.run([sys.executable, '-m', 'pip', 'install', 'kgfix-hello'], capture_output=True, text=True)\nprint(r.returncode, r.stdout)")
+        .await?;
+    assert!(out.stdout.starts_with("0 "), "{out:?}");
+    assert!(
+        out.stdout
+            .contains("Requirement already satisfied: kgfix-hello"),
+        "{out:?}"
+    );
+    // A later subprocess imports it too.
+    let out = ws
+        .execute("r = subprocess.run([sys.executable, '-c', 'import kgfix_app; print(kgfix_app.VALUE)'], capture_output=True, text=True)\nprint(r.stdout.strip(), r.stderr[-300:])")
+        .await?;
+    assert_eq!(out.stdout.trim(), "42", "{out:?}");
+
+    // A dependency the image has is used from the image: nothing of numpy in the wheelhouse.
+    let out = ws.execute("%pip install kgfix-usesnumpy").await?;
+    assert!(
+        printed(&out).contains("Successfully installed kgfix-usesnumpy-1.0"),
+        "{out:?}"
+    );
+    let out = ws
+        .execute("import kgfix_usesnumpy, numpy\nprint(kgfix_usesnumpy.TOTAL, numpy.__file__.startswith('/opt/kernel/venv'))")
+        .await?;
+    assert_eq!(out.stdout.trim(), "10 True", "{out:?}");
+    let lock = w.lock()?;
+    assert_eq!(
+        lock["requirements"]["kgfix-usesnumpy"]["packages"],
+        json!(["kgfix-usesnumpy"])
+    );
+    assert_eq!(lock["packages"]["numpy"]["in_image"], true, "{lock}");
+    assert!(!std::fs::read_dir(w.wheelhouse.join("wheels"))?
+        .any(|e| e.is_ok_and(|e| e.file_name().to_string_lossy().starts_with("numpy"))));
+
+    // A compiled extension loads from the read-only tree (the home is noexec).
+    if w.native {
+        let out = ws
+            .execute(
+                "%pip install -q kgfix-native\nimport kgfix_native\nprint(kgfix_native.add(40, 2))",
+            )
+            .await?;
+        assert!(out.stdout.trim().ends_with("42"), "{out:?}");
+    }
+
+    // Refusals: at once, naming the package and what an operator does.
+    for (cell, name) in [
+        ("%pip install kgfix-denied", "kgfix-denied"),
+        ("!pip install requests", "requests"),
+        ("%pip install kgfix-hello kgfix-denied", "kgfix-denied"),
+    ] {
+        let out = ws.execute_for(cell, Duration::from_secs(30)).await?;
+        let text = printed(&out);
+        assert!(
+            text.contains(&format!(
+                "'{name}' is not in this gateway's package allowlist"
+            )),
+            "{cell}: {text}"
+        );
+        assert!(text.contains("kernelgate packages add"), "{cell}: {text}");
+    }
+    let out = ws.execute("%pip install kgfix-app==1.0").await?;
+    assert!(printed(&out).contains("kgfix-app 2.0"), "{out:?}");
+    // Wheels only: no source build, no URL.
+    let out = ws.execute("!pip install ./local-dir").await?;
+    assert!(
+        printed(&out).contains("only allowlisted packages by name"),
+        "{out:?}"
+    );
+    ws.close().await?;
+
+    // The audit trail: each install the kernel reported, before its cell's record, untrusted.
+    let log: Vec<Value> = std::fs::read_to_string(&gw.audit_log)?
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
+    let reported: Vec<&Value> = log
+        .iter()
+        .filter(|r| r["event"] == "packages_reported")
+        .collect();
+    let first = reported.first().context("no packages_reported record")?;
+    assert_eq!(first["trusted"], false);
+    assert_eq!(first["kernel"], id);
+    assert_eq!(first["requested"], json!(["kgfix-app"]));
+    assert_eq!(
+        first["installed"],
+        json!([{"name": "kgfix-dep", "version": "0.3"}, {"name": "kgfix-app", "version": "2.0"}])
+    );
+    let at = |r: &Value| log.iter().position(|x| x == r).unwrap_or_default();
+    let finished = log
+        .iter()
+        .position(|r| r["event"] == "execution_finished" && r["msg_id"] == first["msg_id"])
+        .context("the cell's record")?;
+    assert!(
+        at(first) < finished,
+        "the report comes before its cell's record"
+    );
+    assert!(reported
+        .iter()
+        .any(|r| r["refused"][0]["requirement"] == "kgfix-denied"));
+    gw.stop().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn agents_list_and_install_packages_through_the_agent_api_and_mcp() -> Result<()> {
+    let w = Wheelhouse::new()?;
+    let gw = gateway(&w, &[]).await?;
+    let (status, listing) = gw.get_json("/api/kernelgate/packages").await?;
+    assert_eq!(status, 200, "{listing}");
+    let hello = listing["packages"]
+        .as_array()
+        .and_then(|p| p.iter().find(|p| p["name"] == "kgfix-hello"))
+        .context("kgfix-hello listed")?;
+    assert_eq!(hello["versions"], json!(["1.0"]));
+    assert_eq!(hello["summary"], "Says hello");
+    assert_eq!(hello["synced"], true);
+    let app = listing["packages"]
+        .as_array()
+        .and_then(|p| p.iter().find(|p| p["name"] == "kgfix-app"))
+        .context("kgfix-app listed")?;
+    assert_eq!(app["brings"], json!(["kgfix-app", "kgfix-dep"]));
+    let pth = listing["packages"]
+        .as_array()
+        .and_then(|p| p.iter().find(|p| p["name"] == "kgfix-pth"))
+        .context("kgfix-pth listed")?;
+    assert_eq!(
+        pth["synced"], false,
+        "a wheel with a .pth file is refused at sync"
+    );
+    let (status, _) = gw
+        .get_json("/api/kernelgate/packages?kernel_name=nope")
+        .await?;
+    assert_eq!(status, 404);
+
+    // The agent API.
+    let kernel = gw.create_kernel().await?;
+    let id = kernel["id"].as_str().context("id")?;
+    let path = format!("/api/kernels/{id}/packages");
+    let (status, done) = gw
+        .post_json(&path, json!({"packages": ["kgfix-app"]}))
+        .await?;
+    assert_eq!(status, 200, "{done}");
+    assert_eq!(
+        done["installed"],
+        json!([{"name": "kgfix-dep", "version": "0.3"}, {"name": "kgfix-app", "version": "2.0"}])
+    );
+    let answer = gw
+        .execute(id, "import kgfix_app\nprint(kgfix_app.VALUE)")
+        .await?;
+    assert_eq!(answer["stdout"], "42\n", "{answer}");
+    let (status, again) = gw
+        .post_json(&path, json!({"packages": ["kgfix-app", "numpy"]}))
+        .await?;
+    assert_eq!(status, 200, "{again}");
+    assert!(
+        again["installed"].as_array().is_some_and(Vec::is_empty),
+        "{again}"
+    );
+    let already: Vec<&str> = again["already"]
+        .as_array()
+        .map(|a| a.iter().filter_map(|p| p["name"].as_str()).collect())
+        .unwrap_or_default();
+    assert!(
+        already.contains(&"kgfix-app") && already.contains(&"numpy"),
+        "{again}"
+    );
+    let (status, refused) = gw
+        .post_json(&path, json!({"packages": ["kgfix-hello", "kgfix-denied"]}))
+        .await?;
+    assert_eq!(status, 422, "{refused}");
+    assert!(
+        refused["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("kgfix-denied"),
+        "{refused}"
+    );
+    assert_eq!(refused["refused"][0]["requirement"], "kgfix-denied");
+    let answer = gw.execute(id, "import kgfix_hello").await?;
+    assert_eq!(answer["status"], "error", "all or nothing: {answer}");
+    let (status, bad) = gw
+        .post_json(&path, json!({"packages": ["--index-url=http://x"]}))
+        .await?;
+    assert_eq!(status, 400, "{bad}");
+
+    // MCP.
+    let mut mcp = McpCalls::new(gw.client());
+    let kernel_id = mcp.start_kernel().await?;
+    let result = mcp
+        .call_tool(
+            "install_packages",
+            json!({"packages": ["kgfix-hello"], "kernel_id": kernel_id}),
+        )
+        .await?;
+    assert_ne!(result["isError"], true, "{result}");
+    assert!(
+        result["content"][0]["text"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("kgfix-hello 1.0"),
+        "{result}"
+    );
+    assert_eq!(
+        result["structuredContent"]["installed"][0]["name"],
+        "kgfix-hello"
+    );
+    assert_eq!(
+        mcp.run_python(&kernel_id, "import kgfix_hello\nkgfix_hello.greet()")
+            .await?,
+        "'hello from the wheelhouse'"
+    );
+    let result = mcp
+        .call_tool(
+            "install_packages",
+            json!({"packages": ["kgfix-denied"], "kernel_id": kernel_id}),
+        )
+        .await?;
+    assert_eq!(result["isError"], true, "{result}");
+    assert!(
+        result["content"][0]["text"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("not in this gateway's package allowlist"),
+        "{result}"
+    );
+
+    let installed = audited(&gw, "packages_installed")?;
+    assert_eq!(installed.len(), 5, "{installed:?}");
+    assert_eq!(installed[0]["kernel"], id);
+    assert_eq!(installed[0]["requested"], json!(["kgfix-app"]));
+    assert_eq!(
+        installed[0]["installed"][1],
+        json!({"name": "kgfix-app", "version": "2.0"})
+    );
+    assert!(installed[0]["key"].is_string());
+    assert_eq!(installed[1]["already"][2]["name"], "numpy");
+    assert_eq!(installed[2]["refused"][0]["requirement"], "kgfix-denied");
+    assert_eq!(installed[3]["kernel"], kernel_id);
+    assert_eq!(installed[4]["refused"][0]["requirement"], "kgfix-denied");
+    gw.stop().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn sync_refuses_what_kernels_must_not_get_and_says_why() -> Result<()> {
+    let w = Wheelhouse::new()?;
+    let lock = w.lock()?;
+    let refused = lock["refused"].as_array().context("refused")?;
+    let reason = |name: &str| {
+        refused
+            .iter()
+            .find(|r| r["requirement"] == name)
+            .and_then(|r| r["reason"].as_str())
+            .map(str::to_owned)
+    };
+    assert!(
+        reason("kgfix-pth").is_some_and(|r| r.contains(".pth")),
+        "{lock}"
+    );
+    assert!(
+        reason("kgfix-oldnumpy").is_some_and(|r| r.contains("numpy")),
+        "{lock}"
+    );
+    assert!(lock["requirements"].get("kgfix-pth").is_none());
+    // Every synced wheel is unpacked and checked against its hash.
+    for (name, p) in lock["packages"].as_object().context("packages")? {
+        if p["in_image"] == true {
+            continue;
+        }
+        let wheel = w
+            .wheelhouse
+            .join("wheels")
+            .join(p["wheel"].as_str().context("wheel")?);
+        let digest = hex::encode(<sha2::Sha256 as sha2::Digest>::digest(std::fs::read(
+            &wheel,
+        )?));
+        assert_eq!(p["sha256"], digest, "{name}");
+        let id = lock["image_id"]
+            .as_str()
+            .context("image_id")?
+            .trim_start_matches("sha256:");
+        assert!(w
+            .wheelhouse
+            .join(&id[..12])
+            .join(p["dir"].as_str().context("dir")?)
+            .is_dir());
+    }
+    // A second sync fetches nothing and keeps the lock's packages.
+    let again = w.sync(&kernelgate_tests::image())?;
+    assert!(again.status.success());
+    assert_eq!(w.lock()?["packages"], lock["packages"]);
+
+    // A kernel meets the refusals as pip users expect.
+    let gw = gateway(&w, &[]).await?;
+    let kernel = gw.create_kernel().await?;
+    let id = kernel["id"].as_str().context("id")?;
+    let mut ws = gw.channels(id, "refusals").await?;
+    let out = ws.execute("%pip install kgfix-pth").await?;
+    assert!(printed(&out).contains("not synced"), "{out:?}");
+
+    // Allowed after a SIGHUP but not synced yet: it says so.
+    let mut text = std::fs::read_to_string(&w.allowlist)?;
+    text.push_str("kgfix-denied\n");
+    std::fs::write(&w.allowlist, text)?;
+    let pid = gw.pid().context("pid")?;
+    let sent = std::process::Command::new("kill")
+        .args(["-HUP", &pid.to_string()])
+        .status()?;
+    assert!(sent.success());
+    let mut said = String::new();
+    for _ in 0..50 {
+        said = printed(&ws.execute("%pip install kgfix-denied").await?);
+        if said.contains("not synced") {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(said.contains("allowed but not synced"), "{said}");
+
+    // A full home: a clear message, nothing half-done, the kernel alive.
+    let out = ws
+        .execute_for(
+            "import os\nf = open('filler', 'wb')\ntry:\n    while True:\n        f.write(b'x' * (1 << 20))\nexcept OSError as e:\n    print('full', e.errno)\nf.close()",
+            Duration::from_secs(120),
+        )
+        .await?;
+    assert!(out.stdout.contains("full 28"), "{out:?}");
+    let out = ws.execute("%pip install kgfix-hello").await?;
+    assert!(
+        printed(&out).contains("No space left in the kernel's home"),
+        "{out:?}"
+    );
+    let out = ws
+        .execute("import os\nos.remove('filler')\nimport kgfix_hello")
+        .await?;
+    assert_eq!(out.status, "error", "nothing was installed: {out:?}");
+    let out = ws
+        .execute("%pip install kgfix-hello\nimport kgfix_hello\nprint(kgfix_hello.greet())")
+        .await?;
+    assert!(
+        out.stdout.trim().ends_with("hello from the wheelhouse"),
+        "{out:?}"
+    );
+    ws.close().await?;
+    gw.stop().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn installs_survive_hibernation_and_go_with_a_restart() -> Result<()> {
+    let w = Wheelhouse::new()?;
+    let hibernated = format!("{}", tempfile::tempdir()?.keep().display());
+    let gw = gateway(&w, &["--hibernate-dir", &hibernated]).await?;
+    let kernel = gw.create_kernel().await?;
+    let id = kernel["id"].as_str().context("id")?;
+    let (status, done) = gw
+        .post_json(
+            &format!("/api/kernels/{id}/packages"),
+            json!({"packages": ["kgfix-app"]}),
+        )
+        .await?;
+    assert_eq!(status, 200, "{done}");
+    let answer = gw
+        .execute(id, "import kgfix_app\nv = kgfix_app.VALUE")
+        .await?;
+    assert_eq!(answer["status"], "ok", "{answer}");
+    let (status, model) = gw
+        .post_json(&format!("/api/kernels/{id}/hibernate"), json!({}))
+        .await?;
+    assert_eq!(status, 200, "{model}");
+    let answer = gw
+        .execute(id, "import kgfix_dep\nprint(v, kgfix_dep.BASE)")
+        .await?;
+    assert_eq!(answer["stdout"], "42 21\n", "{answer}");
+
+    // A restart starts afresh: files and installs are gone, and installing works again.
+    let (status, _) = gw
+        .post_json(&format!("/api/kernels/{id}/restart"), json!({}))
+        .await?;
+    assert_eq!(status, 200);
+    let answer = gw.execute(id, "import kgfix_app").await?;
+    assert_eq!(answer["status"], "error", "{answer}");
+    assert!(
+        answer.to_string().contains("ModuleNotFoundError"),
+        "{answer}"
+    );
+    let mut ws = gw.channels(id, "after-restart").await?;
+    let out = ws
+        .execute("%pip install kgfix-app\nimport kgfix_app\nprint(kgfix_app.VALUE)")
+        .await?;
+    assert!(out.stdout.trim().ends_with("42"), "{out:?}");
+    ws.close().await?;
+    gw.stop().await?;
+    let _ = std::fs::remove_dir_all(&hibernated);
+    Ok(())
+}
+
+#[tokio::test]
+async fn pip_magic_of_allowed_packages_passes_a_policy_that_denies_shell_commands() -> Result<()> {
+    let w = Wheelhouse::new()?;
+    let policy = w.dir.path().join("policy.toml");
+    std::fs::write(
+        &policy,
+        "[[rule]]\naction = \"deny\"\nshell = true\nreason = \"no shell commands here\"\n",
+    )?;
+    let gw = gateway(&w, &["--policy", &policy.display().to_string()]).await?;
+    let kernel = gw.create_kernel().await?;
+    let id = kernel["id"].as_str().context("id")?;
+    let mut ws = gw.channels(id, "policy").await?;
+    let out = ws.execute("%pip install kgfix-hello").await?;
+    assert_eq!(out.status, "ok", "{out:?}");
+    assert!(
+        printed(&out).contains("Successfully installed kgfix-hello-1.0"),
+        "{out:?}"
+    );
+    for cell in [
+        "!pip install kgfix-app",
+        "%pip install kgfix-denied",
+        "%pip install kgfix-app; ls",
+    ] {
+        let out = ws.execute(cell).await?;
+        assert_eq!(out.status, "error", "{cell}: {out:?}");
+        let error = out.error.clone().unwrap_or_default();
+        assert_eq!(error["ename"], "PolicyViolation", "{cell}: {out:?}");
+    }
+    // What installed packages are used for is still checked.
+    let out = ws
+        .execute("import kgfix_hello, os\nos.system('id')")
+        .await?;
+    assert_eq!(out.status, "ok", "calls are not in this policy: {out:?}");
+    ws.close().await?;
+    gw.stop().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_kernel_container_mounts_the_wheelhouse_and_the_installer_read_only() -> Result<()> {
+    let w = Wheelhouse::new()?;
+    let gw = gateway(&w, &[]).await?;
+    let kernel = gw.create_kernel().await?;
+    let id = kernel["id"].as_str().context("id")?;
+    let inspect = kernelgate_tests::inspect(id)?;
+    let binds: Vec<String> = inspect["HostConfig"]["Binds"]
+        .as_array()
+        .context("binds")?
+        .iter()
+        .filter_map(|b| b.as_str().map(str::to_owned))
+        .collect();
+    let image_id = image_key()?;
+    assert_eq!(binds.len(), 3, "{binds:?}");
+    assert!(
+        binds[0].starts_with(&format!("{}/", gw.runtime_dir.display()))
+            && binds[0].ends_with(":/run/kernel:rw"),
+        "{binds:?}"
+    );
+    assert_eq!(
+        binds[1..],
+        [
+            format!(
+                "{}:/opt/kernelgate/packages:ro",
+                w.wheelhouse.join(image_id).display()
+            ),
+            format!(
+                "{}/packages:/opt/kernelgate/python:ro",
+                gw.runtime_dir.display()
+            ),
+        ]
+    );
+    // The kernel can read them but not change them.
+    let answer = gw
+        .execute(id, "import errno, os\nfor p in ('/opt/kernelgate/packages/x', '/opt/kernelgate/python/allowed/x'):\n    try:\n        open(p, 'w')\n    except OSError as e:\n        print(e.errno in (errno.EROFS, errno.EACCES))")
+        .await?;
+    // runc says EROFS, gVisor EACCES.
+    assert_eq!(answer["stdout"], "True\nTrue\n", "{answer}");
+    gw.stop().await?;
+    Ok(())
+}
