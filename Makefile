@@ -78,8 +78,10 @@ fixture-image: python-venv
 
 # Debian's Prometheus (the operability test has it scrape a live gateway on loopback) and
 # etcd-server (the cluster registry's tests run a member on loopback; its package does not
-# start one).
-TEST_TOOLS := prometheus:prometheus etcd:etcd-server
+# start one). gcc and Python 3.11's headers build the packages tests' native-extension wheel
+# (tests/packages/make_wheels.py).
+TEST_TOOLS := prometheus:prometheus etcd:etcd-server gcc:gcc \
+	x86_64-linux-gnu-python3.11-config:libpython3.11-dev
 test-tools:
 	@missing=; for t in $(TEST_TOOLS); do \
 		command -v $${t%%:*} >/dev/null 2>&1 || missing="$$missing $${t#*:}"; \

@@ -806,3 +806,35 @@ pub fn decode_png(b64: &str) -> Result<(u32, u32)> {
     }
     Ok((w, h))
 }
+
+/// The derived image: from `make e2e`, or built now through the same make target.
+pub fn fixture_image() -> Result<String> {
+    if let Ok(image) = std::env::var("KERNELGATE_FIXTURE_IMAGE") {
+        if !image.is_empty() {
+            return Ok(image);
+        }
+    }
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let make = |args: &[&str]| {
+        std::process::Command::new("make")
+            .current_dir(&root)
+            .args(["--no-print-directory", "-s"])
+            .args(args)
+            .output()
+    };
+    let built = make(&["fixture-image"])?;
+    if !built.status.success() {
+        bail!(
+            "make fixture-image: {}",
+            String::from_utf8_lossy(&built.stderr)
+        );
+    }
+    let name = make(&[
+        "-f",
+        "mk/image.mk",
+        "--eval",
+        "print:\n\t@echo $(FIXTURE_IMAGE)",
+        "print",
+    ])?;
+    Ok(String::from_utf8(name.stdout)?.trim().to_owned())
+}

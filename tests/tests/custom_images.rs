@@ -3,41 +3,9 @@
 //! kernel-image/derive.sh), offered as its own kernel spec with its own warm pool, next to
 //! python3 and a spec whose image is missing.
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use kernelgate_tests::Gateway;
 use serde_json::json;
-
-/// The derived image: from `make e2e`, or built now through the same make target.
-fn fixture_image() -> Result<String> {
-    if let Ok(image) = std::env::var("KERNELGATE_FIXTURE_IMAGE") {
-        if !image.is_empty() {
-            return Ok(image);
-        }
-    }
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let make = |args: &[&str]| {
-        std::process::Command::new("make")
-            .current_dir(&root)
-            .args(["--no-print-directory", "-s"])
-            .args(args)
-            .output()
-    };
-    let built = make(&["fixture-image"])?;
-    if !built.status.success() {
-        bail!(
-            "make fixture-image: {}",
-            String::from_utf8_lossy(&built.stderr)
-        );
-    }
-    let name = make(&[
-        "-f",
-        "mk/image.mk",
-        "--eval",
-        "print:\n\t@echo $(FIXTURE_IMAGE)",
-        "print",
-    ])?;
-    Ok(String::from_utf8(name.stdout)?.trim().to_owned())
-}
 
 /// The image's command, as the kernelspec should advertise it.
 fn image_cmd(image: &str) -> Result<Vec<String>> {
@@ -65,7 +33,7 @@ fn image_cmd(image: &str) -> Result<Vec<String>> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_derived_image_serves_its_own_kernelspec_and_pool() -> Result<()> {
-    let fixture = fixture_image()?;
+    let fixture = kernelgate_tests::fixture_image()?;
     let spec = format!("fixture={fixture}");
     let gw = Gateway::start(&[
         "--kernelspec",

@@ -4,7 +4,7 @@
 //!
 //! Usage: bench [--out FILE.json] [--md FILE.md] [--venv DIR] [--rounds N] [--pool-size N]
 //!              [--idle-kernels N] [--quick] [--mcp-only] [--audit-only] [--restart-only]
-//!              [--cluster-only] [--hibernate-only]
+//!              [--cluster-only] [--hibernate-only] [--packages-only]
 //!
 //! Kernelgate runs each kernel in a Docker container under runc (ipc sockets
 //! bind-mounted), then, in a table of its own, under runc and gVisor side by side; JKG and
@@ -16,6 +16,7 @@ mod cluster;
 mod conn;
 mod hibernate;
 mod mcp;
+mod packages;
 mod procs;
 mod report;
 mod restart;
@@ -60,6 +61,8 @@ struct Opts {
     cluster_only: bool,
     /// Only hibernation and resume.
     hibernate_only: bool,
+    /// Only installing allowlisted packages.
+    packages_only: bool,
     /// Hibernate-resume rounds of the kernel holding only `x = 1` (and warm creates).
     hibernate_rounds: usize,
     /// Hibernate-resume rounds of the kernel holding 100 MiB.
@@ -87,6 +90,7 @@ impl Opts {
             restart_only: false,
             cluster_only: false,
             hibernate_only: false,
+            packages_only: false,
             hibernate_rounds: 10,
             hibernate_large_rounds: 5,
         };
@@ -106,6 +110,7 @@ impl Opts {
                 "--restart-only" => o.restart_only = true,
                 "--cluster-only" => o.cluster_only = true,
                 "--hibernate-only" => o.hibernate_only = true,
+                "--packages-only" => o.packages_only = true,
                 "--quick" => {
                     // For trying the bench out, not for numbers.
                     o.rounds = 1;
@@ -135,7 +140,7 @@ impl Opts {
 
 const USAGE: &str = "usage: bench [--out FILE.json] [--md FILE.md] [--venv DIR] [--rounds N] \
                      [--pool-size N] [--idle-kernels N] [--quick] [--mcp-only] [--audit-only] \
-                     [--restart-only] [--cluster-only] [--hibernate-only]";
+                     [--restart-only] [--cluster-only] [--hibernate-only] [--packages-only]";
 
 /// One target's kernels and client connections during the run.
 #[derive(Debug)]
@@ -192,6 +197,7 @@ async fn main() -> Result<()> {
         && !opts.restart_only
         && !opts.cluster_only
         && !opts.hibernate_only
+        && !opts.packages_only
         && !venv.join("bin/jupyter-kernelgateway").exists()
     {
         bail!(
@@ -232,6 +238,7 @@ async fn main() -> Result<()> {
             "restart_only": opts.restart_only,
             "cluster_only": opts.cluster_only,
             "hibernate_only": opts.hibernate_only,
+            "packages_only": opts.packages_only,
             "hibernate_rounds": opts.hibernate_rounds,
             "hibernate_large_rounds": opts.hibernate_large_rounds,
         },
@@ -265,6 +272,9 @@ async fn measure_all(opts: &Opts, paths: &Paths, results: &mut Results) -> Resul
     }
     if opts.hibernate_only {
         return hibernate::compare(opts, paths, results).await;
+    }
+    if opts.packages_only {
+        return packages::compare(opts, paths, results).await;
     }
     log(format!(
         "starting Kernelgate (warm pool {}) and JKG",
@@ -316,7 +326,8 @@ async fn measure_all(opts: &Opts, paths: &Paths, results: &mut Results) -> Resul
     runtimes::compare(opts, paths, results).await?;
     restart::compare(opts, paths, results).await?;
     cluster::compare(opts, paths, results).await?;
-    hibernate::compare(opts, paths, results).await
+    hibernate::compare(opts, paths, results).await?;
+    packages::compare(opts, paths, results).await
 }
 
 async fn measure(

@@ -200,6 +200,9 @@ pub fn markdown(doc: &Value) -> String {
     if doc["settings"]["hibernate_only"] == Value::Bool(true) {
         return hibernate_table(m);
     }
+    if doc["settings"]["packages_only"] == Value::Bool(true) {
+        return packages_table(m);
+    }
     let mut out = String::new();
     out.push_str("| metric | Kernelgate | JKG | direct ZMQ | ratio vs direct | target | met? |\n");
     out.push_str("|---|---:|---:|---:|---:|---|---|\n");
@@ -274,6 +277,65 @@ pub fn markdown(doc: &Value) -> String {
     out.push_str(&restart_table(m));
     out.push_str(&cluster_table(m));
     out.push_str(&hibernate_table(m));
+    out.push_str(&packages_table(m));
+    out
+}
+
+/// Installing allowlisted packages: `%pip install` and the agent API's install, and the
+/// first import, against an execute and an interpreter start in the same kernels.
+fn packages_table(m: &Value) -> String {
+    let p = &m["packages"];
+    let mut out = String::from(
+        "\n| packages (p50, ms) | `%pip install` | agent API install | first import | \
+         `print(1)` execute | `!python -c pass` | target | met? |\n|---|---:|---:|---:|---:|---:|---|---|\n",
+    );
+    for (case, label) in [
+        ("pure", "a synced pure-Python package (kgfix-hello)"),
+        (
+            "with_dependency",
+            "one that brings a dependency (kgfix-app)",
+        ),
+        (
+            "scikit_learn",
+            "scikit-learn (brings scipy, joblib, threadpoolctl)",
+        ),
+    ] {
+        let c = &p[case];
+        if c.is_null() {
+            continue;
+        }
+        let get = |k: &str| num(&c[k]["p50"]);
+        let pip = get("pip_install_ms");
+        let (target, met) = if case == "pure" {
+            (
+                "%pip install < 2000 ms",
+                if pip.is_some_and(|v| v < 2000.0) {
+                    "yes"
+                } else {
+                    "no"
+                },
+            )
+        } else {
+            ("", "")
+        };
+        out.push_str(&format!(
+            "| {label} | {} | {} | {} | {} | {} | {target} | {met} |\n",
+            fmt(pip, 0),
+            fmt(get("api_install_ms"), 0),
+            fmt(get("import_ms"), 0),
+            fmt(get("execute_print_ms"), 1),
+            fmt(get("python_start_ms"), 0),
+        ));
+    }
+    out.push_str(&format!(
+        "\nOne gateway (release build, runc, no warm pool), a wheelhouse synced by `kernelgate \
+         packages sync` (fixtures from `--find-links`: {} ms; scikit-learn from the package \
+         index: {} ms). Each round a fresh kernel: `%pip install -q NAME` and then the import, \
+         each timed as the agent API's execute of the cell; the agent API install \
+         (`POST /api/kernels/{{id}}/packages`) in another fresh kernel.\n",
+        fmt(num(&p["sync"]["fixture_ms"]), 0),
+        fmt(num(&p["sync"]["scikit_learn_ms"]), 0),
+    ));
     out
 }
 
