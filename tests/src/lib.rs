@@ -356,6 +356,15 @@ impl Gateway {
     }
 
     /// The `/metrics` text, read with the gateway's token.
+    /// The records of this gateway's audit log whose `event` is `event`, in order.
+    pub fn audited(&self, event: &str) -> Result<Vec<Value>> {
+        Ok(std::fs::read_to_string(&self.audit_log)?
+            .lines()
+            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+            .filter(|r| r["event"] == event)
+            .collect())
+    }
+
     pub async fn metrics(&self) -> Result<String> {
         Ok(self
             .request(reqwest::Method::GET, "/metrics")
@@ -837,4 +846,15 @@ pub fn fixture_image() -> Result<String> {
         "print",
     ])?;
     Ok(String::from_utf8(name.stdout)?.trim().to_owned())
+}
+
+/// The wheelhouse's name for the kernel image: the first 12 hex digits of its id.
+pub fn image_key() -> Result<String> {
+    let out = std::process::Command::new("docker")
+        .args(["image", "inspect", "--format", "{{.Id}}", &image()])
+        .output()?;
+    let id = String::from_utf8_lossy(&out.stdout);
+    let id = id.trim().trim_start_matches("sha256:");
+    anyhow::ensure!(id.len() >= 12, "no id for the image {}: {id:?}", image());
+    Ok(id[..12].to_owned())
 }

@@ -42,21 +42,12 @@ async fn run(gw: &Gateway, id: &str, code: &str) -> Result<String> {
     Ok(answer["stdout"].as_str().unwrap_or_default().to_owned())
 }
 
-/// The audit log's records of `event`.
-fn audited(gw: &Gateway, event: &str) -> Result<Vec<Value>> {
-    Ok(std::fs::read_to_string(&gw.audit_log)?
-        .lines()
-        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-        .filter(|r| r["event"] == event)
-        .collect())
-}
-
 /// The `kernel_resumed` records, once the latest resume wrote its own: the gateway writes
 /// it when the load is confirmed, which the waking cell's answer may overtake.
 async fn resumes(gw: &Gateway) -> Result<usize> {
     let since = Instant::now();
     loop {
-        let n = audited(gw, "kernel_resumed")?.len();
+        let n = gw.audited("kernel_resumed")?.len();
         if n > 0 || since.elapsed() > Duration::from_secs(10) {
             return Ok(n);
         }
@@ -180,7 +171,7 @@ async fn a_hibernated_kernel_resumes_with_its_variables_files_and_count() -> Res
     let history = run(&gw, &id, "print(In[1].strip().splitlines()[0])").await?;
     assert_eq!(history.trim(), "import os, hashlib");
 
-    let hibernations = audited(&gw, "kernel_hibernated")?;
+    let hibernations = gw.audited("kernel_hibernated")?;
     assert_eq!(hibernations.len(), 1);
     assert_eq!(hibernations[0]["kernel"], id.as_str());
     assert!(hibernations[0]["bytes"].as_u64().unwrap_or(0) > 10 << 20);
@@ -276,7 +267,7 @@ async fn lossy_hibernation_names_what_it_dropped_on_the_next_output() -> Result<
     // Said once.
     let again = gw.execute(&id, "print(x + 1)").await?;
     assert_eq!(again["stderr"], "", "{again}");
-    let record = &audited(&gw, "kernel_hibernated")?[0];
+    let record = &gw.audited("kernel_hibernated")?[0];
     assert!(record["dropped"].to_string().contains("gen"), "{record}");
     Ok(())
 }

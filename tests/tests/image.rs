@@ -107,21 +107,7 @@ async fn exercise(
     assert_eq!(host["Privileged"], false);
     // The socket directory, and read-only: the wheelhouse's tree for this image and the
     // package installer. Nothing else of the host.
-    let out = std::process::Command::new("docker")
-        .args([
-            "image",
-            "inspect",
-            "--format",
-            "{{.Id}}",
-            &kernelgate_tests::image(),
-        ])
-        .output()?;
-    let image_id = String::from_utf8_lossy(&out.stdout)
-        .trim()
-        .trim_start_matches("sha256:")
-        .chars()
-        .take(12)
-        .collect::<String>();
+    let image_id = kernelgate_tests::image_key()?;
     let socket_dir = inspect[0]["Mounts"]
         .as_array()
         .and_then(|m| m.iter().find(|m| m["Destination"] == "/run/kernel"))

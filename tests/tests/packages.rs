@@ -100,26 +100,13 @@ impl Wheelhouse {
 
     /// The lock of the kernel image.
     fn lock(&self) -> Result<Value> {
-        let text = std::fs::read_to_string(self.wheelhouse.join(image_key()?).join("lock.json"))?;
+        let text = std::fs::read_to_string(
+            self.wheelhouse
+                .join(kernelgate_tests::image_key()?)
+                .join("lock.json"),
+        )?;
         Ok(serde_json::from_str(&text)?)
     }
-}
-
-/// The wheelhouse's name for the kernel image: the first 12 hex digits of its id.
-fn image_key() -> Result<String> {
-    let out = std::process::Command::new("docker")
-        .args([
-            "image",
-            "inspect",
-            "--format",
-            "{{.Id}}",
-            &kernelgate_tests::image(),
-        ])
-        .output()?;
-    let id = String::from_utf8_lossy(&out.stdout);
-    let id = id.trim().trim_start_matches("sha256:");
-    ensure!(id.len() >= 12, "no image id: {id:?}");
-    Ok(id[..12].to_owned())
 }
 
 async fn gateway(w: &Wheelhouse, extra: &[&str]) -> Result<Gateway> {
@@ -127,14 +114,6 @@ async fn gateway(w: &Wheelhouse, extra: &[&str]) -> Result<Gateway> {
     flags.extend(extra.iter().map(|s| s.to_string()));
     let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
     Gateway::start(&flags).await
-}
-
-fn audited(gw: &Gateway, event: &str) -> Result<Vec<Value>> {
-    Ok(std::fs::read_to_string(&gw.audit_log)?
-        .lines()
-        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-        .filter(|r| r["event"] == event)
-        .collect())
 }
 
 /// What a cell printed on stdout and stderr together.
@@ -405,7 +384,7 @@ async fn agents_list_and_install_packages_through_the_agent_api_and_mcp() -> Res
         "{result}"
     );
 
-    let installed = audited(&gw, "packages_installed")?;
+    let installed = gw.audited("packages_installed")?;
     assert_eq!(installed.len(), 5, "{installed:?}");
     assert_eq!(installed[0]["kernel"], id);
     assert_eq!(installed[0]["requested"], json!(["kgfix-app"]));
@@ -627,7 +606,7 @@ async fn a_kernel_container_mounts_the_wheelhouse_and_the_installer_read_only() 
         .iter()
         .filter_map(|b| b.as_str().map(str::to_owned))
         .collect();
-    let image_id = image_key()?;
+    let image_id = kernelgate_tests::image_key()?;
     assert_eq!(binds.len(), 3, "{binds:?}");
     assert!(
         binds[0].starts_with(&format!("{}/", gw.runtime_dir.display()))

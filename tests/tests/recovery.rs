@@ -83,15 +83,6 @@ async fn until_state(gw: &Gateway, id: &str, state: &str, within: Duration) -> R
     }
 }
 
-fn audit_records(gw: &Gateway, event: &str) -> Result<Vec<Value>> {
-    let text = std::fs::read_to_string(&gw.audit_log)?;
-    Ok(text
-        .lines()
-        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-        .filter(|r| r["event"] == event)
-        .collect())
-}
-
 fn assert_names_the_limit(error: &Value) {
     let evalue = error["evalue"].as_str().unwrap_or_default();
     assert_eq!(error["ename"], "KernelDied", "{error}");
@@ -151,7 +142,8 @@ async fn an_out_of_memory_kernel_says_so_and_survives_a_second_death_while_it_re
     assert!(tried, "the retry killed the kernel while it restarted");
 
     // The audit trail says which executions killed their kernel, and why.
-    let died: Vec<Value> = audit_records(&gw, "execution_finished")?
+    let died: Vec<Value> = gw
+        .audited("execution_finished")?
         .into_iter()
         .filter(|r| r["ename"] == "KernelDied")
         .collect();
@@ -165,7 +157,7 @@ async fn an_out_of_memory_kernel_says_so_and_survives_a_second_death_while_it_re
         );
         assert_eq!(r["kernel"], id.as_str());
     }
-    let deaths = audit_records(&gw, "kernel_died")?;
+    let deaths = gw.audited("kernel_died")?;
     assert!(
         deaths.iter().all(|r| r["why"]
             .as_str()
@@ -223,7 +215,7 @@ async fn a_kernel_that_cannot_be_restarted_fails_fast_and_says_what_to_do() -> R
             && evalue.contains("delete it"),
         "{evalue}"
     );
-    let failed = audit_records(&gw, "kernel_restart_failed")?;
+    let failed = gw.audited("kernel_restart_failed")?;
     assert_eq!(failed.len(), 1, "{failed:?}");
     assert_eq!(failed[0]["kernel"], id.as_str());
     assert_eq!(failed[0]["tries"], 3);

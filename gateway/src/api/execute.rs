@@ -117,7 +117,9 @@ fn plain_error(e: ErrorContent) -> ErrorOutput {
 /// The answer comes when the run is done; with `Accept: application/x-ndjson`, one JSON
 /// object per line streams as output arrives instead. Calls on one kernel run one at a
 /// time in arrival order; a caller that hangs up has its run interrupted. `input()` is
-/// refused.
+/// refused. The kernel has no network: packages it lacks come only from the gateway's
+/// allowlist (`GET /api/kernelgate/packages`), installed with `POST
+/// /api/kernels/{id}/packages` or `%pip install` in the code.
 #[utoipa::path(
     post, path = "/api/kernels/{id}/execute", tag = "agent", operation_id = "execute",
     params(KernelPath),
