@@ -445,6 +445,16 @@ async fn sync_refuses_what_kernels_must_not_get_and_says_why() -> Result<()> {
             .join(p["dir"].as_str().context("dir")?)
             .is_dir());
     }
+    // Compiled for the image's Python: kernels never compile from source.
+    let id = lock["image_id"]
+        .as_str()
+        .context("image_id")?
+        .trim_start_matches("sha256:");
+    assert!(w
+        .wheelhouse
+        .join(&id[..12])
+        .join("kgfix-hello-1.0/kgfix_hello/__pycache__/__init__.cpython-311.pyc")
+        .is_file());
     // A second sync fetches nothing and keeps the lock's packages.
     let again = w.sync(&kernelgate_tests::image())?;
     assert!(again.status.success());

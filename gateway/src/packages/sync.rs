@@ -68,6 +68,8 @@ pub struct SyncReport {
 const MIN_PIP: (u32, u32) = (22, 2);
 /// How long the image's Python may take to describe itself.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(120);
+/// How long compiling the newly unpacked packages may take.
+const COMPILE_TIMEOUT: Duration = Duration::from_secs(600);
 /// Longest refusal reason kept (pip can be verbose).
 const MAX_REASON: usize = 400;
 
@@ -189,6 +191,27 @@ pub async fn sync(
     }
 
     let report = run.report;
+    if !report.unpacked.is_empty() {
+        match compile(
+            docker,
+            &image_id,
+            &interpreter,
+            &image_dir,
+            &report.unpacked,
+        )
+        .await
+        {
+            Ok(()) => progress(&format!(
+                "Compiled {} unpacked package{} to bytecode for the image's Python",
+                report.unpacked.len(),
+                if report.unpacked.len() == 1 { "" } else { "s" }
+            )),
+            Err(e) => progress(&format!(
+                "Warning: could not compile the unpacked packages to bytecode ({e:#}); they \
+                 import, more slowly"
+            )),
+        }
+    }
     let mut in_image: Vec<&str> = report
         .in_image
         .iter()
@@ -696,21 +719,22 @@ impl ImagePython {
     }
 }
 
-/// Runs [`PROBE`] in a throwaway container of the image: no network, read-only, no
-/// capabilities, the kernel's user. The container is removed whatever happens.
-async fn probe_python(
+/// Runs `argv` in a throwaway container of the image: no network, read-only root, no
+/// capabilities, as `user`, with `binds`. Its standard output, once it exited with 0; the
+/// container is removed whatever happens.
+async fn oneshot(
     docker: &Docker,
     image_id: &str,
-    interpreter: &str,
-) -> anyhow::Result<ImagePython> {
+    user: &str,
+    argv: Vec<String>,
+    binds: Vec<String>,
+    timeout: Duration,
+) -> anyhow::Result<String> {
+    let what = argv.first().cloned().unwrap_or_default();
     let body = ContainerCreateBody {
         image: Some(image_id.to_owned()),
-        user: Some("1000:1000".to_owned()),
-        entrypoint: Some(vec![
-            interpreter.to_owned(),
-            "-c".to_owned(),
-            PROBE.to_owned(),
-        ]),
+        user: Some(user.to_owned()),
+        entrypoint: Some(argv),
         cmd: Some(Vec::new()),
         working_dir: Some("/".to_owned()),
         network_disabled: Some(true),
@@ -722,6 +746,7 @@ async fn probe_python(
             security_opt: Some(vec!["no-new-privileges".to_owned()]),
             pids_limit: Some(64),
             memory: Some(512 * 1024 * 1024),
+            binds: (!binds.is_empty()).then_some(binds),
             auto_remove: Some(false),
             ..Default::default()
         }),
@@ -735,9 +760,9 @@ async fn probe_python(
     let id = docker
         .create_container(Some(options), body)
         .await
-        .context("cannot create the probe container")?
+        .context("cannot create a container of the image")?
         .id;
-    let result = tokio::time::timeout(PROBE_TIMEOUT, run_probe(docker, &id, interpreter)).await;
+    let result = tokio::time::timeout(timeout, run_probe(docker, &id, &what)).await;
     let remove = RemoveContainerOptionsBuilder::default().force(true).build();
     if let Err(e) = docker.remove_container(&id, Some(remove)).await {
         tracing::warn!(container = %id, error = %e, "cannot remove the probe container");
@@ -745,13 +770,71 @@ async fn probe_python(
     match result {
         Ok(result) => result,
         Err(_) => bail!(
-            "{interpreter} in the image did not answer within {} s",
-            PROBE_TIMEOUT.as_secs()
+            "{what} in the image did not finish within {} s",
+            timeout.as_secs()
         ),
     }
 }
 
-async fn run_probe(docker: &Docker, id: &str, interpreter: &str) -> anyhow::Result<ImagePython> {
+/// The image's Python: version, tags and installed distributions, read by its own
+/// interpreter in a throwaway container as the kernel's user.
+async fn probe_python(
+    docker: &Docker,
+    image_id: &str,
+    interpreter: &str,
+) -> anyhow::Result<ImagePython> {
+    let argv = vec![interpreter.to_owned(), "-c".to_owned(), PROBE.to_owned()];
+    let stdout = oneshot(
+        docker,
+        image_id,
+        "1000:1000",
+        argv,
+        Vec::new(),
+        PROBE_TIMEOUT,
+    )
+    .await?;
+    let line = stdout
+        .lines()
+        .rev()
+        .find(|l| l.starts_with('{'))
+        .unwrap_or_default();
+    serde_json::from_str(line).with_context(|| format!("{interpreter} printed no facts"))
+}
+
+/// Compiles the newly unpacked packages to bytecode with the image's own interpreter, as
+/// the image's own packages are (`unchecked-hash`: kernels mount the tree read-only and
+/// could never cache it; without this, every import compiles from source). Runs as the
+/// owner of the image's directory, with only that directory writable.
+async fn compile(
+    docker: &Docker,
+    image_id: &str,
+    interpreter: &str,
+    image_dir: &Path,
+    dirs: &[String],
+) -> anyhow::Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = std::fs::metadata(image_dir)?;
+    let user = format!("{}:{}", meta.uid(), meta.gid());
+    let mut argv: Vec<String> = [
+        interpreter,
+        "-m",
+        "compileall",
+        "-q",
+        "-j",
+        "0",
+        "--invalidation-mode",
+        "unchecked-hash",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    argv.extend(dirs.iter().map(|d| format!("/wheelhouse/{d}")));
+    let binds = vec![format!("{}:/wheelhouse:rw", image_dir.display())];
+    oneshot(docker, image_id, &user, argv, binds, COMPILE_TIMEOUT).await?;
+    Ok(())
+}
+
+async fn run_probe(docker: &Docker, id: &str, interpreter: &str) -> anyhow::Result<String> {
     use bollard::container::LogOutput;
     docker
         .start_container(id, None)
@@ -786,18 +869,7 @@ async fn run_probe(docker: &Docker, id: &str, interpreter: &str) -> anyhow::Resu
             last_line(&stderr).unwrap_or("no message")
         );
     }
-    let stdout = String::from_utf8_lossy(&stdout);
-    let line = stdout
-        .lines()
-        .rev()
-        .find(|l| l.starts_with('{'))
-        .unwrap_or_default();
-    serde_json::from_str(line).with_context(|| {
-        format!(
-            "{interpreter} printed no facts ({})",
-            last_line(&stderr).unwrap_or("no message")
-        )
-    })
+    Ok(String::from_utf8_lossy(&stdout).into_owned())
 }
 
 /// `--python-version`, `--implementation`, `--abi` and `--platform` options for `target`.

@@ -57,22 +57,32 @@ pub async fn compare(_opts: &Opts, paths: &Paths, results: &mut Results) -> Resu
     if !built.status.success() {
         bail!("make_wheels.py: {}", String::from_utf8_lossy(&built.stderr));
     }
-    let allowlist = dir.join("allowed.txt");
-    let wheelhouse = dir.join("wheelhouse");
-    std::fs::write(&allowlist, "kgfix-hello\nkgfix-app\n")?;
+    // Two wheelhouses: one synced from the fixtures alone, one from the package index.
+    let fixtures = dir.join("fixtures.txt");
+    std::fs::write(&fixtures, "kgfix-hello\nkgfix-app\n")?;
     let t0 = Instant::now();
-    sync(paths, &allowlist, &wheelhouse, Some(&wheels), &python)?;
+    sync(
+        paths,
+        &fixtures,
+        &dir.join("wheelhouse-fixtures"),
+        Some(&wheels),
+        &python,
+    )?;
     let fixture_sync = ms(t0.elapsed());
     log(format!("packages: fixture sync {fixture_sync:.0} ms"));
-    let mut cases = vec![&PURE, &WITH_DEP];
-    let real_list = dir.join("real.txt");
-    std::fs::write(&real_list, "scikit-learn\n")?;
+    measure_with(
+        paths,
+        &fixtures,
+        &dir.join("wheelhouse-fixtures"),
+        &[&PURE, &WITH_DEP],
+        results,
+    )
+    .await?;
+    let real = dir.join("real.txt");
+    std::fs::write(&real, format!("{}\n", REAL.requirement))?;
     let t1 = Instant::now();
-    let real_sync = match sync(paths, &real_list, &wheelhouse, None, &python) {
-        Ok(()) => {
-            cases.push(&REAL);
-            Some(ms(t1.elapsed()))
-        }
+    let real_sync = match sync(paths, &real, &dir.join("wheelhouse-index"), None, &python) {
+        Ok(()) => Some(ms(t1.elapsed())),
         Err(e) => {
             log(format!(
                 "packages: no real package measured (no package index?): {e:#}"
@@ -80,13 +90,32 @@ pub async fn compare(_opts: &Opts, paths: &Paths, results: &mut Results) -> Resu
             None
         }
     };
-    // Both lists in one file for the gateway.
-    let mut both = std::fs::read_to_string(&allowlist)?;
     if real_sync.is_some() {
-        both.push_str("scikit-learn\n");
+        measure_with(
+            paths,
+            &real,
+            &dir.join("wheelhouse-index"),
+            &[&REAL],
+            results,
+        )
+        .await?;
     }
-    let gateway_list = dir.join("gateway.txt");
-    std::fs::write(&gateway_list, both)?;
+    results.set(
+        "packages",
+        "sync",
+        json!({"fixture_ms": fixture_sync, "scikit_learn_ms": real_sync}),
+    );
+    Ok(())
+}
+
+/// A gateway serving `list` from `wheelhouse`, and `cases` measured on it.
+async fn measure_with(
+    paths: &Paths,
+    list: &Path,
+    wheelhouse: &Path,
+    cases: &[&Case],
+    results: &mut Results,
+) -> Result<()> {
     let server = Server::kernelgate(
         paths,
         0,
@@ -94,21 +123,15 @@ pub async fn compare(_opts: &Opts, paths: &Paths, results: &mut Results) -> Resu
             "--runtime",
             "runc",
             "--packages",
-            &gateway_list.display().to_string(),
+            &list.display().to_string(),
             "--wheelhouse",
             &wheelhouse.display().to_string(),
         ],
     )
     .await?;
-    let measured = measure(&server, &cases, results).await;
+    let measured = measure(&server, cases, results).await;
     stop_and_check(server).await?;
-    measured?;
-    results.set(
-        "packages",
-        "sync",
-        json!({"fixture_ms": fixture_sync, "scikit_learn_ms": real_sync}),
-    );
-    Ok(())
+    measured
 }
 
 /// `kernelgate packages sync` of `list` (from `find_links` alone when given).
