@@ -330,6 +330,10 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         tracing::info!(away_for = ?AWAY_FOR, "cluster mode: the kernels keep running for this node's return");
     } else {
         kernels.shutdown().await;
+        // No container mounts the installer any more (a cluster node's keep running).
+        if let Some(packages) = kernels.packages() {
+            packages.remove_installer();
+        }
     }
     drain(&tracker).await;
     Ok(())
@@ -391,6 +395,9 @@ async fn mcp_stdio(args: McpArgs) -> anyhow::Result<()> {
     };
     cancel.cancel();
     table.kernels.shutdown().await;
+    if let Some(packages) = table.kernels.packages() {
+        packages.remove_installer();
+    }
     drain(&tracker).await;
     Ok(served?)
 }

@@ -234,6 +234,16 @@ impl Packages {
             .sum())
     }
 
+    /// Removes the installer's directory from the runtime directory, once no kernel mounts
+    /// it (the gateway removed its kernels at shutdown).
+    pub fn remove_installer(&self) {
+        if let Err(e) = std::fs::remove_dir_all(&self.mounts.shim_dir) {
+            if e.kind() != std::io::ErrorKind::NotFound {
+                tracing::warn!(dir = %self.mounts.shim_dir.display(), error = %e, "cannot remove the package installer's directory");
+            }
+        }
+    }
+
     /// The allowlist of a kernel spec (empty when it has none).
     pub fn allowed(&self, kernel_name: &str) -> Vec<Entry> {
         self.allowed
