@@ -31,7 +31,8 @@ from mcp.shared._httpx_utils import create_mcp_http_client
 
 from conftest import ARTIFACTS, POLICY, REPO, Gateway, start_gateway, stop_gateway, wait_until
 
-EXPECTED_TOOLS = {"run_python", "list_files", "read_file", "write_file", "restart_kernel", "start_kernel"}
+EXPECTED_TOOLS = {"run_python", "list_files", "read_file", "write_file", "install_packages", "restart_kernel",
+                  "start_kernel"}
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # Two tenants besides the admin token, for the ownership tests.
 ALICE, BOB = secrets.token_hex(16), secrets.token_hex(16)
@@ -171,6 +172,9 @@ def test_negotiated_protocol_and_tool_list(gw: Gateway, transport: str, mode: st
             run_python = next(t for t in tools.tools if t.name == "run_python")
             assert run_python.input_schema["required"] == ["code"]
             assert "persist" in run_python.description
+            install = next(t for t in tools.tools if t.name == "install_packages")
+            assert install.input_schema["required"] == ["packages"]
+            assert "allowlist" in install.description
             return c.protocol_version
 
     version = run(scenario())
@@ -298,6 +302,9 @@ def test_bad_arguments_are_tool_errors_that_say_what_to_fix(gw: Gateway, transpo
             assert nothing.is_error and "length 0" in text(nothing), text(nothing)
             unknown = await c.call_tool("run_python", {"code": "1", "kernel_id": "nope"})
             assert unknown.is_error and "start_kernel" in text(unknown)
+            # This gateway serves no packages: the refusal says how an operator changes that.
+            packages = await c.call_tool("install_packages", {"packages": ["seaborn"], **target})
+            assert packages.is_error and "--packages" in text(packages), text(packages)
 
     run(scenario())
 
