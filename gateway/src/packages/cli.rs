@@ -175,7 +175,5 @@ fn write(file: &Path, text: &str) -> anyhow::Result<()> {
     if let Some(parent) = file.parent().filter(|p| !p.as_os_str().is_empty()) {
         std::fs::create_dir_all(parent)?;
     }
-    let tmp = file.with_extension("tmp");
-    std::fs::write(&tmp, text).with_context(|| format!("cannot write {}", tmp.display()))?;
-    std::fs::rename(&tmp, file).with_context(|| format!("cannot write {}", file.display()))
+    lock::write_atomically(file, text.as_bytes()).map_err(anyhow::Error::msg)
 }
