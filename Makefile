@@ -10,7 +10,7 @@ include mk/bench.mk
 include mk/python.mk
 include mk/gateway-image.mk
 
-.PHONY: all build run test lint unit e2e e2e-runc e2e-gvisor gvisor debug-build test-tools leftovers test-stamp
+.PHONY: all build run test lint unit e2e e2e-runc e2e-gvisor e2e-gvisor-ptrace gvisor debug-build test-tools leftovers test-stamp
 
 all: build
 
@@ -67,8 +67,16 @@ e2e-runc: image debug-build test-tools fixture-image
 e2e-gvisor: gvisor image debug-build test-tools fixture-image
 	$(call E2E,runsc)
 
-## Installs gVisor (Debian's runsc) and registers it with Docker as `kernelgate-runsc`;
-## idempotent, keeps everything else in /etc/docker/daemon.json, running containers survive.
+# Not part of `make test`: the same suite under Debian's runsc on ptrace, the slower wall
+# `make gvisor` keeps registered beside the new one.
+e2e-gvisor-ptrace: gvisor image debug-build test-tools fixture-image
+	$(call E2E,runsc-ptrace)
+
+## Registers gVisor with Docker: `kernelgate-runsc`, the newest runsc found (the release's
+## backports on the host's own Debian mirror, unpacked into /usr/local/lib/kernelgate/runsc)
+## on systrap where it works, else ptrace; and `kernelgate-runsc-ptrace`, Debian's runsc on
+## ptrace. Idempotent, says what it chose, keeps everything else in
+## /etc/docker/daemon.json; running containers survive and keep their runsc binary.
 gvisor:
 	@if [ "$$(id -u)" = 0 ]; then python3 mk/gvisor-setup.py; else sudo python3 mk/gvisor-setup.py; fi
 

@@ -296,6 +296,10 @@ pub enum RuntimeChoice {
     /// gVisor (`kernelgate-runsc`, set up by `make gvisor`): a user-space kernel between
     /// the kernel's code and the host's.
     Runsc,
+    /// gVisor on Debian's own runsc and the ptrace platform (`kernelgate-runsc-ptrace`, also
+    /// registered by `make gvisor`): slower; for comparison, or a host where the newer runsc
+    /// misbehaves.
+    RunscPtrace,
 }
 
 /// Everything `kernelgate serve` can be told. Each flag is also an environment variable.

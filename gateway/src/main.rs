@@ -304,7 +304,9 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         None => println!("Kernelgate is serving at {url}"),
     }
     match runtime {
-        "runsc" => println!("Kernels run in Docker under gVisor (runtime runsc)"),
+        "runsc" | "runsc-ptrace" => {
+            println!("Kernels run in Docker under gVisor (runtime {runtime})")
+        }
         _ => println!("Kernels run in Docker under runc (no gVisor: see `make gvisor`)"),
     }
     tracing::info!(listen = %config.listen, image = %config.image, runtime, audit_log = %audit_path.display(), "ready");

@@ -66,7 +66,7 @@ pub fn image() -> String {
 }
 
 /// The OCI runtime the tests run kernels under: `KERNELGATE_RUNTIME` (`runc`, the
-/// default, or `runsc`); `make test` runs the suite under each.
+/// default, `runsc` or `runsc-ptrace`); `make test` runs the suite under runc and runsc.
 pub fn runtime() -> String {
     match std::env::var("KERNELGATE_RUNTIME") {
         Ok(r) if !r.is_empty() && r != "auto" => r,
@@ -76,7 +76,16 @@ pub fn runtime() -> String {
 
 /// Whether the kernels of this run are under gVisor.
 pub fn gvisor() -> bool {
-    runtime() == "runsc"
+    runtime().starts_with("runsc")
+}
+
+/// The Docker engine's name of the runtime of this run (`make gvisor` registers the two
+/// gVisor ones).
+pub fn engine_runtime() -> String {
+    match runtime().as_str() {
+        "runc" => "runc".to_owned(),
+        gvisor => format!("kernelgate-{gvisor}"),
+    }
 }
 
 fn workspace_root() -> PathBuf {

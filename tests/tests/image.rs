@@ -54,10 +54,10 @@ async fn launch_and_exercise(runtime_dir: &std::path::Path) -> Result<()> {
         cpus: 1.0,
         pids: 256,
         disk_mb: 256,
-        runtime: if kernelgate_tests::gvisor() {
-            RuntimeChoice::Runsc
-        } else {
-            RuntimeChoice::Runc
+        runtime: match kernelgate_tests::runtime().as_str() {
+            "runsc" => RuntimeChoice::Runsc,
+            "runsc-ptrace" => RuntimeChoice::RunscPtrace,
+            _ => RuntimeChoice::Runc,
         },
         packages: Some(kernelgate::packages::Mounts {
             wheelhouse: runtime_dir.join("wheelhouse"),

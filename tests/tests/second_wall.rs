@@ -31,12 +31,10 @@ async fn kernels_run_under_the_chosen_runtime() -> Result<()> {
     let model = gw.create_kernel().await?;
     let id = model["id"].as_str().unwrap_or_default();
     let container = inspect(id)?;
-    let engine_name = if runtime() == "runsc" {
-        "kernelgate-runsc"
-    } else {
-        "runc"
-    };
-    assert_eq!(container["HostConfig"]["Runtime"], engine_name);
+    assert_eq!(
+        container["HostConfig"]["Runtime"],
+        kernelgate_tests::engine_runtime()
+    );
     assert_eq!(
         container["Config"]["Labels"]["org.kernelgate.runtime"],
         runtime()
@@ -48,7 +46,7 @@ async fn kernels_run_under_the_chosen_runtime() -> Result<()> {
         .await?;
     let inside = r["stdout"].as_str().unwrap_or_default().trim().to_owned();
     let host = String::from_utf8(Command::new("uname").arg("-r").output()?.stdout)?;
-    if runtime() == "runsc" {
+    if kernelgate_tests::gvisor() {
         assert_ne!(inside, host.trim(), "gVisor answers, not the host's kernel");
     } else {
         assert_eq!(inside, host.trim());

@@ -235,7 +235,8 @@ pub struct Version {
 pub struct GatewayInfo {
     #[schema(example = "0.1.0")]
     version: &'static str,
-    /// The OCI runtime kernels run under: `runsc` (gVisor) or `runc`.
+    /// The OCI runtime kernels run under: `runsc` (gVisor), `runsc-ptrace` (gVisor on
+    /// Debian's runsc and the ptrace platform) or `runc`.
     #[schema(example = "runsc")]
     runtime: &'static str,
     /// An execution policy (`--policy`) is in force.

@@ -105,22 +105,19 @@ impl Kernels {
                 live.relay
                     .lost_executions("KernelRestarted", "the kernel was restarted")
                     .await;
-                me.restart_locked(&live, false).await
+                me.restart_locked(&live).await
             }
             .in_current_span(),
         );
         restart.await.unwrap_or(Err(CreateError::ShuttingDown))
     }
 
-    /// `announce`: tell clients `restarting`. Jupyter Server sends that status only for
-    /// restarts it does on its own (a kernel died); JupyterLab shows "the kernel appears to
-    /// have died" when it sees one after a restart the user asked for.
-    async fn restart_locked(
-        self: &Arc<Self>,
-        live: &Arc<LiveKernel>,
-        announce: bool,
-    ) -> Result<(), CreateError> {
-        live.relay.set_state(ExecutionState::Restarting, announce);
+    /// Clients are not told `restarting` here: Jupyter Server sends that status only for
+    /// restarts it does on its own (a kernel died, see `Relay::lost_to_death`); JupyterLab
+    /// shows "the kernel appears to have died" when it sees one after a restart the user
+    /// asked for.
+    async fn restart_locked(self: &Arc<Self>, live: &Arc<LiveKernel>) -> Result<(), CreateError> {
+        live.relay.set_state(ExecutionState::Restarting, false);
         live.relay.disconnect();
         let started = Instant::now();
         let mut tries = 0;
@@ -319,8 +316,8 @@ impl Kernels {
                     restarting: self.settings.autorestart,
                 })
                 .await;
-            live.relay.lost_executions("KernelDied", &cause).await;
             if !self.settings.autorestart {
+                live.relay.lost_executions("KernelDied", &cause).await;
                 live.relay
                     .set_dead(format!(
                         "{cause}; restart it with POST /api/kernels/{}/restart or delete it",
@@ -329,8 +326,10 @@ impl Kernels {
                     .await;
                 return;
             }
+            // Told `restarting` with the answers; the restart does not say it again.
+            live.relay.lost_to_death(&cause).await;
             live.epoch.fetch_add(1, Ordering::SeqCst);
-            if self.restart_locked(live, true).await.is_err() {
+            if self.restart_locked(live).await.is_err() {
                 return; // dead, and clients were told why
             }
         }

@@ -24,6 +24,21 @@ impl Relay {
         let _ = self.carry_out(fx).await;
     }
 
+    /// The kernel's process died and a restart follows: the executions it owed are answered
+    /// as [`Self::lost_executions`] does, and clients are told `restarting` right after
+    /// those answers, in the same step. A request sent once its answer arrived (an agent
+    /// retrying at once) then waits for the next process without seeing that status, which
+    /// would tell it that its own code was lost.
+    pub async fn lost_to_death(&self, cause: &str) {
+        let (mut fx, link) = self.answer_lost("KernelDied", cause);
+        fx.to_clients
+            .push(self.status_message(ExecutionState::Restarting));
+        if let Some(link) = link {
+            link.close();
+        }
+        let _ = self.carry_out(fx).await;
+    }
+
     /// The answers to the executions the process owed, and its link, taken under the lock.
     fn answer_lost(&self, ename: &'static str, cause: &str) -> (Effects, Option<Arc<Link>>) {
         let mut fx = Effects::default();

@@ -270,11 +270,17 @@ impl Relay {
             st.backlog.clear();
         }
         if announce {
-            let content =
-                RawJson::from_value(&serde_json::json!({"execution_state": state.as_str()}));
-            let message = Message::new(self.header("status"), None, content);
-            st.clients.broadcast(Outbound::new(Channel::IoPub, message));
+            st.clients.broadcast(self.status_message(state));
         }
+    }
+
+    /// The gateway's own IOPub `status` for clients, with no parent.
+    fn status_message(&self, state: ExecutionState) -> Arc<Outbound> {
+        let content = RawJson::from_value(&serde_json::json!({"execution_state": state.as_str()}));
+        Outbound::new(
+            Channel::IoPub,
+            Message::new(self.header("status"), None, content),
+        )
     }
 
     /// Marks the kernel as just used (a pooled kernel handed to a client).

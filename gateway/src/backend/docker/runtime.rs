@@ -1,5 +1,6 @@
-//! The OCI runtime kernel containers run under: gVisor (`kernelgate-runsc`) or runc,
-//! chosen once at start from `--runtime` and what the engine has registered.
+//! The OCI runtime kernel containers run under: gVisor (`kernelgate-runsc`, or
+//! `kernelgate-runsc-ptrace`) or runc, chosen once at start from `--runtime` and what the
+//! engine has registered.
 
 use super::BackendError;
 use crate::config::RuntimeChoice;
@@ -9,17 +10,23 @@ use crate::config::RuntimeChoice;
 pub enum Runtime {
     Runc,
     Runsc,
+    RunscPtrace,
 }
 
-/// The name `make gvisor` registers gVisor under (mk/gvisor-setup.py).
+/// The name `make gvisor` registers gVisor under (mk/gvisor-setup.py): the newest runsc
+/// it found, on the fastest platform that works here.
 pub const RUNSC_RUNTIME: &str = "kernelgate-runsc";
 
+/// Debian's own runsc on the ptrace platform, registered beside it by `make gvisor`.
+pub const RUNSC_PTRACE_RUNTIME: &str = "kernelgate-runsc-ptrace";
+
 impl Runtime {
-    /// As shown to users: `runc` or `runsc`.
+    /// As shown to users: `runc`, `runsc` or `runsc-ptrace`.
     pub fn name(self) -> &'static str {
         match self {
             Runtime::Runc => "runc",
             Runtime::Runsc => "runsc",
+            Runtime::RunscPtrace => "runsc-ptrace",
         }
     }
 
@@ -29,6 +36,7 @@ impl Runtime {
         match self {
             Runtime::Runc => "runc",
             Runtime::Runsc => RUNSC_RUNTIME,
+            Runtime::RunscPtrace => RUNSC_PTRACE_RUNTIME,
         }
     }
 
@@ -37,9 +45,18 @@ impl Runtime {
         choice: RuntimeChoice,
         registered: impl IntoIterator<Item = &'a str>,
     ) -> Result<Runtime, BackendError> {
-        let has_runsc = registered.into_iter().any(|name| name == RUNSC_RUNTIME);
+        let registered: Vec<&str> = registered.into_iter().collect();
+        let has_runsc = registered.contains(&RUNSC_RUNTIME);
         match (choice, has_runsc) {
             (RuntimeChoice::Runc, _) => Ok(Runtime::Runc),
+            (RuntimeChoice::RunscPtrace, _) if registered.contains(&RUNSC_PTRACE_RUNTIME) => {
+                Ok(Runtime::RunscPtrace)
+            }
+            (RuntimeChoice::RunscPtrace, _) => Err(BackendError::Runtime(format!(
+                "--runtime runsc-ptrace: the Docker engine has no runtime \
+                 {RUNSC_PTRACE_RUNTIME:?}; run `sudo make gvisor` in the kernelgate checkout (it \
+                 registers both gVisor runtimes), or choose --runtime runsc"
+            ))),
             (RuntimeChoice::Auto | RuntimeChoice::Runsc, true) => Ok(Runtime::Runsc),
             (RuntimeChoice::Auto, false) => {
                 tracing::warn!(
@@ -78,5 +95,21 @@ mod tests {
         assert!(refused.to_string().contains("make gvisor"), "{refused}");
         assert_eq!(Runtime::Runsc.docker_name(), RUNSC_RUNTIME);
         assert_eq!(Runtime::Runc.docker_name(), "runc");
+    }
+
+    #[test]
+    fn the_ptrace_runtime_is_only_taken_when_asked_for_and_registered() {
+        let both = ["runc", RUNSC_RUNTIME, RUNSC_PTRACE_RUNTIME];
+        let pick = |choice, names: &[&str]| Runtime::resolve(choice, names.iter().copied());
+        assert_eq!(pick(RuntimeChoice::Auto, &both).ok(), Some(Runtime::Runsc));
+        assert_eq!(
+            pick(RuntimeChoice::RunscPtrace, &both).ok(),
+            Some(Runtime::RunscPtrace)
+        );
+        let refused = pick(RuntimeChoice::RunscPtrace, &["runc", RUNSC_RUNTIME])
+            .expect_err("the ptrace runtime is not registered");
+        assert!(refused.to_string().contains("make gvisor"), "{refused}");
+        assert_eq!(Runtime::RunscPtrace.docker_name(), RUNSC_PTRACE_RUNTIME);
+        assert_eq!(Runtime::RunscPtrace.name(), "runsc-ptrace");
     }
 }

@@ -3,15 +3,14 @@
 //! markdown table and writes it, with every sample, to JSON and markdown files.
 //!
 //! Usage: bench [--out FILE.json] [--md FILE.md] [--venv DIR] [--rounds N] [--pool-size N]
-//!              [--idle-kernels N] [--quick] [--mcp-only] [--audit-only] [--restart-only]
-//!              [--cluster-only] [--hibernate-only] [--packages-only]
+//!              [--idle-kernels N] [--quick] [--mcp-only] [--stages-only] [--walls-only]
+//!              [--restart-only] [--cluster-only] [--hibernate-only] [--packages-only]
 //!
 //! Kernelgate runs each kernel in a Docker container under runc (ipc sockets
-//! bind-mounted), then, in a table of its own, under runc and gVisor side by side; JKG and
-//! the direct baseline run local kernel processes. All three run the kernel image's own
+//! bind-mounted), then, in a table of its own, under runc and both gVisor runtimes beside
+//! the direct baseline (walls.rs); JKG and the direct baseline run local kernel processes. All three run the kernel image's own
 //! launcher (kernel-image/launch.py) with the same ipykernel and matplotlib versions.
 
-mod audit;
 mod cluster;
 mod conn;
 mod hibernate;
@@ -20,8 +19,9 @@ mod packages;
 mod procs;
 mod report;
 mod restart;
-mod runtimes;
+mod stages;
 mod stats;
+mod walls;
 
 use anyhow::{bail, Context, Result};
 use conn::Conn;
@@ -53,8 +53,10 @@ struct Opts {
     soak: Option<Duration>,
     /// Only the agent API vs MCP round trips.
     mcp_only: bool,
-    /// Only the audit trail and execution policy comparison.
-    audit_only: bool,
+    /// Only the per-stage breakdown and each optional feature on and off.
+    stages_only: bool,
+    /// Only direct, runc and the two gVisor runtimes, in alternating rounds.
+    walls_only: bool,
     /// Only restarts, with and without a warm kernel ready.
     restart_only: bool,
     /// Only cluster mode's costs.
@@ -86,7 +88,8 @@ impl Opts {
             parallel_for: Duration::from_secs(10),
             soak: None,
             mcp_only: false,
-            audit_only: false,
+            stages_only: false,
+            walls_only: false,
             restart_only: false,
             cluster_only: false,
             hibernate_only: false,
@@ -106,7 +109,8 @@ impl Opts {
                 "--idle-kernels" => o.idle_kernels = val()?.parse()?,
                 "--soak" => o.soak = Some(Duration::from_secs(val()?.parse()?)),
                 "--mcp-only" => o.mcp_only = true,
-                "--audit-only" => o.audit_only = true,
+                "--stages-only" => o.stages_only = true,
+                "--walls-only" => o.walls_only = true,
                 "--restart-only" => o.restart_only = true,
                 "--cluster-only" => o.cluster_only = true,
                 "--hibernate-only" => o.hibernate_only = true,
@@ -139,8 +143,8 @@ impl Opts {
 }
 
 const USAGE: &str = "usage: bench [--out FILE.json] [--md FILE.md] [--venv DIR] [--rounds N] \
-                     [--pool-size N] [--idle-kernels N] [--quick] [--mcp-only] [--audit-only] \
-                     [--restart-only] [--cluster-only] [--hibernate-only] [--packages-only]";
+                     [--pool-size N] [--idle-kernels N] [--quick] [--mcp-only] [--stages-only] \
+                     [--walls-only] [--restart-only] [--cluster-only] [--hibernate-only] [--packages-only]";
 
 /// One target's kernels and client connections during the run.
 #[derive(Debug)]
@@ -193,7 +197,8 @@ async fn main() -> Result<()> {
         std::env::current_dir()?.join(&opts.venv)
     };
     if !opts.mcp_only
-        && !opts.audit_only
+        && !opts.stages_only
+        && !opts.walls_only
         && !opts.restart_only
         && !opts.cluster_only
         && !opts.hibernate_only
@@ -234,7 +239,8 @@ async fn main() -> Result<()> {
             "parallel_seconds": opts.parallel_for.as_secs_f64(),
             "idle_kernels": opts.idle_kernels,
             "mcp_only": opts.mcp_only,
-            "audit_only": opts.audit_only,
+            "stages_only": opts.stages_only,
+            "walls_only": opts.walls_only,
             "restart_only": opts.restart_only,
             "cluster_only": opts.cluster_only,
             "hibernate_only": opts.hibernate_only,
@@ -261,8 +267,11 @@ async fn measure_all(opts: &Opts, paths: &Paths, results: &mut Results) -> Resul
     if opts.mcp_only {
         return mcp::compare(opts, paths, results).await;
     }
-    if opts.audit_only {
-        return audit::compare(opts, paths, results).await;
+    if opts.stages_only {
+        return stages::compare(opts, paths, results).await;
+    }
+    if opts.walls_only {
+        return walls::compare(opts, paths, results).await;
     }
     if opts.restart_only {
         return restart::compare(opts, paths, results).await;
@@ -321,9 +330,9 @@ async fn measure_all(opts: &Opts, paths: &Paths, results: &mut Results) -> Resul
     }
     measured?;
     memory(opts, paths, results).await?;
-    audit::compare(opts, paths, results).await?;
+    stages::compare(opts, paths, results).await?;
     mcp::compare(opts, paths, results).await?;
-    runtimes::compare(opts, paths, results).await?;
+    walls::compare(opts, paths, results).await?;
     restart::compare(opts, paths, results).await?;
     cluster::compare(opts, paths, results).await?;
     hibernate::compare(opts, paths, results).await?;

@@ -188,8 +188,11 @@ pub fn markdown(doc: &Value) -> String {
     if doc["settings"]["mcp_only"] == Value::Bool(true) {
         return tool_call_table(m);
     }
-    if doc["settings"]["audit_only"] == Value::Bool(true) {
-        return audit_table(m);
+    if doc["settings"]["stages_only"] == Value::Bool(true) {
+        return stages_table(m);
+    }
+    if doc["settings"]["walls_only"] == Value::Bool(true) {
+        return walls_table(m);
     }
     if doc["settings"]["restart_only"] == Value::Bool(true) {
         return restart_table(m);
@@ -271,9 +274,9 @@ pub fn markdown(doc: &Value) -> String {
         mach["local_kernels"].as_str().unwrap_or_default(),
         doc["duration_s"].as_f64().unwrap_or_default(),
     ));
-    out.push_str(&audit_table(m));
+    out.push_str(&stages_table(m));
     out.push_str(&tool_call_table(m));
-    out.push_str(&runtimes_table(m));
+    out.push_str(&walls_table(m));
     out.push_str(&restart_table(m));
     out.push_str(&cluster_table(m));
     out.push_str(&hibernate_table(m));
@@ -611,83 +614,136 @@ fn tool_call_table(m: &Value) -> String {
     out
 }
 
-/// The execute round trip with the audit trail off, written, and synced, and with a policy.
-fn audit_table(m: &Value) -> String {
-    let rt = |mode: &str| num(&m["audit_execute_rt_ms"][mode]["p50"]);
-    let off = rt("off");
-    let mut out = String::from(
-        "\n| audit trail, policy | `1+1` round trip p50 (ms) | vs off |\n|---|---:|---:|\n",
-    );
-    for (mode, label) in [
-        ("off", "off (`--audit-log off`)"),
-        ("write", "written (default)"),
-        ("fsync", "written + `--audit-fsync`"),
-        ("policy", "off, with `--policy` (docs/policy.md's example)"),
-    ] {
-        let v = rt(mode);
-        let ratio = match (off, v) {
-            (Some(a), Some(b)) if a > 0.0 => format!("{:+.1} %", (b / a - 1.0) * 100.0),
-            _ => "—".to_owned(),
-        };
-        out.push_str(&format!("| {label} | {} | {ratio} |\n", fmt(v, 3)));
+/// A ratio with its spread over rounds: `0.95x (0.90-1.02)`.
+fn ratio_cell(v: &Value) -> String {
+    match (num(&v["median"]), num(&v["min"]), num(&v["max"])) {
+        (Some(m), Some(lo), Some(hi)) => format!("{m:.2}x ({lo:.2}-{hi:.2})"),
+        _ => "—".to_owned(),
     }
-    out
 }
 
-/// Kernelgate under runc and under gVisor, from the same run.
-fn runtimes_table(m: &Value) -> String {
-    if m["runtimes"]["skipped"].is_string() {
-        return "
-Runtimes: gVisor is not set up (`make gvisor`), so only runc was measured.\n"
-            .to_owned();
-    }
-    let rows: [(&str, &str, &str, usize); 5] = [
-        (
-            "cold create (ms, median)",
-            "runtime_create_cold_ms",
-            "median",
-            0,
-        ),
-        (
-            "pool create (ms, median)",
-            "runtime_create_warm_ms",
-            "median",
-            1,
-        ),
-        (
-            "`1+1` round trip p50 (ms)",
-            "runtime_execute_rt_ms",
-            "p50",
-            2,
-        ),
-        ("20 MiB stream (MiB/s)", "runtime_stream_mib_s", "median", 1),
-        (
-            "import numpy, pandas, matplotlib.pyplot (ms)",
-            "runtime_imports_ms",
-            "median",
-            0,
-        ),
+/// Where the time of one execute goes, stage by stage, and what each optional feature
+/// costs the whole round trip.
+fn stages_table(m: &Value) -> String {
+    let stages: [(&str, &str); 8] = [
+        ("ws_decode", "WebSocket decode: a v1 binary frame into a message, header completed"),
+        ("auth_tenant", "authentication and tenant lookup: a token against `--token` and 100 keys (per request on the REST and MCP APIs, once per WebSocket)"),
+        ("policy", "policy check (`--policy`, docs/policy.md's example): the cell parsed and matched"),
+        ("audit", "audit record, built and written, awaited until it is in the file (default on)"),
+        ("routing", "routing: the request noted for its session, the reply queued to it and taken"),
+        ("signing", "signing: the request serialized and HMAC-SHA256 signed for the kernel"),
+        ("zmq_hop", "the ZeroMQ hop: a DEALER-ROUTER round trip over an ipc socket"),
+        ("back", "and back: the reply's signature checked, decoded and encoded for the WebSocket"),
     ];
     let mut out = String::from(
-        "\n| Kernelgate by runtime | runc | runsc (gVisor) | runsc / runc |\n|---|---:|---:|---:|\n",
+        "\n| stage of one execute | µs (median) | min-max over batches |\n|---|---:|---:|\n",
     );
-    for (label, metric, field, decimals) in rows {
-        let runc = num(&m[metric]["runc"][field]);
-        let runsc = num(&m[metric]["runsc"][field]);
-        let ratio = match (runc, runsc) {
-            (Some(a), Some(b)) if a > 0.0 => format!("{:.2}x", b / a),
-            _ => "—".to_owned(),
-        };
+    let mut total = 0.0;
+    for (stage, label) in stages {
+        let v = &m["stages_us"][stage];
+        let median = num(&v["median"]);
+        total += median.unwrap_or_default();
         out.push_str(&format!(
-            "| {label} | {} | {} | {ratio} |\n",
-            fmt(runc, decimals),
-            fmt(runsc, decimals)
+            "| {label} | {} | {}-{} |\n",
+            fmt(median, 2),
+            fmt(num(&v["min"]), 2),
+            fmt(num(&v["max"]), 2)
+        ));
+    }
+    out.push_str(&format!("| all stages together | {total:.2} | |\n"));
+    out.push_str(
+        "\nEach stage is the gateway's own code (its library), run in the bench's process on \
+         the messages of a `1+1` execute, 30 batches of 500 with the stages' batches \
+         alternating.\n",
+    );
+    out.push_str(
+        "\n| configuration (runc, one kernel each) | `1+1` round trip p50 (ms) | vs every optional feature off |\n|---|---:|---:|\n",
+    );
+    for (mode, label) in [
+        ("bare", "every optional feature off (`--audit-log off`)"),
+        ("audit", "audit trail written (the default)"),
+        ("audit_fsync", "audit trail written + `--audit-fsync`"),
+        ("policy", "`--policy` on, audit off"),
+        ("keys", "`--keys` with 100 tenants, audit off"),
+        ("all", "audit written, `--policy` and `--keys` on"),
+    ] {
+        let v = &m["features_rt_ms"][mode];
+        out.push_str(&format!(
+            "| {label} | {} | {} |\n",
+            fmt(num(&v["p50"]), 3),
+            ratio_cell(&v["vs_bare"])
         ));
     }
     out.push_str(
-        "\nSame release build, kernels created without a pool (cold; each then imports the \
-         scientific stack once) and from a full, quiet pool; round trip and stream on one \
-         kernel per runtime. gVisor runs on the ptrace platform (`make gvisor`; runsc's KVM platform hangs at boot on this machine's nested /dev/kvm).\n",
+        "\nOne gateway per configuration (release build), measured round by round side by \
+         side; each ratio is taken within a round, then the median and min-max of the rounds.\n",
     );
+    out
+}
+
+/// Direct, runc, gVisor on ptrace and gVisor as `make gvisor` chose it, from the same
+/// alternating rounds: ratios only, each the median of the rounds with its min-max.
+fn walls_table(m: &Value) -> String {
+    let w = &m["walls"];
+    if w["skipped"].is_string() {
+        return "\nWalls: gVisor is not set up (`make gvisor`), so only runc was measured.\n"
+            .to_owned();
+    }
+    let platform = |runtime: &str| {
+        w["settings"]["engine"][runtime]["runtimeArgs"]
+            .as_array()
+            .and_then(|args| {
+                args.iter()
+                    .filter_map(Value::as_str)
+                    .find_map(|a| a.strip_prefix("--platform="))
+            })
+            .unwrap_or("?")
+            .to_owned()
+    };
+    let rows: [(&str, &str, &str); 5] = [
+        (
+            "`1+1` round trip p50, vs direct (lower is better)",
+            "rt_ms",
+            "runc ≤ 1.0x, gVisor ≤ 1.5x",
+        ),
+        (
+            "20 MiB stream, vs direct (higher is better)",
+            "stream_mib_s",
+            "runc ≥ 1.0x, gVisor ≥ 0.6x",
+        ),
+        (
+            "10 kernels executing `1+1` in parallel, vs direct (higher is better)",
+            "parallel_s",
+            "runc ≥ 1.0x",
+        ),
+        ("cold create, vs runc", "create_ms", ""),
+        (
+            "first `import numpy, pandas, matplotlib.pyplot`, vs runc",
+            "imports_ms",
+            "",
+        ),
+    ];
+    let mut out = format!(
+        "\n| walls, ratio (median, min-max over rounds) | runc | gVisor: Debian's runsc, {} | gVisor: `make gvisor`'s runsc, {} | target |\n|---|---:|---:|---:|---|\n",
+        platform("kernelgate-runsc-ptrace"),
+        platform("kernelgate-runsc"),
+    );
+    for (label, metric, target) in rows {
+        out.push_str(&format!(
+            "| {label} | {} | {} | {} | {target} |\n",
+            ratio_cell(&w["runc"][metric]["ratio"]),
+            ratio_cell(&w["runsc-ptrace"][metric]["ratio"]),
+            ratio_cell(&w["runsc"][metric]["ratio"]),
+        ));
+    }
+    let s = &w["settings"];
+    out.push_str(&format!(
+        "\nDirect: the bench's client speaking ZeroMQ straight to a local ipykernel. The others: \
+         one Kernelgate release build per runtime (default configuration, audit trail written). \
+         {} rounds; each round creates one kernel per wall (then imports the scientific stack \
+         in it), runs {} `1+1` round trips and one {} MiB stream on one kernel, and {} kernels \
+         in parallel for {} s, every wall in turn.\n",
+        s["rounds"], s["rt_runs"], s["stream_mib"], s["parallel_kernels"], s["parallel_seconds"],
+    ));
     out
 }

@@ -5,8 +5,8 @@
 
 use crate::conn::Conn;
 use crate::procs::{self, Paths, Server};
-use crate::runtimes::{gvisor_registered, RUNTIMES};
 use crate::stats::{median, ms};
+use crate::walls::{gvisor_registered, RUNTIMES};
 use crate::{log, stop_and_check, Opts, Results};
 use anyhow::{bail, Result};
 use serde_json::json;
