@@ -4,6 +4,10 @@
 #                                     one run on this machine: prints a markdown table and
 #                                     writes bench-results.json and bench-results.md
 #   make bench BENCH_ARGS=--quick     a short run to try it out (numbers mean little)
+#   make bench BENCH_ARGS=--walls-only  only direct, runc and both gVisor runtimes in
+#                                     alternating rounds (needs `make gvisor`)
+#   make bench BENCH_ARGS=--stages-only only the per-stage breakdown of one execute and each
+#                                     optional feature on and off
 #
 # The venv $(BENCH_VENV) holds jupyter_kernel_gateway 3.x plus the kernel image's own pinned
 # packages (kernel-image/requirements.txt), so local kernels run the same ipykernel,

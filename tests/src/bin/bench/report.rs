@@ -635,8 +635,14 @@ fn stages_table(m: &Value) -> String {
         ("zmq_hop", "the ZeroMQ hop: a DEALER-ROUTER round trip over an ipc socket"),
         ("back", "and back: the reply's signature checked, decoded and encoded for the WebSocket"),
     ];
+    // Each stage as a share of the whole round trip with every optional feature off.
+    let round_trip_us = num(&m["features_rt_ms"]["bare"]["p50"]).map(|ms| ms * 1000.0);
+    let share = |us: Option<f64>| match (us, round_trip_us) {
+        (Some(us), Some(rt)) if rt > 0.0 => format!("{:.2} %", us / rt * 100.0),
+        _ => "—".to_owned(),
+    };
     let mut out = String::from(
-        "\n| stage of one execute | µs (median) | min-max over batches |\n|---|---:|---:|\n",
+        "\n| stage of one execute | µs (median) | min-max over batches | of the round trip |\n|---|---:|---:|---:|\n",
     );
     let mut total = 0.0;
     for (stage, label) in stages {
@@ -644,17 +650,22 @@ fn stages_table(m: &Value) -> String {
         let median = num(&v["median"]);
         total += median.unwrap_or_default();
         out.push_str(&format!(
-            "| {label} | {} | {}-{} |\n",
+            "| {label} | {} | {}-{} | {} |\n",
             fmt(median, 2),
             fmt(num(&v["min"]), 2),
-            fmt(num(&v["max"]), 2)
+            fmt(num(&v["max"]), 2),
+            share(median)
         ));
     }
-    out.push_str(&format!("| all stages together | {total:.2} | |\n"));
+    out.push_str(&format!(
+        "| all stages together | {total:.2} | | {} |\n",
+        share(Some(total))
+    ));
     out.push_str(
         "\nEach stage is the gateway's own code (its library), run in the bench's process on \
          the messages of a `1+1` execute, 30 batches of 500 with the stages' batches \
-         alternating.\n",
+         alternating; the share is of the `1+1` round trip with every optional feature off, \
+         below.\n",
     );
     out.push_str(
         "\n| configuration (runc, one kernel each) | `1+1` round trip p50 (ms) | vs every optional feature off |\n|---|---:|---:|\n",
