@@ -541,22 +541,7 @@ async fn measure(
     // Parallel: every kernel of a side executes `1+1` in a loop for parallel_for.
     for side in sides.iter_mut() {
         let conns = &mut side.conns[..opts.parallel_kernels];
-        let t0 = Instant::now();
-        let deadline = t0 + opts.parallel_for;
-        let counts = futures::future::join_all(conns.iter_mut().map(|c| async move {
-            let mut n = 0u64;
-            while Instant::now() < deadline {
-                c.execute("1+1", long).await?;
-                n += 1;
-            }
-            Ok::<_, anyhow::Error>(n)
-        }))
-        .await;
-        let secs = t0.elapsed().as_secs_f64();
-        let mut total = 0;
-        for c in counts {
-            total += c?;
-        }
+        let (total, secs) = walls::parallel(conns, opts.parallel_for, long).await?;
         let rate = total as f64 / secs;
         log(format!("parallel {}: {rate:.0} executes/s", side.name));
         results.set(

@@ -195,7 +195,8 @@ async fn measure(
             r[w].stream_mib_s = opts.stream_mib as f64 / run.elapsed.as_secs_f64();
         }
         for (w, wall) in walls.iter_mut().enumerate() {
-            r[w].parallel_s = parallel(&mut wall.conns, opts.parallel_for, long).await?;
+            let (executes, secs) = parallel(&mut wall.conns, opts.parallel_for, long).await?;
+            r[w].parallel_s = executes as f64 / secs;
         }
         for (w, wall) in walls.iter().enumerate() {
             log(format!(
@@ -214,8 +215,9 @@ async fn measure(
     Ok(per_round)
 }
 
-/// Executes per second when every connection runs `1+1` in a loop for `span`.
-async fn parallel(conns: &mut [Conn], span: Duration, long: Duration) -> Result<f64> {
+/// Every connection runs `1+1` in a loop for `span`: the executes done and the seconds
+/// they took.
+pub async fn parallel(conns: &mut [Conn], span: Duration, long: Duration) -> Result<(u64, f64)> {
     let t0 = Instant::now();
     let deadline = t0 + span;
     let counts = futures::future::join_all(conns.iter_mut().map(|c| async move {
@@ -231,7 +233,7 @@ async fn parallel(conns: &mut [Conn], span: Duration, long: Duration) -> Result<
     for c in counts {
         total += c?;
     }
-    Ok(total as f64 / t0.elapsed().as_secs_f64())
+    Ok((total, t0.elapsed().as_secs_f64()))
 }
 
 /// The median and min-max of per-round ratios.
