@@ -3,6 +3,7 @@
 //! (through the gateway's kernel module), without the HTTP layer in between.
 
 use anyhow::{anyhow, Result};
+use clap::ValueEnum;
 use kernelgate::backend::docker::{DockerBackend, DockerSettings};
 use kernelgate::backend::{KernelBackend, LaunchRequest};
 use kernelgate::config::RuntimeChoice;
@@ -54,11 +55,8 @@ async fn launch_and_exercise(runtime_dir: &std::path::Path) -> Result<()> {
         cpus: 1.0,
         pids: 256,
         disk_mb: 256,
-        runtime: match kernelgate_tests::runtime().as_str() {
-            "runsc" => RuntimeChoice::Runsc,
-            "runsc-ptrace" => RuntimeChoice::RunscPtrace,
-            _ => RuntimeChoice::Runc,
-        },
+        runtime: RuntimeChoice::from_str(&kernelgate_tests::runtime(), false)
+            .map_err(|e| anyhow!("KERNELGATE_RUNTIME: {e}"))?,
         packages: Some(kernelgate::packages::Mounts {
             wheelhouse: runtime_dir.join("wheelhouse"),
             shim_dir: runtime_dir.join("packages"),

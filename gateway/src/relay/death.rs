@@ -16,12 +16,7 @@ impl Relay {
     /// for the next process (or for the refusal of a kernel that stays dead) instead of
     /// being written to a socket nobody reads, where its execution would never be answered.
     pub async fn lost_executions(&self, ename: &'static str, cause: &str) {
-        let (fx, link) = self.answer_lost(ename, cause);
-        if let Some(link) = link {
-            link.close();
-        }
-        // Nothing goes to the kernel: this cannot fail.
-        let _ = self.carry_out(fx).await;
+        self.answer_lost_then(ename, cause, None).await;
     }
 
     /// The kernel's process died and a restart follows: the executions it owed are answered
@@ -30,12 +25,26 @@ impl Relay {
     /// retrying at once) then waits for the next process without seeing that status, which
     /// would tell it that its own code was lost.
     pub async fn lost_to_death(&self, cause: &str) {
-        let (mut fx, link) = self.answer_lost("KernelDied", cause);
-        fx.to_clients
-            .push(self.status_message(ExecutionState::Restarting));
+        self.answer_lost_then("KernelDied", cause, Some(ExecutionState::Restarting))
+            .await;
+    }
+
+    /// Answers the lost executions, closes the gone process's link and, when `announce`
+    /// is given, tells clients that state right after the answers.
+    async fn answer_lost_then(
+        &self,
+        ename: &'static str,
+        cause: &str,
+        announce: Option<ExecutionState>,
+    ) {
+        let (mut fx, link) = self.answer_lost(ename, cause);
+        if let Some(state) = announce {
+            fx.to_clients.push(self.status_message(state));
+        }
         if let Some(link) = link {
             link.close();
         }
+        // Nothing goes to the kernel: this cannot fail.
         let _ = self.carry_out(fx).await;
     }
 

@@ -27,16 +27,10 @@ const IMPORTS: &str = "import numpy, pandas, matplotlib.pyplot";
 
 /// Whether the Docker engine has both gVisor runtimes registered (`make gvisor`).
 pub fn gvisor_registered() -> bool {
-    std::process::Command::new("docker")
-        .args(["info", "--format", "{{json .Runtimes}}"])
-        .output()
-        .map(|o| {
-            let names = String::from_utf8_lossy(&o.stdout);
-            ["\"kernelgate-runsc\"", "\"kernelgate-runsc-ptrace\""]
-                .iter()
-                .all(|n| names.contains(n))
-        })
-        .unwrap_or(false)
+    let registered = registered_runtimes();
+    ["kernelgate-runsc", "kernelgate-runsc-ptrace"]
+        .iter()
+        .all(|name| registered.get(name).is_some())
 }
 
 /// What `make gvisor` registered, as the engine reports it: path and arguments per runtime.
