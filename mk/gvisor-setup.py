@@ -17,7 +17,8 @@ What it does, each step idempotent:
    and reloads the engine with SIGHUP, which running containers survive. A container keeps
    the runsc binary it started with: registering a new path changes only new kernels.
 
-Run as root (Docker access is root-equivalent). See docs/security.md, "The second wall".
+Run as root (Docker access is root-equivalent). See docs/security.md: "Two walls with
+gVisor" and "How it is set up".
 
     python3 mk/gvisor-setup.py [--check] [--offline]
 
