@@ -114,41 +114,11 @@ impl Link {
             .map_err(|e| KernelError::Connect(format!("iopub at {iopub_endpoint}: {e}")))?;
         let (shell, stdin, control) = (shell?, stdin?, control?);
 
-        let spawn_reader = |channel: Channel, mut socket: Box<dyn SocketRecv + Send>| {
+        let spawn_reader = |channel: Channel, socket: Box<dyn SocketRecv + Send>| {
             let (sink, key, cancel) = (sink.clone(), key.clone(), cancel.clone());
-            tracker.spawn(tracing::Instrument::in_current_span(async move {
-                let mut complaints = Complaints::default();
-                loop {
-                    let received = tokio::select! {
-                        _ = cancel.cancelled() => return,
-                        r = socket.recv() => r,
-                    };
-                    match received {
-                        Ok(frames) => {
-                            if let Some(d) = deliver(&*sink, &key, channel, frames, &mut complaints)
-                            {
-                                d.written.await;
-                                sink.forward(d.message);
-                            }
-                        }
-                        // IOPub's SUB reconnects by itself and goes on with the next
-                        // message; a DEALER does not, and its kernel counts as lost.
-                        Err(e @ ZmqError::Codec(CodecError::MessageTooLarge { .. })) => {
-                            metrics::dropped(DropReason::TooLargeFromKernel, 1);
-                            complaints.note(channel, &e);
-                            if channel != Channel::IoPub {
-                                sink.link_lost(channel);
-                                return;
-                            }
-                        }
-                        Err(e) => {
-                            tracing::debug!(%channel, error = %e, "kernel socket closed");
-                            sink.link_lost(channel);
-                            return;
-                        }
-                    }
-                }
-            }));
+            tracker.spawn(tracing::Instrument::in_current_span(read_socket(
+                channel, socket, sink, key, cancel,
+            )));
         };
         let spawn_writer = |channel: Channel, mut socket: Box<dyn SocketSend + Send>| {
             let (key, cancel) = (key.clone(), cancel.clone());
@@ -209,6 +179,50 @@ impl Link {
 impl Drop for Link {
     fn drop(&mut self) {
         self.cancel.cancel();
+    }
+}
+
+/// Drains one kernel socket into `sink` until the socket closes or `cancel` fires.
+async fn read_socket(
+    channel: Channel,
+    mut socket: Box<dyn SocketRecv + Send>,
+    sink: Arc<dyn Dispatch>,
+    key: SigningKey,
+    cancel: CancellationToken,
+) {
+    let mut complaints = Complaints::default();
+    loop {
+        let received = tokio::select! {
+            _ = cancel.cancelled() => return,
+            r = socket.recv() => r,
+        };
+        // Messages already in the socket's read buffer come without touching the socket,
+        // so without this a kernel flooding small messages would keep this task running
+        // and other kernels' tasks waiting: each message counts against the task's turn.
+        tokio::task::consume_budget().await;
+        match received {
+            Ok(frames) => {
+                if let Some(d) = deliver(&*sink, &key, channel, frames, &mut complaints) {
+                    d.written.await;
+                    sink.forward(d.message);
+                }
+            }
+            // IOPub's SUB reconnects by itself and goes on with the next message; a
+            // DEALER does not, and its kernel counts as lost.
+            Err(e @ ZmqError::Codec(CodecError::MessageTooLarge { .. })) => {
+                metrics::dropped(DropReason::TooLargeFromKernel, 1);
+                complaints.note(channel, &e);
+                if channel != Channel::IoPub {
+                    sink.link_lost(channel);
+                    return;
+                }
+            }
+            Err(e) => {
+                tracing::debug!(%channel, error = %e, "kernel socket closed");
+                sink.link_lost(channel);
+                return;
+            }
+        }
     }
 }
 
@@ -277,15 +291,22 @@ mod tests {
     use super::*;
     use zeromq::PubSocket;
 
-    /// The size limit of the patched zeromq, with real sockets: a message over it is
-    /// refused (never delivered), and the SUB reconnects and receives the next one.
-    #[tokio::test]
-    async fn an_oversized_message_is_refused_and_the_next_one_arrives() {
-        let dir = std::env::temp_dir().join(format!("kg-limit-{}", std::process::id()));
+    /// A PUB bound to an IPC endpoint in a fresh directory named after `name`: the
+    /// directory (to remove), the endpoint and the socket.
+    async fn bound_publisher(name: &str) -> (std::path::PathBuf, String, PubSocket) {
+        let dir = std::env::temp_dir().join(format!("{name}-{}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("temp dir");
         let endpoint = format!("ipc://{}/iopub", dir.display());
         let mut publisher = PubSocket::new();
         publisher.bind(&endpoint).await.expect("bind");
+        (dir, endpoint, publisher)
+    }
+
+    /// The size limit of the patched zeromq, with real sockets: a message over it is
+    /// refused (never delivered), and the SUB reconnects and receives the next one.
+    #[tokio::test]
+    async fn an_oversized_message_is_refused_and_the_next_one_arrives() {
+        let (dir, endpoint, mut publisher) = bound_publisher("kg-limit").await;
         let mut options = SocketOptions::default();
         options.max_message_size(1 << 20);
         let mut sub = SubSocket::with_options(options);
@@ -343,6 +364,96 @@ mod tests {
             .expect("the SUB went on after the refusal")
             .expect("receiver");
         assert_eq!(refused, 1);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Counts what a reader delivers.
+    #[derive(Default)]
+    struct Counting(std::sync::atomic::AtomicUsize);
+
+    impl Counting {
+        fn seen(&self) -> usize {
+            self.0.load(std::sync::atomic::Ordering::SeqCst)
+        }
+    }
+
+    impl Dispatch for Counting {
+        fn dispatch(&self, _: Channel, _: Message) -> Option<Deferred> {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            None
+        }
+        fn forward(&self, _: Arc<Outbound>) {}
+        fn link_lost(&self, _: Channel) {}
+    }
+
+    /// A kernel flooding small messages does not hold the runtime: with hundreds of its
+    /// messages already waiting in the socket, its reader hands the thread over after a
+    /// bounded share of them, so other kernels' tasks (here one that only looks) get turns.
+    #[tokio::test]
+    async fn a_flooding_kernel_takes_turns_with_other_tasks() {
+        const WAITING: usize = 400;
+        let (dir, endpoint, mut publisher) = bound_publisher("kg-turns").await;
+        let mut sub = SubSocket::new();
+        sub.subscribe("").await.expect("subscribe");
+        sub.connect(&endpoint).await.expect("connect");
+        // PUB drops messages until the subscription arrives: greet until one gets through.
+        loop {
+            publisher
+                .send(ZmqMessage::from("hello"))
+                .await
+                .expect("send");
+            if tokio::time::timeout(Duration::from_millis(50), sub.recv())
+                .await
+                .is_ok()
+            {
+                break;
+            }
+        }
+        let key = SigningKey::new(b"turns");
+        let stream = Message::new(
+            kernelgate_protocol::Header::new("stream", "s", "kernel", "2026-01-01T00:00:00Z"),
+            None,
+            kernelgate_protocol::RawJson::from_value(
+                &serde_json::json!({"name": "stdout", "text": "x"}),
+            ),
+        );
+        let frames = wire::encode(&[], &stream, &key);
+        for _ in 0..WAITING {
+            let m = ZmqMessage::try_from(frames.clone()).expect("frames");
+            publisher.send(m).await.expect("send");
+        }
+        // Until they all wait in the socket, unread.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+
+        let sink = Arc::new(Counting::default());
+        let cancel = CancellationToken::new();
+        let reader = tokio::spawn(read_socket(
+            Channel::IoPub,
+            Box::new(sub),
+            sink.clone(),
+            key,
+            cancel.clone(),
+        ));
+        // On this one-thread runtime the reader runs first; the onlooker runs when the
+        // reader gives the thread up.
+        let onlooker = tokio::spawn({
+            let sink = sink.clone();
+            async move { sink.seen() }
+        });
+        let seen_by_then = onlooker.await.expect("onlooker");
+        for _ in 0..100 {
+            if sink.seen() == WAITING {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(sink.seen(), WAITING, "every message was read");
+        assert!(
+            seen_by_then > 0 && seen_by_then <= 128,
+            "the reader took {seen_by_then} of the {WAITING} waiting messages before another task ran"
+        );
+        cancel.cancel();
+        reader.await.expect("reader");
         let _ = std::fs::remove_dir_all(&dir);
     }
 
