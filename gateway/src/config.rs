@@ -575,6 +575,25 @@ pub struct ClusterArgs {
     /// PEM private key of that client certificate.
     #[arg(long, env = "KERNELGATE_ETCD_KEY_FILE", value_name = "PATH")]
     pub etcd_key_file: Option<PathBuf>,
+
+    /// Where this node serves the calls other nodes forward to it, over mutual TLS
+    /// (host:port; give the three --cluster-*-file flags too). Clients keep using --listen,
+    /// which then refuses forwarded calls.
+    #[arg(long, env = "KERNELGATE_CLUSTER_LISTEN", value_name = "ADDR")]
+    pub cluster_listen: Option<SocketAddr>,
+
+    /// PEM file of the cluster's CA: the only issuer of node certificates this node trusts.
+    #[arg(long, env = "KERNELGATE_CLUSTER_CA_FILE", value_name = "PATH")]
+    pub cluster_ca_file: Option<PathBuf>,
+
+    /// PEM certificate of this node, signed by the cluster's CA, whose subject alternative
+    /// name is the node id (DNS:<node id>), for both server and client authentication.
+    #[arg(long, env = "KERNELGATE_CLUSTER_CERT_FILE", value_name = "PATH")]
+    pub cluster_cert_file: Option<PathBuf>,
+
+    /// PEM private key of that certificate.
+    #[arg(long, env = "KERNELGATE_CLUSTER_KEY_FILE", value_name = "PATH")]
+    pub cluster_key_file: Option<PathBuf>,
 }
 
 impl ClusterArgs {
@@ -589,5 +608,9 @@ impl ClusterArgs {
             || self.etcd_ca_file.is_some()
             || self.etcd_cert_file.is_some()
             || self.etcd_key_file.is_some()
+            || self.cluster_listen.is_some()
+            || self.cluster_ca_file.is_some()
+            || self.cluster_cert_file.is_some()
+            || self.cluster_key_file.is_some()
     }
 }

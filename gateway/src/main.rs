@@ -258,6 +258,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("cannot listen on {}", config.listen))?;
+    let cluster_listener = cluster_listener(&config, prepared.cluster.as_deref()).await?;
     let Table {
         kernels,
         runtime,
@@ -298,6 +299,14 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         )),
         cluster,
     };
+    if let Some((listener, tls)) = cluster_listener {
+        let state = state.clone();
+        tracker.spawn(async move {
+            if let Err(e) = api::peers::serve(listener, tls, state).await {
+                tracing::error!(error = %e, "the cluster listener stopped");
+            }
+        });
+    }
     let url = format!("http://{}/", config.listen);
     match generated {
         Some(token) => println!("Kernelgate is serving at {url}?token={token}"),
@@ -341,12 +350,33 @@ async fn serve(config: Config) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The cluster listener (`--cluster-listen`), bound, with its TLS configuration.
+async fn cluster_listener(
+    config: &Config,
+    node: Option<&ClusterNode>,
+) -> anyhow::Result<Option<(tokio::net::TcpListener, Arc<rustls::ServerConfig>)>> {
+    let (Some(addr), Some(tls)) = (
+        config.cluster.cluster_listen,
+        node.and_then(|n| n.tls.as_ref()),
+    ) else {
+        return Ok(None);
+    };
+    let server = tls
+        .server_config()
+        .map_err(|e| anyhow::anyhow!("--cluster-cert-file and --cluster-key-file: {e}"))?;
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("cannot listen on --cluster-listen {addr}"))?;
+    tracing::info!(cluster_listen = %addr, "calls between nodes over mutual TLS");
+    Ok(Some((listener, server)))
+}
+
 /// `kernelgate mcp`: one MCP session over stdin/stdout, its kernels on the local Docker
 /// engine, until EOF or a signal; then every kernel it started is removed.
 async fn mcp_stdio(args: McpArgs) -> anyhow::Result<()> {
     let mut config = args.config;
     if config.cluster.any() {
-        bail!("--etcd, --node-id, --advertise, --cluster-secret-file and the --etcd-* options belong to `kernelgate serve`; `kernelgate mcp` runs its own kernels, or uses a gateway's with --url");
+        bail!("--etcd, --node-id, --advertise, --cluster-secret-file, --cluster-listen and the --etcd-* and --cluster-*-file options belong to `kernelgate serve`; `kernelgate mcp` runs its own kernels, or uses a gateway's with --url");
     }
     if let Some(url) = &args.url {
         let token = match &args.token_file {

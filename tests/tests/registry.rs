@@ -121,6 +121,7 @@ async fn a_node_that_stops_renewing_loses_its_kernels_in_the_others_view() -> Re
     let ttl = Duration::from_secs(3);
     let record = |address: &str| NodeRecord {
         address: address.into(),
+        cluster_address: None,
         incarnation: uuid::Uuid::new_v4().to_string(),
         capacity: 2,
         load: 0,

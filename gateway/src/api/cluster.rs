@@ -13,6 +13,7 @@ use crate::cluster::membership::View;
 use crate::cluster::node::ClusterNode;
 use crate::cluster::placement;
 use crate::cluster::signing::Forwarded;
+use crate::cluster::NodeRecord;
 use axum::body::{to_bytes, Body};
 use axum::extract::{Request, State};
 use axum::http::{Method, StatusCode};
@@ -130,7 +131,8 @@ fn request_id(req: &Request) -> String {
 
 async fn forward(
     cluster: &ClusterNode,
-    base: &str,
+    node: &str,
+    record: &NodeRecord,
     caller: &Caller,
     req: Request,
     left: Left,
@@ -139,7 +141,8 @@ async fn forward(
     match cluster
         .forwarder
         .forward(
-            base,
+            node,
+            record,
             &caller.0.name,
             &id,
             cluster.membership.registered(),
@@ -245,7 +248,7 @@ async fn place_somewhere(
         };
         let Some(parts) = local.as_ref() else { break };
         let req = again(&parts.method, &parts.uri, &parts.headers, &bytes);
-        let response = forward(cluster, &record.address, caller, req, never_left()).await;
+        let response = forward(cluster, node, record, caller, req, never_left()).await;
         // Full since the view was made, or gone: the next node.
         let status = response.status();
         if status == StatusCode::FORBIDDEN || status == StatusCode::SERVICE_UNAVAILABLE {
@@ -333,9 +336,9 @@ async fn ask_others(
     cluster: &ClusterNode,
     caller: &Caller,
     asked: &Asked,
-    others: &[(String, String)],
+    others: &[(String, NodeRecord)],
 ) -> Vec<(String, Option<Vec<Value>>)> {
-    let asks = others.iter().map(|(node, address)| {
+    let asks = others.iter().map(|(node, record)| {
         let req = again(
             &asked.method,
             &asked.uri,
@@ -344,7 +347,7 @@ async fn ask_others(
         );
         async move {
             let answer = tokio::time::timeout(LIST_TIMEOUT, async {
-                let response = forward(cluster, address, caller, req, never_left()).await;
+                let response = forward(cluster, node, record, caller, req, never_left()).await;
                 if !response.status().is_success() {
                     return None;
                 }
@@ -360,15 +363,15 @@ async fn ask_others(
     futures::future::join_all(asks).await
 }
 
-/// Every other node of `view`: (id, address), by id.
-fn other_nodes(cluster: &ClusterNode, view: &View) -> Vec<(String, String)> {
-    let mut others: Vec<(String, String)> = view
+/// Every other node of `view`: (id, record), by id.
+fn other_nodes(cluster: &ClusterNode, view: &View) -> Vec<(String, NodeRecord)> {
+    let mut others: Vec<(String, NodeRecord)> = view
         .nodes
         .iter()
         .filter(|(id, _)| **id != cluster.node_id)
-        .map(|(id, n)| (id.clone(), n.address.clone()))
+        .map(|(id, n)| (id.clone(), n.clone()))
         .collect();
-    others.sort();
+    others.sort_by(|a, b| a.0.cmp(&b.0));
     others
 }
 
@@ -412,10 +415,11 @@ async fn answer(cluster: &ClusterNode, caller: &Caller, req: Request, next: Next
     if local.status() != StatusCode::NOT_FOUND {
         return local;
     }
-    for (_, address) in other_nodes(cluster, &cluster.membership.view()) {
+    for (node, record) in other_nodes(cluster, &cluster.membership.view()) {
         let response = forward(
             cluster,
-            &address,
+            &node,
+            &record,
             caller,
             again(&method, &uri, &headers, &bytes),
             never_left(),
@@ -472,7 +476,7 @@ async fn to_owner(
     let left = until_left(cluster.clone(), owner.to_owned())
         .boxed()
         .shared();
-    forward(cluster, &node.address, caller, req, left).await
+    forward(cluster, owner, &node, caller, req, left).await
 }
 
 /// A sessionless MCP call (protocol 2026-07-28): a tool call whose `kernel_id` names a
@@ -552,9 +556,9 @@ async fn mcp_elsewhere(
     if let Some(node) = &remembered {
         order.sort_by_key(|(id, _)| id != node);
     }
-    for (node, address) in order {
+    for (node, record) in order {
         let req = again(&parts.method, &parts.uri, &parts.headers, &bytes);
-        let response = forward(cluster, &address, caller, req, never_left()).await;
+        let response = forward(cluster, &node, &record, caller, req, never_left()).await;
         let status = response.status();
         if status != StatusCode::NOT_FOUND && status != StatusCode::SERVICE_UNAVAILABLE {
             let mut known = cluster

@@ -18,6 +18,7 @@ pub mod openapi;
 pub mod ops;
 pub mod origin;
 pub mod packages;
+pub mod peers;
 pub mod ui;
 
 use crate::kernels::Kernels;
@@ -170,7 +171,12 @@ pub async fn serve(
         }
     });
     let cancel = state.cancel.clone();
-    let app = router(state).into_make_service_with_connect_info::<std::net::SocketAddr>();
+    let cluster_listener = state.cluster.as_ref().is_some_and(|c| c.tls.is_some());
+    let mut app = router(state);
+    if cluster_listener {
+        app = app.layer(middleware::from_fn(peers::no_forwarded_calls));
+    }
+    let app = app.into_make_service_with_connect_info::<std::net::SocketAddr>();
     axum::serve(listener, app)
         .with_graceful_shutdown(async move {
             shutdown.await;

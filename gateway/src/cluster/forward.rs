@@ -4,18 +4,23 @@
 //! the entry node vouches for, signed with the cluster secret ([`super::signing`]). A
 //! WebSocket is forwarded as the HTTP Upgrade itself: the owner checks the request,
 //! negotiates the subprotocol and answers `101`, then the bytes are spliced both ways and
-//! no frame is ever decoded or re-encoded here.
+//! no frame is ever decoded or re-encoded here. With the cluster's TLS on
+//! ([`super::tls`]), both go to the owner's cluster listener, over TLS with this node's
+//! certificate, and only to a server whose certificate names the owner.
 
 use super::signing::{Forwarded, Signer, HEADER_PREFIX};
+use super::tls::ClusterTls;
+use super::NodeRecord;
 use axum::body::Body;
 use axum::extract::Request;
 use axum::http::{header, HeaderMap, HeaderName, HeaderValue, Response};
 use futures::future::{BoxFuture, Shared};
 use futures::{FutureExt, StreamExt, TryStreamExt};
 use hyper_util::rt::TokioIo;
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -69,6 +74,10 @@ pub fn never_left() -> Left {
 #[derive(Debug)]
 pub struct Forwarder {
     http: reqwest::Client,
+    /// With the cluster's TLS on: one client per peer node, each accepting only a server
+    /// certificate that names that node.
+    tls: Option<Arc<ClusterTls>>,
+    peers: Mutex<HashMap<String, reqwest::Client>>,
     signer: Arc<Signer>,
     /// This node's id, named as the entry in forwarded calls.
     node_id: String,
@@ -145,6 +154,8 @@ impl Forwarder {
             .build()?;
         Ok(Forwarder {
             http,
+            tls: None,
+            peers: Mutex::default(),
             signer,
             node_id: node_id.to_owned(),
             tracker,
@@ -152,11 +163,58 @@ impl Forwarder {
         })
     }
 
-    /// Sends `req` to the node at `base` (`http://host:port`), on behalf of the client key
-    /// `key`; the owner's answer, streamed.
+    /// Calls to other nodes over mutual TLS, to their cluster listeners.
+    pub fn with_tls(mut self, tls: Option<Arc<ClusterTls>>) -> Forwarder {
+        self.tls = tls;
+        self
+    }
+
+    /// Where calls to node `node` go: its cluster listener with TLS on, else its address.
+    fn base_of(&self, node: &str, record: &NodeRecord) -> Result<String, ForwardError> {
+        if self.tls.is_none() {
+            return Ok(record.address.clone());
+        }
+        match &record.cluster_address {
+            Some(url) if url.starts_with("https://") => Ok(url.clone()),
+            _ => Err(ForwardError::Unreachable {
+                node: node.to_owned(),
+                reason: "it serves no TLS cluster listener (--cluster-listen), and this node calls no other way".into(),
+            }),
+        }
+    }
+
+    /// The HTTP client for calls to node `node`.
+    fn client_for(&self, node: &str) -> Result<reqwest::Client, ForwardError> {
+        let Some(tls) = &self.tls else {
+            return Ok(self.http.clone());
+        };
+        let mut peers = self.peers.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(client) = peers.get(node) {
+            return Ok(client.clone());
+        }
+        let unreachable = |reason: String| ForwardError::Unreachable {
+            node: node.to_owned(),
+            reason,
+        };
+        let config = tls.client_config(node).map_err(unreachable)?;
+        let client = reqwest::Client::builder()
+            .connect_timeout(CONNECT_TIMEOUT)
+            .redirect(reqwest::redirect::Policy::none())
+            .https_only(true)
+            .use_preconfigured_tls((*config).clone())
+            .build()
+            .map_err(|e| unreachable(e.to_string()))?;
+        peers.insert(node.to_owned(), client.clone());
+        Ok(client)
+    }
+
+    /// Sends `req` to node `node` (as `record`, its registry record, says to reach it), on
+    /// behalf of the client key `key`; the owner's answer, streamed.
+    #[allow(clippy::too_many_arguments)]
     pub async fn forward(
         &self,
-        base: &str,
+        node: &str,
+        record: &NodeRecord,
         key: &str,
         request_id: &str,
         registered: bool,
@@ -165,8 +223,9 @@ impl Forwarder {
     ) -> Result<Response<Body>, ForwardError> {
         let path = forwarded_path(&req);
         let gone = || ForwardError::OwnerLeft {
-            node: base.to_owned(),
+            node: node.to_owned(),
         };
+        let base = &self.base_of(node, record)?;
         let who = Forwarded {
             key: key.to_owned(),
             entry: self.node_id.clone(),
@@ -178,17 +237,20 @@ impl Forwarder {
         if is_upgrade(req.headers()) {
             return tokio::select! {
                 biased;
-                answer = self.upgrade(base, &path, signed, req, left.clone()) => answer,
+                answer = self.upgrade(node, base, &path, signed, req, left.clone()) => answer,
                 () = left => Err(gone()),
             };
         }
         let unreachable = |e: reqwest::Error| ForwardError::Unreachable {
-            node: base.to_owned(),
-            reason: e.to_string(),
+            node: node.to_owned(),
+            // The TLS error that refused the owner's certificate is in the source chain.
+            reason: error_chain(&e),
         };
         let method = reqwest::Method::from_bytes(req.method().as_str().as_bytes())
             .unwrap_or(reqwest::Method::GET);
-        let mut request = self.http.request(method, format!("{base}{path}"));
+        let mut request = self
+            .client_for(node)?
+            .request(method, format!("{base}{path}"));
         for (name, value) in forwarded_headers(req.headers()) {
             request = request.header(name.as_str(), value.as_bytes());
         }
@@ -217,7 +279,7 @@ impl Forwarder {
                 .take_until(left),
         );
         answer.body(body).map_err(|_| ForwardError::BadAnswer {
-            node: base.to_owned(),
+            node: node.to_owned(),
         })
     }
 
@@ -226,24 +288,68 @@ impl Forwarder {
     /// spliced; any other answer goes to the client as it is.
     async fn upgrade(
         &self,
+        node: &str,
         base: &str,
+        path: &str,
+        signed: Vec<(&'static str, String)>,
+        req: Request,
+        left: Left,
+    ) -> Result<Response<Body>, ForwardError> {
+        let unreachable = |reason: String| ForwardError::Unreachable {
+            node: node.to_owned(),
+            reason,
+        };
+        let scheme = if self.tls.is_some() {
+            "https://"
+        } else {
+            "http://"
+        };
+        let authority = base
+            .strip_prefix(scheme)
+            .ok_or_else(|| unreachable(format!("only {scheme} node addresses can carry a WebSocket")))?
+            .trim_end_matches('/');
+        let owner = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(authority))
+            .await
+            .map_err(|_| unreachable("connect timed out".into()))?
+            .map_err(|e| unreachable(e.to_string()))?;
+        let Some(tls) = &self.tls else {
+            return self
+                .upgrade_over(owner, node, authority, path, signed, req, left)
+                .await;
+        };
+        // The handshake checks the owner's certificate before a byte of the request goes.
+        let config = tls.client_config(node).map_err(unreachable)?;
+        let name = super::tls::node_name(node).map_err(|e| unreachable(e.to_string()))?;
+        let owner = tokio::time::timeout(
+            CONNECT_TIMEOUT,
+            tokio_rustls::TlsConnector::from(config).connect(name, owner),
+        )
+        .await
+        .map_err(|_| unreachable("TLS handshake timed out".into()))?
+        .map_err(|e| unreachable(format!("TLS handshake failed: {e}")))?;
+        self.upgrade_over(owner, node, authority, path, signed, req, left)
+            .await
+    }
+
+    /// [`Forwarder::upgrade`] on a connection to the owner.
+    #[allow(clippy::too_many_arguments)]
+    async fn upgrade_over<S>(
+        &self,
+        mut owner: S,
+        node: &str,
+        authority: &str,
         path: &str,
         signed: Vec<(&'static str, String)>,
         mut req: Request,
         left: Left,
-    ) -> Result<Response<Body>, ForwardError> {
+    ) -> Result<Response<Body>, ForwardError>
+    where
+        S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    {
         let unreachable = |reason: String| ForwardError::Unreachable {
-            node: base.to_owned(),
+            node: node.to_owned(),
             reason,
         };
-        let authority = base
-            .strip_prefix("http://")
-            .ok_or_else(|| unreachable("only http:// node addresses can carry a WebSocket".into()))?
-            .trim_end_matches('/');
-        let mut owner = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(authority))
-            .await
-            .map_err(|_| unreachable("connect timed out".into()))?
-            .map_err(|e| unreachable(e.to_string()))?;
         let mut head = format!("{} {path} HTTP/1.1\r\nhost: {authority}\r\n", req.method());
         head.push_str("connection: Upgrade\r\nupgrade: websocket\r\n");
         for (name, value) in forwarded_headers(req.headers()) {
@@ -286,7 +392,7 @@ impl Forwarder {
                 Ok(httparse::Status::Partial) if buf.len() < MAX_HEAD => continue,
                 _ => {
                     return Err(ForwardError::BadAnswer {
-                        node: base.to_owned(),
+                        node: node.to_owned(),
                     })
                 }
             }
@@ -319,12 +425,12 @@ impl Forwarder {
             return answer
                 .body(Body::from(body))
                 .map_err(|_| ForwardError::BadAnswer {
-                    node: base.to_owned(),
+                    node: node.to_owned(),
                 });
         }
         let Some(on_upgrade) = req.extensions_mut().remove::<hyper::upgrade::OnUpgrade>() else {
             return Err(ForwardError::BadAnswer {
-                node: base.to_owned(),
+                node: node.to_owned(),
             });
         };
         let cancel = self.cancel.clone();
@@ -338,9 +444,22 @@ impl Forwarder {
         answer
             .body(Body::empty())
             .map_err(|_| ForwardError::BadAnswer {
-                node: base.to_owned(),
+                node: node.to_owned(),
             })
     }
+}
+
+/// An error with its sources, `: `-joined (reqwest's own text leaves out why a connection
+/// failed).
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
 }
 
 /// The close frame the entry node sends when the owner's side ends without one (the owner
@@ -351,16 +470,12 @@ const GOING_AWAY: [u8; 4] = [0x88, 0x02, 0x03, 0xE9];
 /// boundaries and opcodes, never changed): when they end without a close frame, between
 /// frames, or the owner leaves the cluster, the client gets [`GOING_AWAY`] instead of a bare
 /// end of its connection.
-async fn splice<C>(
-    client: &mut C,
-    owner: TcpStream,
-    first: &[u8],
-    cancel: CancellationToken,
-    left: Left,
-) where
-    C: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+async fn splice<C, S>(client: &mut C, owner: S, first: &[u8], cancel: CancellationToken, left: Left)
+where
+    C: AsyncRead + AsyncWrite + Unpin,
+    S: AsyncRead + AsyncWrite + Unpin,
 {
-    let (mut from_owner, mut to_owner) = owner.into_split();
+    let (mut from_owner, mut to_owner) = tokio::io::split(owner);
     let (mut from_client, mut to_client) = tokio::io::split(client);
     let mut frames = Frames::default();
     let down = async {
@@ -570,8 +685,19 @@ mod tests {
             let (forwarder, owner, left) = (forwarder.clone(), owner.clone(), left.clone());
             async move {
                 strip_internal(req.headers_mut());
+                let record = NodeRecord {
+                    address: owner.clone(),
+                    cluster_address: Some(owner.replace("http://", "https://")),
+                    incarnation: "i1".into(),
+                    capacity: 1,
+                    load: 0,
+                    version: String::new(),
+                    specs: Vec::new(),
+                    warm: Default::default(),
+                    away: false,
+                };
                 match forwarder
-                    .forward(&owner, "alice", "req-1", true, req, left)
+                    .forward("owner-1", &record, "alice", "req-1", true, req, left)
                     .await
                 {
                     Ok(r) => r.into_response(),

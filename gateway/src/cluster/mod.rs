@@ -22,6 +22,7 @@ pub mod node;
 pub mod placement;
 pub mod registry;
 pub mod signing;
+pub mod tls;
 
 pub use registry::{Entry, Event, Lease, Listing, Registry, RegistryError, Revision};
 
@@ -74,6 +75,10 @@ impl<'a> Key<'a> {
 pub struct NodeRecord {
     /// How other nodes reach it (`--advertise`).
     pub address: String,
+    /// Where other nodes reach its cluster listener over mutual TLS (`https://host:port`:
+    /// `--advertise`'s host, `--cluster-listen`'s port); absent without one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cluster_address: Option<String>,
     /// A new random value each time the node starts: tells a restarted node from the old one.
     pub incarnation: String,
     /// Kernels it may run (`--max-kernels`).

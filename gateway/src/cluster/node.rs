@@ -7,6 +7,7 @@ use super::etcd::Etcd;
 use super::forward::Forwarder;
 use super::membership::Membership;
 use super::signing::Signer;
+use super::tls::ClusterTls;
 use super::NodeRecord;
 use crate::config::ClusterArgs;
 use crate::kernels::Kernels;
@@ -33,6 +34,9 @@ pub struct ClusterNode {
     pub membership: Arc<Membership<Etcd>>,
     pub signer: Arc<Signer>,
     pub forwarder: Forwarder,
+    /// Mutual TLS between nodes (`--cluster-listen`): forwarded calls then come only on the
+    /// cluster listener.
+    pub tls: Option<Arc<ClusterTls>>,
     /// MCP sessions found on other nodes: session id to node id.
     pub mcp_sessions: std::sync::Mutex<std::collections::HashMap<String, String>>,
 }
@@ -56,8 +60,8 @@ impl ClusterNode {
         if args.etcd.is_empty() {
             if args.any() {
                 bail!(
-                    "--node-id, --advertise, --cluster-secret-file and the --etcd-* options \
-                     belong to cluster mode: give --etcd too, or leave them out for a single gateway"
+                    "--node-id, --advertise, --cluster-secret-file, --cluster-listen and the \
+                     --etcd-* and --cluster-*-file options belong to cluster mode: give --etcd too, or leave them out for a single gateway"
                 );
             }
             return Ok(None);
@@ -97,6 +101,7 @@ impl ClusterNode {
         if node_id.is_empty() || node_id.contains('/') || node_id.len() > 128 {
             bail!("--node-id {node_id:?}: give a name without '/' of at most 128 characters");
         }
+        let (tls, cluster_address) = cluster_tls(args, &node_id, &advertise)?;
         let mut registry = Etcd::new(args.etcd.clone(), etcd_tls(args)?)
             .map_err(|e| anyhow::anyhow!("--etcd: {e}"))?;
         match (&args.etcd_user, &args.etcd_password_file) {
@@ -112,6 +117,7 @@ impl ClusterNode {
         }
         let record = NodeRecord {
             address: advertise.trim_end_matches('/').to_owned(),
+            cluster_address,
             incarnation: uuid::Uuid::new_v4().simple().to_string(),
             capacity: u32::try_from(offer.capacity).unwrap_or(u32::MAX),
             load: 0,
@@ -124,12 +130,14 @@ impl ClusterNode {
         let membership = Membership::new(registry, &node_id, record, ttl);
         let signer = Arc::new(Signer::new(&secret));
         let forwarder = Forwarder::new(signer.clone(), &node_id, tracker.clone(), cancel.clone())
-            .context("cannot set up node-to-node calls")?;
+            .context("cannot set up node-to-node calls")?
+            .with_tls(tls.clone());
         Ok(Some(Arc::new(ClusterNode {
             node_id,
             membership,
             signer,
             forwarder,
+            tls,
             mcp_sessions: Default::default(),
         })))
     }
@@ -221,6 +229,44 @@ fn etcd_tls(args: &ClusterArgs) -> anyhow::Result<reqwest::ClientBuilder> {
         _ => bail!("--etcd-cert-file and --etcd-key-file go together: give both, or neither for an etcd that does not ask for client certificates"),
     }
     Ok(http)
+}
+
+/// The cluster's TLS the flags ask for, with the address this node's cluster listener is
+/// advertised at: `--advertise`'s host with `--cluster-listen`'s port, over `https://`.
+fn cluster_tls(
+    args: &ClusterArgs,
+    node_id: &str,
+    advertise: &str,
+) -> anyhow::Result<(Option<Arc<ClusterTls>>, Option<String>)> {
+    let files = (
+        &args.cluster_ca_file,
+        &args.cluster_cert_file,
+        &args.cluster_key_file,
+    );
+    let Some(listen) = args.cluster_listen else {
+        if files.0.is_some() || files.1.is_some() || files.2.is_some() {
+            bail!("--cluster-ca-file, --cluster-cert-file and --cluster-key-file are for the cluster listener: give --cluster-listen too");
+        }
+        return Ok((None, None));
+    };
+    let (Some(ca), Some(cert), Some(key)) = files else {
+        bail!("--cluster-listen needs --cluster-ca-file, --cluster-cert-file and --cluster-key-file: the cluster's CA, and this node's certificate (naming {node_id:?}) and key (docs/cluster.md says how to make them)");
+    };
+    if listen.port() == 0 {
+        bail!("--cluster-listen {listen}: give the port the other nodes reach it at");
+    }
+    let host = advertise
+        .trim_end_matches('/')
+        .strip_prefix("http://")
+        .and_then(|a| a.rsplit_once(':'))
+        .map(|(host, _)| host)
+        .filter(|host| !host.is_empty())
+        .with_context(|| format!("--advertise {advertise:?}: give http://host:port"))?;
+    let tls = ClusterTls::load(ca, cert, key, node_id)?;
+    Ok((
+        Some(Arc::new(tls)),
+        Some(format!("https://{host}:{}", listen.port())),
+    ))
 }
 
 fn hostname() -> anyhow::Result<String> {

@@ -35,6 +35,7 @@ mod tests {
     fn node(capacity: u32, load: u32, specs: &[&str]) -> NodeRecord {
         NodeRecord {
             address: String::new(),
+            cluster_address: None,
             incarnation: String::new(),
             capacity,
             load,

@@ -16,6 +16,7 @@ async fn cluster_node(
     use crate::cluster::membership::Membership;
     let node = crate::cluster::NodeRecord {
         address: format!("http://{id}"),
+        cluster_address: None,
         incarnation: format!("{id}-1"),
         capacity: 4,
         load: 0,

@@ -6,6 +6,7 @@ use crate::cluster::memory::Memory;
 fn node(address: &str) -> NodeRecord {
     NodeRecord {
         address: address.into(),
+        cluster_address: None,
         incarnation: "i1".into(),
         capacity: 2,
         load: 0,
