@@ -60,6 +60,10 @@ struct Cluster {
     /// Every node's runtime directory: a node the test stopped and has not started again
     /// is not in `nodes`, and its kernels are removed too.
     runtime_dirs: Vec<std::path::PathBuf>,
+    /// Each node's address on the switch.
+    ips: Vec<String>,
+    /// Whether the nodes call each other over mutual TLS (their cluster listeners).
+    tls: bool,
     _dir: tempfile::TempDir,
 }
 
@@ -74,7 +78,11 @@ impl Drop for Cluster {
     }
 }
 
-/// The flags of node `n` beyond the shared ones.
+/// The port of every node's cluster listener (each node has an address of its own).
+const CLUSTER_PORT: u16 = 9443;
+
+/// The flags of node `n` beyond the shared ones: with the cluster's TLS on (the CA among
+/// the shared flags), its cluster listener and its own certificate, from the CA's directory.
 fn node_flags(flags: &[String], n: usize) -> Vec<String> {
     let mut all = flags.to_vec();
     all.extend([
@@ -83,12 +91,76 @@ fn node_flags(flags: &[String], n: usize) -> Vec<String> {
         "--advertise".into(),
         "http://{host}:{port}".into(),
     ]);
+    let ca = flags
+        .iter()
+        .position(|f| f == "--cluster-ca-file")
+        .and_then(|i| flags.get(i + 1));
+    if let Some(dir) = ca.and_then(|ca| std::path::Path::new(ca).parent()) {
+        all.extend([
+            "--cluster-listen".into(),
+            format!("{{host}}:{CLUSTER_PORT}"),
+            "--cluster-cert-file".into(),
+            dir.join(format!("node-{n}.pem")).display().to_string(),
+            "--cluster-key-file".into(),
+            dir.join(format!("node-{n}.key")).display().to_string(),
+        ]);
+    }
     all
 }
 
+/// The cluster's certificates, made in `dir`: `ca.pem`, and for each of three nodes
+/// `node-<n>.pem` and `.key`, whose subject alternative name is its id; and a stranger's:
+/// `stranger.pem` and `.key`, naming node-0 but signed by another CA, with `both-cas.pem`
+/// (the cluster's CA and the stranger's), for a client that trusts the cluster's nodes.
+fn write_certificates(dir: &std::path::Path) -> Result<()> {
+    use rcgen::{
+        BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, KeyPair,
+    };
+    let ca = |name: &str| -> Result<(rcgen::Certificate, KeyPair)> {
+        let key = KeyPair::generate()?;
+        let mut params = CertificateParams::new(Vec::<String>::new())?;
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        params.distinguished_name.push(DnType::CommonName, name);
+        Ok((params.self_signed(&key)?, key))
+    };
+    let leaf = |node: &str, ca: &(rcgen::Certificate, KeyPair), file: &str| -> Result<()> {
+        let key = KeyPair::generate()?;
+        let mut params = CertificateParams::new(vec![node.to_owned()])?;
+        params.distinguished_name.push(DnType::CommonName, node);
+        params.extended_key_usages = vec![
+            ExtendedKeyUsagePurpose::ServerAuth,
+            ExtendedKeyUsagePurpose::ClientAuth,
+        ];
+        let cert = params.signed_by(&key, &ca.0, &ca.1)?;
+        std::fs::write(dir.join(format!("{file}.pem")), cert.pem())?;
+        std::fs::write(dir.join(format!("{file}.key")), key.serialize_pem())?;
+        Ok(())
+    };
+    let cluster_ca = ca("kernelgate test cluster CA")?;
+    let stranger_ca = ca("a stranger's CA")?;
+    std::fs::write(dir.join("ca.pem"), cluster_ca.0.pem())?;
+    std::fs::write(
+        dir.join("both-cas.pem"),
+        format!("{}{}", cluster_ca.0.pem(), stranger_ca.0.pem()),
+    )?;
+    for n in 0..3 {
+        leaf(&format!("node-{n}"), &cluster_ca, &format!("node-{n}"))?;
+    }
+    leaf("node-0", &stranger_ca, "stranger")
+}
+
 /// Three nodes of at most two kernels each, with a 3 s lease, sharing `keys` (a keys file),
-/// on `bed`'s hosts. Call it from the client's host.
+/// on `bed`'s hosts, calling each other over mutual TLS. Call it from the client's host.
 async fn cluster(bed: &Testbed, keys: &str) -> Result<Cluster> {
+    start_cluster(bed, keys, true).await
+}
+
+/// [`cluster`], its nodes calling each other over plain HTTP on their `--listen` address.
+async fn plain_cluster(bed: &Testbed, keys: &str) -> Result<Cluster> {
+    start_cluster(bed, keys, false).await
+}
+
+async fn start_cluster(bed: &Testbed, keys: &str, tls: bool) -> Result<Cluster> {
     let etcd = EtcdServer::start_on(&bed.etcd).await?;
     let dir = tempfile::tempdir()?;
     let secret = dir.path().join("cluster.secret");
@@ -117,6 +189,14 @@ async fn cluster(bed: &Testbed, keys: &str) -> Result<Cluster> {
     .iter()
     .map(|s| s.to_string())
     .collect();
+    let mut flags = flags;
+    if tls {
+        write_certificates(dir.path())?;
+        flags.extend([
+            "--cluster-ca-file".to_owned(),
+            dir.path().join("ca.pem").display().to_string(),
+        ]);
+    }
     let mut nodes = Vec::new();
     for n in 0..3 {
         let args = node_flags(&flags, n);
@@ -125,6 +205,8 @@ async fn cluster(bed: &Testbed, keys: &str) -> Result<Cluster> {
     }
     let c = Cluster {
         runtime_dirs: nodes.iter().map(|n| n.runtime_dir.clone()).collect(),
+        ips: bed.nodes.iter().map(|h| h.ip.clone()).collect(),
+        tls,
         nodes,
         etcd,
         flags,
@@ -256,14 +338,62 @@ impl Cluster {
         }
     }
 
-    /// A call to node `n` as another node forwards it: signed with the cluster secret for
-    /// key `key`.
+    /// A call to node `n` as node-0 forwards it: signed with the cluster secret for key
+    /// `key`, to its cluster listener with node-0's certificate when the cluster has TLS on.
     fn signed_as(
         &self,
         key: &str,
         method: Method,
         path: &str,
         n: usize,
+    ) -> Result<reqwest::RequestBuilder> {
+        if self.tls {
+            let client = self.node_client("ca.pem", "node-0", n)?;
+            return self.signed_with(&client, &self.cluster_url(n, path), key, method, path);
+        }
+        self.signed_with(
+            &reqwest::Client::new(),
+            &self.nodes[n].url(path),
+            key,
+            method,
+            path,
+        )
+    }
+
+    /// Node `n`'s cluster listener's URL for `path`.
+    fn cluster_url(&self, n: usize, path: &str) -> String {
+        format!("https://{}:{CLUSTER_PORT}{path}", self.ips[n])
+    }
+
+    /// A client as a node calls node `n`'s cluster listener: with certificate `cert`
+    /// (`node-1`: `node-1.pem` and `.key`), trusting the CAs of `cas`.
+    fn node_client(&self, cas: &str, cert: &str, n: usize) -> Result<reqwest::Client> {
+        use kernelgate::cluster::tls::ClusterTls;
+        let dir = self._dir.path();
+        // The name the certificate carries: a stranger's names node-0.
+        let named = if cert == "stranger" { "node-0" } else { cert };
+        let tls = ClusterTls::load(
+            &dir.join(cas),
+            &dir.join(format!("{cert}.pem")),
+            &dir.join(format!("{cert}.key")),
+            named,
+        )?;
+        let config = tls
+            .client_config(&format!("node-{n}"))
+            .map_err(anyhow::Error::msg)?;
+        Ok(reqwest::Client::builder()
+            .use_preconfigured_tls((*config).clone())
+            .build()?)
+    }
+
+    /// A call to `url` (its path: `path`) as node-0 forwards it, signed for key `key`.
+    fn signed_with(
+        &self,
+        client: &reqwest::Client,
+        url: &str,
+        key: &str,
+        method: Method,
+        path: &str,
     ) -> Result<reqwest::RequestBuilder> {
         use kernelgate::cluster::signing::{Forwarded, Signer};
         let secret = std::fs::read_to_string(self._dir.path().join("cluster.secret"))?;
@@ -274,7 +404,7 @@ impl Cluster {
             timestamp: now_seconds() as i64,
             entry_registered: true,
         };
-        let mut request = reqwest::Client::new().request(method.clone(), self.nodes[n].url(path));
+        let mut request = client.request(method.clone(), url);
         for (name, value) in
             Signer::new(secret.trim_end().as_bytes()).sign(method.as_str(), path, &who)
         {
@@ -584,6 +714,7 @@ async fn any_node_answers(bed: &Testbed) -> Result<()> {
         .send()
         .await?;
     assert_eq!(forged.status(), 403);
+    tls_between_nodes(&c, &ids, &bed.client.ip).await?;
 
     // Tenants: bob cannot reach alice's kernel through any node.
     let (status, alices) = entry
@@ -616,6 +747,202 @@ async fn any_node_answers(bed: &Testbed) -> Result<()> {
         assert_eq!(status, 200);
     }
     Ok(())
+}
+
+/// With TLS between nodes: who may call a node's cluster listener, and where an address
+/// planted in the registry leads (a listener of the test's at `client_ip`, which shows a
+/// real certificate of the cluster, node-2's, as a thief of one would). `ids` holds a
+/// kernel of node-1.
+async fn tls_between_nodes(c: &Cluster, ids: &[String], client_ip: &str) -> Result<()> {
+    let on_1 = c.kernel_of(ids, 1)?;
+    let path = format!("/api/kernels/{on_1}");
+    let to_1 = c.cluster_url(1, &path);
+    // Node-0's certificate, node-0 as the entry: served (for the harness's own key, whose
+    // kernel it is).
+    let served = c.signed_as("admin", Method::GET, &path, 1)?.send().await?;
+    assert_eq!(served.status(), 200, "{}", served.text().await?);
+    // The same kind of call on node-1's --listen: refused, its signature good or not.
+    let plain = c
+        .signed_with(
+            &reqwest::Client::new(),
+            &c.nodes[1].url(&path),
+            "admin",
+            Method::GET,
+            &path,
+        )?
+        .send()
+        .await?;
+    assert_eq!(plain.status(), 403, "{}", plain.text().await?);
+    // Node-2's certificate on a call that says node-0 sent it: refused.
+    let node_2 = c.node_client("ca.pem", "node-2", 1)?;
+    let claimed = c
+        .signed_with(&node_2, &to_1, "admin", Method::GET, &path)?
+        .send()
+        .await?;
+    assert_eq!(claimed.status(), 403);
+    let refusal: serde_json::Value = claimed.json().await?;
+    let text = refusal["message"].as_str().unwrap_or_default();
+    assert!(text.contains(r#"does not name node "node-0""#), "{refusal}");
+    // A certificate naming node-0, signed by another CA: no answer at all.
+    let stranger = c.node_client("both-cas.pem", "stranger", 1)?;
+    let refused = c
+        .signed_with(&stranger, &to_1, "admin", Method::GET, &path)?
+        .send()
+        .await;
+    assert!(refused.is_err(), "a stranger got an answer: {refused:?}");
+
+    // node-1's record now names the planted listener as its cluster address.
+    let planted = Planted::start(c, client_ip, "node-2").await?;
+    let original = c.plant_cluster_address("node-1", &planted.url).await?;
+    let start = Instant::now();
+    let unreachable = loop {
+        let answer = c.nodes[0].request(Method::GET, &path).send().await?;
+        if answer.status() != 200 {
+            break answer;
+        }
+        anyhow::ensure!(
+            start.elapsed() < Duration::from_secs(10),
+            "node-0 still reaches node-1 with the planted address in the registry"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(unreachable.status(), 503);
+    assert!(unreachable.headers().contains_key("retry-after"));
+    let text = unreachable.text().await?;
+    assert!(text.contains("the node that runs this kernel"), "{text}");
+    let run = c.nodes[0]
+        .request(Method::POST, &format!("{path}/execute"))
+        .json(&json!({"code": "print('pwned-' + str(6 * 7))"}))
+        .send()
+        .await?;
+    assert_eq!(run.status(), 503);
+    let upgrade = c.nodes[0].channels(&on_1, "planted").await;
+    assert!(upgrade.is_err(), "a WebSocket through a planted address");
+    // The forwarding node tried, and not one byte of a request reached the listener.
+    let (handshakes, plaintext) = planted.seen();
+    assert!(handshakes >= 3, "{handshakes} connections to the planted address");
+    assert!(
+        plaintext.is_empty(),
+        "the planted listener read {:?}",
+        String::from_utf8_lossy(&plaintext)
+    );
+    // The record as it was: node-0 reaches node-1 again.
+    c.put_node_record("node-1", &original).await?;
+    c.settle("node-0 reaches node-1 again", |c| {
+        let path = path.clone();
+        async move { Ok(c.nodes[0].get_json(&path).await?.0 == 200) }
+    })
+    .await?;
+    Ok(())
+}
+
+/// A TLS listener at an address planted in the registry: it shows a node's real
+/// certificate and keeps whatever a client manages to send it.
+struct Planted {
+    url: String,
+    /// Connections, and every byte read after a handshake.
+    seen: Arc<Mutex<(usize, Vec<u8>)>>,
+    _task: tokio::task::JoinHandle<()>,
+}
+
+impl Planted {
+    async fn start(c: &Cluster, ip: &str, cert: &str) -> Result<Planted> {
+        use tokio::io::AsyncReadExt;
+        let dir = c._dir.path();
+        let tls = kernelgate::cluster::tls::ClusterTls::load(
+            &dir.join("ca.pem"),
+            &dir.join(format!("{cert}.pem")),
+            &dir.join(format!("{cert}.key")),
+            cert,
+        )?;
+        let acceptor =
+            tokio_rustls::TlsAcceptor::from(tls.server_config().map_err(anyhow::Error::msg)?);
+        let listener = tokio::net::TcpListener::bind((ip, 0)).await?;
+        let url = format!("https://{}", listener.local_addr()?);
+        let seen = Arc::new(Mutex::new((0, Vec::new())));
+        let kept = seen.clone();
+        let task = tokio::spawn(async move {
+            while let Ok((tcp, _)) = listener.accept().await {
+                let (acceptor, kept) = (acceptor.clone(), kept.clone());
+                if let Ok(mut seen) = kept.lock() {
+                    seen.0 += 1;
+                }
+                tokio::spawn(async move {
+                    let Ok(mut stream) = acceptor.accept(tcp).await else {
+                        return;
+                    };
+                    let mut buf = [0u8; 4096];
+                    while let Ok(n @ 1..) = stream.read(&mut buf).await {
+                        if let Ok(mut seen) = kept.lock() {
+                            seen.1.extend_from_slice(&buf[..n]);
+                        }
+                    }
+                });
+            }
+        });
+        Ok(Planted {
+            url,
+            seen,
+            _task: task,
+        })
+    }
+
+    fn seen(&self) -> (usize, Vec<u8>) {
+        self.seen
+            .lock()
+            .map(|s| s.clone())
+            .unwrap_or_else(|e| e.into_inner().clone())
+    }
+}
+
+impl Drop for Planted {
+    fn drop(&mut self) {
+        self._task.abort();
+    }
+}
+
+impl Cluster {
+    /// Sets node `node`'s cluster address in etcd to `url`, under its lease, as one with
+    /// write access to etcd could; its record as it was.
+    async fn plant_cluster_address(&self, node: &str, url: &str) -> Result<Vec<u8>> {
+        let http = reqwest::Client::new();
+        let key = B64.encode(format!("/kernelgate/v1/nodes/{node}"));
+        let range: serde_json::Value = http
+            .post(format!("{}/v3/kv/range", self.etcd.url()))
+            .json(&json!({ "key": key }))
+            .send()
+            .await?
+            .error_for_status()?
+            .json()
+            .await?;
+        let original = B64.decode(range["kvs"][0]["value"].as_str().context("no record")?)?;
+        let mut record: serde_json::Value = serde_json::from_slice(&original)?;
+        record["cluster_address"] = json!(url);
+        self.put_node_record(node, &serde_json::to_vec(&record)?)
+            .await?;
+        Ok(original)
+    }
+
+    /// Puts `value` as node `node`'s record, under the lease its record has now.
+    async fn put_node_record(&self, node: &str, value: &[u8]) -> Result<()> {
+        let http = reqwest::Client::new();
+        let key = B64.encode(format!("/kernelgate/v1/nodes/{node}"));
+        let range: serde_json::Value = http
+            .post(format!("{}/v3/kv/range", self.etcd.url()))
+            .json(&json!({ "key": key }))
+            .send()
+            .await?
+            .error_for_status()?
+            .json()
+            .await?;
+        let lease = range["kvs"][0]["lease"].clone();
+        http.post(format!("{}/v3/kv/put", self.etcd.url()))
+            .json(&json!({ "key": key, "value": B64.encode(value), "lease": lease }))
+            .send()
+            .await?
+            .error_for_status()?;
+        Ok(())
+    }
 }
 
 #[test]
@@ -961,7 +1288,7 @@ fn longest_outage(rounds: &[Round], from: Duration, to: Duration) -> Duration {
 }
 
 async fn rolling_restart(bed: &Testbed) -> Result<()> {
-    let mut c = cluster(bed, KEYS).await?;
+    let mut c = plain_cluster(bed, KEYS).await?;
     let ids = c.one_kernel_each().await?;
     let on_2 = c.kernel_of(&ids, 2)?;
     c.nodes[0]
