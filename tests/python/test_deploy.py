@@ -20,7 +20,18 @@ KUBERNETES = REPO / "deploy" / "kubernetes"
 STACK = REPO / "deploy" / "swarm" / "kernelgate.yml"
 BINARY = Path(os.environ.get("KERNELGATE_BIN", REPO / "target" / "debug" / "kernelgate"))
 VALIDATE = Path(sys.executable).parent / "kubernetes-validate"
-CLUSTER_FLAGS = ["--etcd", "--node-id", "--advertise", "--cluster-secret-file", "--lease-ttl"]
+CLUSTER_FLAGS = [
+    "--etcd",
+    "--node-id",
+    "--advertise",
+    "--cluster-secret-file",
+    "--lease-ttl",
+    "--cluster-listen",
+    "--cluster-ca-file",
+    "--cluster-cert-file",
+    "--cluster-key-file",
+]
+TLS_FLAGS = ["--cluster-listen", "--cluster-ca-file", "--cluster-cert-file", "--cluster-key-file"]
 
 
 def bundled_versions() -> list[str]:
@@ -86,7 +97,7 @@ def test_the_kubernetes_gateways_are_cluster_nodes_on_every_docker_node() -> Non
     for arg in args[1:]:
         flag = arg.split("=", 1)[0]
         assert flag in known, f"{flag} is not a flag of kernelgate serve"
-    for flag in ["--etcd", "--node-id", "--advertise", "--cluster-secret-file", "--keys"]:
+    for flag in ["--etcd", "--node-id", "--advertise", "--cluster-secret-file", "--keys", *TLS_FLAGS]:
         assert any(a.startswith(flag + "=") for a in args), flag
     # The runtime directory: a hostPath at the same path, its mounts shared both ways.
     runtime_dir = next(a.split("=", 1)[1] for a in args if a.startswith("--runtime-dir="))
@@ -101,7 +112,24 @@ def test_the_kubernetes_gateways_are_cluster_nodes_on_every_docker_node() -> Non
     env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in container["env"]}
     assert env == {"NODE_NAME": "spec.nodeName", "POD_IP": "status.podIP"}
     secrets = {v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v}
-    assert secrets == {"kernelgate-keys", "kernelgate-cluster"}
+    assert secrets == {"kernelgate-keys", "kernelgate-cluster", "kernelgate-cluster-tls"}
+    # Calls between nodes over mutual TLS: each node's own certificate, named by its node id,
+    # from the Secret mounted where the flags look.
+    flag = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in args if "=" in a}
+    assert flag["--node-id"] == "$(NODE_NAME)"
+    assert flag["--cluster-cert-file"].endswith("/$(NODE_NAME).pem")
+    assert flag["--cluster-key-file"].endswith("/$(NODE_NAME).key")
+    tls = next(v for v in pod["volumes"] if v.get("secret", {}).get("secretName") == "kernelgate-cluster-tls")
+    tls_dir = next(m["mountPath"] for m in container["volumeMounts"] if m["name"] == tls["name"])
+    for f in ["--cluster-ca-file", "--cluster-cert-file", "--cluster-key-file"]:
+        assert flag[f].startswith(tls_dir + "/"), f
+    cluster_port = int(flag["--cluster-listen"].rsplit(":", 1)[1])
+    assert {"name": "cluster", "containerPort": cluster_port} in container["ports"]
+    nodes = kind(docs, "Service", "kernelgate-nodes")["spec"]
+    assert {"name": "cluster", "port": cluster_port, "targetPort": "cluster"} in nodes["ports"]
+    # Clients and probes keep the plain port; the Service for clients has no cluster port.
+    assert all(p["port"] != cluster_port for p in kind(docs, "Service", "kernelgate")["spec"]["ports"])
+    assert container["readinessProbe"]["httpGet"]["port"] == "http"
     assert kind(docs, "Service", "kernelgate-nodes")["spec"]["clusterIP"] == "None"
     assert kind(docs, "Service", "kernelgate")["spec"]["ports"][0]["port"] == 8888
     assert kind(docs, "PodDisruptionBudget", "kernelgate")["spec"]["maxUnavailable"] == 1
@@ -117,14 +145,25 @@ def test_the_swarm_stack_renders_with_global_gateways_on_host_ports(tmp_path: Pa
     gateway = stack["services"]["kernelgate"]
     assert gateway["deploy"]["mode"] == "global"
     assert gateway["deploy"]["endpoint_mode"] == "dnsrr"
-    assert gateway["ports"] == [
-        {"mode": "host", "target": 8888, "published": "8888", "protocol": "tcp"}
-    ] or gateway["ports"] == [
-        {"mode": "host", "target": 8888, "published": 8888, "protocol": "tcp"}
+    ports = [{**p, "published": int(p["published"])} for p in gateway["ports"]]
+    assert ports == [
+        {"mode": "host", "target": 8888, "published": 8888, "protocol": "tcp"},
+        {"mode": "host", "target": 8889, "published": 8889, "protocol": "tcp"},
     ]
     known = gateway_flags()
     for arg in gateway["command"][1:]:
         assert arg.split("=", 1)[0] in known, arg
+    # Calls between nodes over mutual TLS on the second port: the CA from a config, each
+    # node's own certificate and key from its host (a global service's secrets are the same
+    # on every node).
+    flag = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in gateway["command"][1:] if "=" in a}
+    assert flag["--cluster-listen"].endswith(":8889")
+    assert [c["target"] for c in gateway["configs"]] == [flag["--cluster-ca-file"]]
+    host_tls = next(v for v in gateway["volumes"] if v["target"] == "/etc/kernelgate/tls")
+    assert host_tls["read_only"] is True
+    for f in ["--cluster-cert-file", "--cluster-key-file"]:
+        assert flag[f].startswith(host_tls["target"] + "/"), f
+    assert "kernelgate-cluster-ca" in stack["configs"]
     assert gateway["environment"]["KERNELGATE_NODE_ID"] == "{{.Node.Hostname}}"
     assert "KERNELGATE_NODE_ID" in known and "KERNELGATE_ADVERTISE" in known
     runtime = next(v for v in gateway["volumes"] if v["target"] == "/run/kernelgate")

@@ -820,7 +820,10 @@ async fn tls_between_nodes(c: &Cluster, ids: &[String], client_ip: &str) -> Resu
     assert!(upgrade.is_err(), "a WebSocket through a planted address");
     // The forwarding node tried, and not one byte of a request reached the listener.
     let (handshakes, plaintext) = planted.seen();
-    assert!(handshakes >= 3, "{handshakes} connections to the planted address");
+    assert!(
+        handshakes >= 3,
+        "{handshakes} connections to the planted address"
+    );
     assert!(
         plaintext.is_empty(),
         "the planted listener read {:?}",

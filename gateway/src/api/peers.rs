@@ -128,7 +128,11 @@ pub async fn serve(
     let app = super::router(state)
         .layer(middleware::from_fn(only_nodes))
         .into_make_service_with_connect_info::<Peer>();
-    let listener = Handshaken { accepted: rx, local }.tap_io(|_| {});
+    let listener = Handshaken {
+        accepted: rx,
+        local,
+    }
+    .tap_io(|_| {});
     axum::serve(listener, app)
         .with_graceful_shutdown(async move { cancel.cancelled().await })
         .await

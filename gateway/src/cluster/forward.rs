@@ -306,7 +306,11 @@ impl Forwarder {
         };
         let authority = base
             .strip_prefix(scheme)
-            .ok_or_else(|| unreachable(format!("only {scheme} node addresses can carry a WebSocket")))?
+            .ok_or_else(|| {
+                unreachable(format!(
+                    "only {scheme} node addresses can carry a WebSocket"
+                ))
+            })?
             .trim_end_matches('/');
         let owner = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(authority))
             .await

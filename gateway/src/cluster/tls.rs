@@ -253,7 +253,9 @@ mod tests {
             let key = KeyPair::generate().expect("key");
             let mut params = CertificateParams::new(Vec::<String>::new()).expect("params");
             params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-            params.distinguished_name.push(DnType::CommonName, "test CA");
+            params
+                .distinguished_name
+                .push(DnType::CommonName, "test CA");
             let cert = params.self_signed(&key).expect("CA");
             let dir = tempfile::tempdir().expect("dir");
             std::fs::write(dir.path().join("ca.pem"), cert.pem()).expect("write");
@@ -308,7 +310,10 @@ mod tests {
         assert_eq!(handshake(&n1, "node-2", &n2).await, None);
         // A server that is another node than the one called: refused by the caller.
         let wrong = handshake(&n1, "node-3", &n2).await.expect("refused");
-        assert!(wrong.starts_with("client:") && wrong.contains("certificate"), "{wrong}");
+        assert!(
+            wrong.starts_with("client:") && wrong.contains("certificate"),
+            "{wrong}"
+        );
         // A certificate of another CA, as a server and as a client: refused.
         let stranger = Ca::new().tls("node-2");
         let refused = handshake(&n1, "node-2", &stranger).await.expect("refused");
