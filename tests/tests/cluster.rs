@@ -1452,7 +1452,47 @@ async fn cluster_flags_are_checked_before_anything_starts() -> Result<()> {
     };
     let (http, https) = ("http://127.0.0.1:1", "https://127.0.0.1:1");
     let owned = |args: &[&str]| args.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    // The cluster's TLS: a node named node-0, with its files from `certs`.
+    write_certificates(dir.path())?;
+    let certs = |ca: &str, cert: &str, key: &str| -> Vec<String> {
+        let mut all = node(http, &long, &["--node-id", "node-0"]);
+        all.extend(["--cluster-listen".to_owned(), "127.0.0.1:9443".to_owned()]);
+        for (flag, file) in [
+            ("--cluster-ca-file", ca),
+            ("--cluster-cert-file", cert),
+            ("--cluster-key-file", key),
+        ] {
+            if !file.is_empty() {
+                all.extend([flag.to_owned(), dir.path().join(file).display().to_string()]);
+            }
+        }
+        all
+    };
     for (args, says) in [
+        (
+            certs("ca.pem", "node-0.pem", ""),
+            "--cluster-listen needs --cluster-ca-file, --cluster-cert-file and --cluster-key-file",
+        ),
+        (
+            certs("missing.pem", "node-0.pem", "node-0.key"),
+            "--cluster-ca-file",
+        ),
+        (
+            certs("ca.pem", "node-0.key", "node-0.key"),
+            "--cluster-cert-file",
+        ),
+        (
+            certs("ca.pem", "node-1.pem", "node-1.key"),
+            "subjectAltName=DNS:node-0",
+        ),
+        (
+            certs("ca.pem", "node-0.pem", "node-1.key"),
+            "not a certificate and its private key",
+        ),
+        (
+            node(http, &long, &["--cluster-ca-file", "/etc/ssl/ca.pem"]),
+            "give --cluster-listen too",
+        ),
         (
             owned(&["--advertise", "http://127.0.0.1:1"]),
             "give --etcd too",
