@@ -836,6 +836,109 @@ mod tests {
         )
     }
 
+    /// A TLS listener that shows `tls`'s certificate and keeps what it reads after a
+    /// handshake: (its address, connections, bytes read).
+    async fn planted(
+        tls: &ClusterTls,
+    ) -> (
+        std::net::SocketAddr,
+        Arc<std::sync::atomic::AtomicUsize>,
+        Arc<Mutex<Vec<u8>>>,
+    ) {
+        let acceptor = tokio_rustls::TlsAcceptor::from(tls.server_config().expect("config"));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let connections = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let read = Arc::new(Mutex::new(Vec::new()));
+        let (counted, kept) = (connections.clone(), read.clone());
+        tokio::spawn(async move {
+            while let Ok((tcp, _)) = listener.accept().await {
+                counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                let (acceptor, kept) = (acceptor.clone(), kept.clone());
+                tokio::spawn(async move {
+                    let Ok(mut stream) = acceptor.accept(tcp).await else {
+                        return;
+                    };
+                    let mut buf = [0u8; 4096];
+                    while let Ok(n @ 1..) = stream.read(&mut buf).await {
+                        kept.lock().expect("lock").extend_from_slice(&buf[..n]);
+                    }
+                });
+            }
+        });
+        (addr, connections, read)
+    }
+
+    #[tokio::test]
+    async fn with_tls_a_server_that_is_not_the_owner_gets_no_byte_of_a_call_or_an_upgrade() {
+        let ca = crate::cluster::tls::tests::Ca::new();
+        let forwarder = Forwarder::new(
+            Arc::new(Signer::new(b"secret")),
+            "node-1",
+            TaskTracker::new(),
+            CancellationToken::new(),
+        )
+        .expect("forwarder")
+        .with_tls(Some(Arc::new(ca.tls("node-1"))));
+        // The registry says node-2 is there; what answers shows node-3's certificate.
+        let (addr, connections, read) = planted(&ca.tls("node-3")).await;
+        let record = |cluster_address: Option<String>| NodeRecord {
+            address: format!("http://{addr}"),
+            cluster_address,
+            incarnation: "i1".into(),
+            capacity: 1,
+            load: 0,
+            version: String::new(),
+            specs: Vec::new(),
+            warm: Default::default(),
+            away: false,
+        };
+        let planted = record(Some(format!("https://{addr}")));
+        let call = || {
+            axum::http::Request::builder()
+                .method("POST")
+                .uri("/api/kernels/k/execute")
+                .body(Body::from("print('pwned')"))
+                .expect("request")
+        };
+        let upgrade = || {
+            axum::http::Request::builder()
+                .uri("/api/kernels/k/channels")
+                .header("connection", "Upgrade")
+                .header("upgrade", "websocket")
+                .body(Body::empty())
+                .expect("request")
+        };
+        for req in [call(), upgrade()] {
+            let answer = forwarder
+                .forward("node-2", &planted, "alice", "r", true, req, never_left())
+                .await;
+            match answer {
+                Err(ForwardError::Unreachable { node, reason }) => {
+                    assert_eq!(node, "node-2");
+                    assert!(reason.contains("certificate"), "{reason}");
+                }
+                other => panic!("expected node-2 unreachable, got {other:?}"),
+            }
+        }
+        assert_eq!(connections.load(std::sync::atomic::Ordering::SeqCst), 2);
+        // A record without a cluster address: not called at all, not even in clear.
+        let plain = record(None);
+        let answer = forwarder
+            .forward("node-2", &plain, "alice", "r", true, call(), never_left())
+            .await;
+        assert!(
+            matches!(answer, Err(ForwardError::Unreachable { .. })),
+            "{answer:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(connections.load(std::sync::atomic::Ordering::SeqCst), 2);
+        let read = read.lock().expect("lock");
+        assert!(read.is_empty(), "{:?}", String::from_utf8_lossy(&read));
+    }
+
     #[tokio::test]
     async fn calls_and_websockets_end_when_their_owner_leaves_the_cluster() {
         // An owner partitioned away: connections open, nothing ever answers.

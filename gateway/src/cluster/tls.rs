@@ -235,21 +235,21 @@ impl ServerCertVerifier for NodeVerifier {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use rcgen::{
         BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, KeyPair,
     };
 
     /// A CA that signs node certificates into a directory.
-    struct Ca {
+    pub(crate) struct Ca {
         cert: rcgen::Certificate,
         key: KeyPair,
         dir: tempfile::TempDir,
     }
 
     impl Ca {
-        fn new() -> Ca {
+        pub(crate) fn new() -> Ca {
             let key = KeyPair::generate().expect("key");
             let mut params = CertificateParams::new(Vec::<String>::new()).expect("params");
             params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
@@ -282,7 +282,7 @@ mod tests {
             (self.dir.path().join("ca.pem"), c, k)
         }
 
-        fn tls(&self, node: &str) -> ClusterTls {
+        pub(crate) fn tls(&self, node: &str) -> ClusterTls {
             let (ca, cert, key) = self.node(node, node);
             ClusterTls::load(&ca, &cert, &key, node).expect("loads")
         }
