@@ -1,8 +1,8 @@
 """The deployment files of deploy/: the Kubernetes manifests validated strictly by
 kubernetes-validate against the oldest and newest Kubernetes it bundles, the Swarm stack
-rendered by `docker stack config`, and both checked for what cluster mode needs (the five
+rendered by `docker stack config`, and both checked for what cluster mode needs (the
 cluster flags the gateway knows, the runtime directory at the same path on host and in the
-container, shared mounts). Nothing is deployed: no cluster, no swarm."""
+container, shared mounts, the certificates of mutual TLS between nodes and their port). Nothing is deployed: no cluster, no swarm."""
 
 from __future__ import annotations
 
