@@ -744,8 +744,14 @@ async fn deaths_and_outages(bed: &Testbed) -> Result<()> {
         refusal.contains("not the one it was signed with"),
         "{refusal}"
     );
-    let reopened = harvested_upgrade.replay_raw(&c.nodes[2].url("")).await?;
-    assert!(reopened.starts_with("HTTP/1.1 403"), "{reopened}");
+    // The upgrade's headers get their 101 (they check out) and a challenge the attacker
+    // cannot answer: the next frame closes the socket with 1008 and nothing else.
+    let (status, after) = harvested_upgrade
+        .replay_upgrade(&c.nodes[2].url(""))
+        .await?;
+    assert!(status.starts_with("HTTP/1.1 101"), "{status}");
+    assert_eq!(after.first(), Some(&0x88), "a close frame first: {after:?}");
+    assert_eq!(after.get(2..4), Some(&[0x03, 0xF0][..]), "1008: {after:?}");
     let elsewhere = call
         .replay(&c.nodes[1].url(&call.path))
         .body(call.body.clone())
@@ -1497,8 +1503,9 @@ impl Captured {
     }
 
     /// The request's head, as it was but for `Host`, on a connection of its own to the
-    /// node at `base` (`http://host:port/`): the first line of its answer.
-    async fn replay_raw(&self, base: &str) -> Result<String> {
+    /// node at `base` (`http://host:port/`), then a text frame of the attacker's: the
+    /// first line of the answer, and every byte after its head until the node closes.
+    async fn replay_upgrade(&self, base: &str) -> Result<(String, Vec<u8>)> {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let authority = base
             .trim_start_matches("http://")
@@ -1516,10 +1523,42 @@ impl Captured {
         head.push_str("\r\n");
         let mut stream = tokio::net::TcpStream::connect(&authority).await?;
         stream.write_all(head.as_bytes()).await?;
-        let mut answer = vec![0u8; 4096];
-        let n = tokio::time::timeout(Duration::from_secs(10), stream.read(&mut answer)).await??;
-        let answer = String::from_utf8_lossy(&answer[..n]).into_owned();
-        Ok(answer.lines().next().unwrap_or_default().to_owned())
+        let mut answer = Vec::new();
+        let end = loop {
+            let mut chunk = [0u8; 4096];
+            let n =
+                tokio::time::timeout(Duration::from_secs(10), stream.read(&mut chunk)).await??;
+            anyhow::ensure!(n > 0, "closed before a whole head: {answer:?}");
+            answer.extend_from_slice(&chunk[..n]);
+            if let Some(at) = answer.windows(4).position(|w| w == b"\r\n\r\n") {
+                break at + 4;
+            }
+        };
+        let status = String::from_utf8_lossy(&answer[..end])
+            .lines()
+            .next()
+            .unwrap_or_default()
+            .to_owned();
+        let mut after = answer.split_off(end);
+        if status.contains(" 101 ") {
+            // A masked text frame that is not the answer to the challenge.
+            let payload = b"{\"not\": \"the proof\"}";
+            let mask = [1u8, 2, 3, 4];
+            let mut frame = vec![0x81, 0x80 | payload.len() as u8];
+            frame.extend(mask);
+            frame.extend(payload.iter().enumerate().map(|(i, b)| b ^ mask[i % 4]));
+            stream.write_all(&frame).await?;
+            loop {
+                let mut chunk = [0u8; 4096];
+                let n = tokio::time::timeout(Duration::from_secs(15), stream.read(&mut chunk))
+                    .await??;
+                if n == 0 {
+                    break;
+                }
+                after.extend_from_slice(&chunk[..n]);
+            }
+        }
+        Ok((status, after))
     }
 }
 

@@ -389,7 +389,6 @@ async fn forwarded_call(
         req.method().as_str(),
         &path,
         req.headers(),
-        client_addr(&req),
         chrono::Utc::now().timestamp(),
     );
     let checked = match checked {

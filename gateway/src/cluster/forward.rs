@@ -4,12 +4,13 @@
 //! cluster secret for that one node and that one body ([`super::signing`]). The body is read
 //! whole first, to hash it: in memory up to [`IN_MEMORY`], in an unnamed temporary file
 //! beyond (a file upload), at most `--max-message-mb` either way; the answer streams back as
-//! the owner sends it. A WebSocket is forwarded as the HTTP Upgrade itself, signed for the
-//! connection that carries it: the owner checks the request, negotiates the subprotocol and
-//! answers `101`, then the bytes are spliced both ways and no frame is ever decoded or
+//! the owner sends it. A WebSocket is forwarded as the HTTP Upgrade itself: the owner checks
+//! the request, negotiates the subprotocol and answers `101` with a challenge; this node's
+//! first frame to it answers the challenge (the owner serves the socket only then), and the
+//! bytes are spliced both ways; no frame of the client's or the owner's is ever decoded or
 //! re-encoded here.
 
-use super::signing::{Forwarded, Signer, HEADER_PREFIX};
+use super::signing::{Forwarded, Signer, CHALLENGE_HEADER, HEADER_PREFIX};
 use axum::body::Body;
 use axum::extract::Request;
 use axum::http::{header, HeaderMap, HeaderName, HeaderValue, Response};
@@ -379,9 +380,6 @@ impl Forwarder {
             .await
             .map_err(|_| unreachable("connect timed out".into()))?
             .map_err(|e| unreachable(e.to_string()))?;
-        // Signed for this connection: its headers are worth nothing on another.
-        let mut who = who;
-        who.source = Some(owner.local_addr().map_err(|e| unreachable(e.to_string()))?);
         let signed = self.signer.sign(req.method().as_str(), path, &who);
         let mut head = format!("{} {path} HTTP/1.1\r\nhost: {authority}\r\n", req.method());
         head.push_str("connection: Upgrade\r\nupgrade: websocket\r\n");
@@ -430,7 +428,7 @@ impl Forwarder {
         let mut answer = Response::builder().status(status);
         for (name, value) in &headers {
             let hop = NOT_FORWARDED.contains(&name.as_str()) && status != 101;
-            if !hop && name != "content-length" {
+            if !hop && name != "content-length" && !name.starts_with(HEADER_PREFIX) {
                 answer = answer.header(name.as_str(), value.as_slice());
             }
         }
@@ -456,6 +454,19 @@ impl Forwarder {
         let Some(on_upgrade) = req.extensions_mut().remove::<hyper::upgrade::OnUpgrade>() else {
             return Err(bad_answer());
         };
+        // The owner's challenge, answered before any byte of the client's.
+        let Some(challenge) = headers
+            .iter()
+            .find(|(n, _)| n == CHALLENGE_HEADER)
+            .and_then(|(_, v)| std::str::from_utf8(v).ok())
+        else {
+            return Err(bad_answer());
+        };
+        let proof = self.signer.upgrade_proof(&who.nonce, challenge);
+        owner
+            .write_all(&masked_text_frame(proof.as_bytes()))
+            .await
+            .map_err(|e| unreachable(e.to_string()))?;
         let cancel = self.cancel.clone();
         self.tracker.spawn(async move {
             let Ok(upgraded) = on_upgrade.await else {
@@ -466,6 +477,22 @@ impl Forwarder {
         });
         answer.body(Body::empty()).map_err(|_| bad_answer())
     }
+}
+
+/// A client-to-server text frame (masked, as RFC 6455 §5.3 wants) of a short `payload`.
+fn masked_text_frame(payload: &[u8]) -> Vec<u8> {
+    let mask: [u8; 4] = rand::random();
+    let mut frame = vec![0x81];
+    match payload.len() {
+        n @ 0..=125 => frame.push(0x80 | n as u8),
+        n => {
+            frame.push(0x80 | 126);
+            frame.extend((n.min(usize::from(u16::MAX)) as u16).to_be_bytes());
+        }
+    }
+    frame.extend(mask);
+    frame.extend(payload.iter().enumerate().map(|(i, b)| b ^ mask[i % 4]));
+    frame
 }
 
 /// The close frame the entry node sends when the owner's side ends without one (the owner
@@ -621,13 +648,7 @@ mod tests {
             .await
             .expect("bind");
         let addr = listener.local_addr().expect("addr");
-        tokio::spawn(async move {
-            axum::serve(
-                listener,
-                router.into_make_service_with_connect_info::<std::net::SocketAddr>(),
-            )
-            .await
-        });
+        tokio::spawn(async move { axum::serve(listener, router).await });
         format!("http://{addr}")
     }
 
@@ -653,17 +674,13 @@ mod tests {
         let digest = post(move |h: HeaderMap, req: Request| {
             let signer = checked.clone();
             async move {
-                let peer = req
-                    .extensions()
-                    .get::<axum::extract::ConnectInfo<std::net::SocketAddr>>()
-                    .map(|c| c.0);
                 let path = req.uri().path().to_owned();
                 let body = axum::body::to_bytes(req.into_body(), usize::MAX)
                     .await
                     .unwrap_or_default();
                 let now = chrono::Utc::now().timestamp();
                 let taken = signer
-                    .verify("POST", &path, &h, peer, now)
+                    .verify("POST", &path, &h, now)
                     .and_then(|c| signer.accept(c, &body_digest(&body), now));
                 match taken {
                     Ok(_) => (axum::http::StatusCode::OK, body.len().to_string()).into_response(),
@@ -675,34 +692,47 @@ mod tests {
             let signer = signer.clone();
             async move {
                 let path = req.uri().path().to_owned();
-                let peer = req
-                    .extensions()
-                    .get::<axum::extract::ConnectInfo<std::net::SocketAddr>>()
-                    .map(|c| c.0);
                 let now = chrono::Utc::now().timestamp();
-                if signer
-                    .verify("GET", &path, &h, peer, now)
+                let Ok(who) = signer
+                    .verify("GET", &path, &h, now)
                     .and_then(|c| signer.accept(c, &body_digest(b""), now))
-                    .is_err()
-                {
+                else {
                     return axum::http::StatusCode::FORBIDDEN.into_response();
-                }
+                };
+                let challenge = Signer::challenge();
                 let (mut parts, _) = req.into_parts();
                 let Ok(upgrade) = WebSocketUpgrade::from_request_parts(&mut parts, &()).await
                 else {
                     return axum::http::StatusCode::BAD_REQUEST.into_response();
                 };
-                upgrade
-                    .protocols([SUBPROTOCOL])
-                    .on_upgrade(|mut socket| async move {
-                        while let Some(Ok(frame)) = socket.recv().await {
-                            if matches!(frame, WsFrame::Close(_))
-                                || socket.send(frame).await.is_err()
-                            {
-                                break;
+                let answered = challenge.clone();
+                let mut response =
+                    upgrade
+                        .protocols([SUBPROTOCOL])
+                        .on_upgrade(move |mut socket| async move {
+                            // Served only once the entry node answers the challenge.
+                            let proved = match socket.recv().await {
+                                Some(Ok(WsFrame::Text(t))) => {
+                                    signer.proves(&who.nonce, &answered, t.as_str())
+                                }
+                                _ => false,
+                            };
+                            if !proved {
+                                return;
                             }
-                        }
-                    })
+                            while let Some(Ok(frame)) = socket.recv().await {
+                                if matches!(frame, WsFrame::Close(_))
+                                    || socket.send(frame).await.is_err()
+                                {
+                                    break;
+                                }
+                            }
+                        });
+                response.headers_mut().insert(
+                    CHALLENGE_HEADER,
+                    HeaderValue::from_str(&challenge).expect("hex"),
+                );
+                response
             }
         });
         serve(

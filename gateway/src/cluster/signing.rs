@@ -2,26 +2,26 @@
 //! client; the call it forwards carries, in `x-kernelgate-*` headers, the client's key name,
 //! the entry node's id, a request id the entry node mints for this one call, a random nonce,
 //! a timestamp, whether the entry node held its lease, the node the call is for (its id and
-//! incarnation, as the registry names them), the SHA-256 of the body, and (for a WebSocket
-//! upgrade, which has no body to bind) the entry node's end of the TCP connection that
-//! carries it. An HMAC-SHA256 over all of these, the method and the path, keyed with the
-//! cluster secret (`--cluster-secret-file`), signs them; the secret itself never travels.
+//! incarnation, as the registry names them) and the SHA-256 of the body. An HMAC-SHA256 over
+//! all of these, the method and the path, keyed with the cluster secret
+//! (`--cluster-secret-file`), signs them; the secret itself never travels.
 //!
 //! The owner accepts a signature once, for itself only (its node id and the incarnation it
-//! started with), within [`WINDOW`] of its timestamp and not from before its own start, for
-//! the body that came with it, and for an upgrade only on the connection it names. So a
-//! captured call cannot be replayed to another node, to the same node after a restart, with
-//! another body, or twice; a captured upgrade cannot be opened again from another
-//! connection. What the MAC does not cover: the bodies and answers themselves travel in
-//! the clear over plain HTTP (readable by whoever reads the node network), and so do a
-//! WebSocket's frames after its upgrade (docs/security.md). Client requests never carry
-//! these headers: a node refuses a client's request that does.
+//! started with), within [`WINDOW`] of its timestamp and not from before its own start, and
+//! for the body that came with it. So a captured call cannot be replayed to another node, to
+//! the same node after a restart, with another body, or twice. A WebSocket upgrade has no
+//! body to bind: its `101` carries a fresh challenge, and the owner serves the socket only
+//! once the entry node's first frame answers it with [`Signer::upgrade_proof`], which takes
+//! the secret; captured upgrade headers sent again get their `101` and a close. What the
+//! MAC does not cover: the bodies and answers themselves travel in the clear over plain
+//! HTTP (readable by whoever reads the node network), and so do a WebSocket's frames after
+//! its upgrade (docs/security.md). Client requests never carry these headers: a node
+//! refuses a client's request that does.
 
 use axum::http::HeaderMap;
 use hmac::{Hmac, Mac};
 use sha2::{Digest, Sha256};
 use std::collections::{HashSet, VecDeque};
-use std::net::SocketAddr;
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -36,15 +36,14 @@ pub const REGISTERED_HEADER: &str = "x-kernelgate-entry-registered";
 pub const DESTINATION_HEADER: &str = "x-kernelgate-destination";
 pub const INCARNATION_HEADER: &str = "x-kernelgate-incarnation";
 pub const BODY_HEADER: &str = "x-kernelgate-body-sha256";
-pub const SOURCE_HEADER: &str = "x-kernelgate-source";
+/// In the owner's `101` to a forwarded upgrade: what the entry node's first frame answers.
+pub const CHALLENGE_HEADER: &str = "x-kernelgate-challenge";
 pub const SIGNATURE_HEADER: &str = "x-kernelgate-signature";
 
 /// How far a forwarded call's timestamp may be from the owner's clock.
 pub const WINDOW: Duration = Duration::from_secs(30);
 /// Signatures remembered to refuse replays; past this the oldest are forgotten early.
 const MAX_REMEMBERED: usize = 100_000;
-/// How a call without a bound connection writes its source.
-const NO_SOURCE: &str = "-";
 
 /// Who asked, as the owner learns it from a forwarded call.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -71,9 +70,6 @@ pub struct Forwarded {
     pub incarnation: String,
     /// The SHA-256 of the body, in hex.
     pub body_sha256: String,
-    /// For a WebSocket upgrade: the entry node's end (`ip:port`) of the connection that
-    /// carries it; the owner accepts it on that connection only.
-    pub source: Option<SocketAddr>,
 }
 
 impl Forwarded {
@@ -96,7 +92,6 @@ impl Forwarded {
             destination: destination.to_owned(),
             incarnation: incarnation.to_owned(),
             body_sha256: body_digest(b""),
-            source: None,
         }
     }
 
@@ -128,8 +123,6 @@ pub enum SignatureError {
     /// answered with a retry.
     #[error("a forwarded call signed for an earlier start of this node (the forwarding node's view of the registry is behind)")]
     OldIncarnation,
-    #[error("a forwarded upgrade on another connection than the one it was signed for")]
-    WrongSource,
     #[error("a forwarded call whose body is not the one it was signed with")]
     BodyMismatch,
     #[error("a forwarded call seen before (replayed)")]
@@ -198,7 +191,6 @@ impl Signer {
         // different calls sign the same bytes.
         let mut mac = Hmac::<Sha256>::new_from_slice(&self.secret)
             .unwrap_or_else(|_| unreachable!("HMAC takes a key of any length"));
-        let source = source_text(who.source);
         for field in [
             "kernelgate-forward-v2",
             method,
@@ -212,7 +204,6 @@ impl Signer {
             &who.destination,
             &who.incarnation,
             &who.body_sha256,
-            &source,
         ] {
             mac.update(field.as_bytes());
             mac.update(b"\n");
@@ -233,7 +224,6 @@ impl Signer {
             destination: clean(&who.destination),
             incarnation: clean(&who.incarnation),
             body_sha256: clean(&who.body_sha256),
-            source: who.source,
         };
         let signature = hex::encode(self.mac(method, &clean(path), &who).finalize().into_bytes());
         vec![
@@ -249,21 +239,18 @@ impl Signer {
             (DESTINATION_HEADER, who.destination),
             (INCARNATION_HEADER, who.incarnation),
             (BODY_HEADER, who.body_sha256),
-            (SOURCE_HEADER, source_text(who.source)),
             (SIGNATURE_HEADER, signature),
         ]
     }
 
-    /// Checks a forwarded call's headers at time `now` (seconds since the epoch), as it
-    /// arrived from `peer`: the signature, the window, this node's start, that it is for this
-    /// node, and for an upgrade its connection. The body and the replay check follow in
-    /// [`Signer::accept`].
+    /// Checks a forwarded call's headers at time `now` (seconds since the epoch): the
+    /// signature, the window, this node's start, that it is for this node. The body and the
+    /// replay check follow in [`Signer::accept`].
     pub fn verify(
         &self,
         method: &str,
         path: &str,
         headers: &HeaderMap,
-        peer: Option<SocketAddr>,
         now: i64,
     ) -> Result<Checked, SignatureError> {
         let get = |name: &'static str| {
@@ -271,10 +258,6 @@ impl Signer {
                 .get(name)
                 .and_then(|v| v.to_str().ok())
                 .ok_or(SignatureError::Missing(name))
-        };
-        let source = match get(SOURCE_HEADER)? {
-            NO_SOURCE => None,
-            text => Some(text.parse().map_err(|_| SignatureError::Mismatch)?),
         };
         let who = Forwarded {
             key: get(KEY_HEADER)?.to_owned(),
@@ -288,7 +271,6 @@ impl Signer {
             destination: get(DESTINATION_HEADER)?.to_owned(),
             incarnation: get(INCARNATION_HEADER)?.to_owned(),
             body_sha256: get(BODY_HEADER)?.to_owned(),
-            source,
         };
         let signature =
             hex::decode(get(SIGNATURE_HEADER)?).map_err(|_| SignatureError::Mismatch)?;
@@ -307,11 +289,6 @@ impl Signer {
         }
         if who.incarnation != self.incarnation {
             return Err(SignatureError::OldIncarnation);
-        }
-        if let Some(source) = who.source {
-            if peer.map(canonical) != Some(canonical(source)) {
-                return Err(SignatureError::WrongSource);
-            }
         }
         Ok(Checked {
             who,
@@ -348,16 +325,31 @@ impl Signer {
         order.push_back((who.timestamp, signature));
         Ok(who)
     }
-}
 
-/// An address as both ends of a connection write it (an IPv4 peer of a dual-stack listener
-/// shows as `::ffff:a.b.c.d`).
-fn canonical(addr: SocketAddr) -> SocketAddr {
-    SocketAddr::new(addr.ip().to_canonical(), addr.port())
-}
+    /// A new challenge for a forwarded upgrade's `101`.
+    pub fn challenge() -> String {
+        hex::encode(rand::random::<[u8; 16]>())
+    }
 
-fn source_text(source: Option<SocketAddr>) -> String {
-    source.map_or_else(|| NO_SOURCE.to_owned(), |s| canonical(s).to_string())
+    /// What the entry node's first frame on a forwarded WebSocket says: the HMAC of the
+    /// call's nonce and the owner's `challenge`, which only a holder of the secret makes.
+    pub fn upgrade_proof(&self, nonce: &str, challenge: &str) -> String {
+        let mut mac = Hmac::<Sha256>::new_from_slice(&self.secret)
+            .unwrap_or_else(|_| unreachable!("HMAC takes a key of any length"));
+        for field in ["kernelgate-upgrade-v1", nonce, challenge] {
+            mac.update(field.as_bytes());
+            mac.update(b"\n");
+        }
+        hex::encode(mac.finalize().into_bytes())
+    }
+
+    /// Whether `proof` answers `challenge` for the call with `nonce`.
+    pub fn proves(&self, nonce: &str, challenge: &str, proof: &str) -> bool {
+        constant_time_eq(
+            self.upgrade_proof(nonce, challenge).as_bytes(),
+            proof.trim().as_bytes(),
+        )
+    }
 }
 
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
@@ -396,7 +388,6 @@ mod tests {
             destination: NODE.into(),
             incarnation: RUN.into(),
             body_sha256: body_digest(b"{\"code\": \"1\"}"),
-            source: None,
         }
     }
 
@@ -416,7 +407,7 @@ mod tests {
         headers: &HeaderMap,
         now: i64,
     ) -> Result<Forwarded, SignatureError> {
-        let checked = s.verify(method, path, headers, None, now)?;
+        let checked = s.verify(method, path, headers, now)?;
         s.accept(checked, &body_digest(b"{\"code\": \"1\"}"), now)
     }
 
@@ -465,19 +456,18 @@ mod tests {
             (DESTINATION_HEADER, "node-3"),
             (INCARNATION_HEADER, "incarnation-b"),
             (BODY_HEADER, &body_digest(b"print('pwned')")),
-            (SOURCE_HEADER, "198.18.0.11:40000"),
         ] {
             let mut map = lookup(&headers);
             map.insert(name, forged.parse().expect("value"));
             assert_eq!(
-                s.verify("POST", PATH, &map, None, 1000).map(|c| c.who),
+                s.verify("POST", PATH, &map, 1000).map(|c| c.who),
                 Err(SignatureError::Mismatch),
                 "{name} changed"
             );
         }
         for (method, path) in [("GET", PATH), ("POST", "/api/kernels/other/execute")] {
             assert_eq!(
-                s.verify(method, path, &lookup(&headers), None, 1000)
+                s.verify(method, path, &lookup(&headers), 1000)
                     .map(|c| c.who),
                 Err(SignatureError::Mismatch),
                 "{method} {path}"
@@ -486,7 +476,7 @@ mod tests {
         let other = Signer::started_at(b"another secret", NODE, RUN, 900);
         assert_eq!(
             other
-                .verify("POST", PATH, &lookup(&headers), None, 1000)
+                .verify("POST", PATH, &lookup(&headers), 1000)
                 .map(|c| c.who),
             Err(SignatureError::Mismatch)
         );
@@ -500,7 +490,7 @@ mod tests {
             let mut map = lookup(&headers);
             map.remove(missing);
             assert_eq!(
-                s.verify("POST", PATH, &map, None, 1000).map(|c| c.who),
+                s.verify("POST", PATH, &map, 1000).map(|c| c.who),
                 Err(SignatureError::Missing(missing))
             );
         }
@@ -511,9 +501,7 @@ mod tests {
         let s = owner();
         let verify = |signer: &Signer, who: &Forwarded, now: i64| {
             let headers = lookup(&signer.sign("POST", PATH, who));
-            signer
-                .verify("POST", PATH, &headers, None, now)
-                .map(|c| c.who)
+            signer.verify("POST", PATH, &headers, now).map(|c| c.who)
         };
         assert_eq!(
             verify(&s, &who(1031), 1000),
@@ -543,7 +531,6 @@ mod tests {
                 "POST",
                 PATH,
                 &lookup(&s.sign("POST", PATH, &who(1000))),
-                None,
                 1000,
             )
             .expect("checks");
@@ -554,31 +541,20 @@ mod tests {
     }
 
     #[test]
-    fn an_upgrade_is_taken_on_the_connection_it_was_signed_for_only() {
+    fn an_upgrade_is_proved_only_with_the_secret_the_nonce_and_the_challenge() {
         let s = owner();
-        let mut upgrade = who(1000);
-        upgrade.body_sha256 = body_digest(b"");
-        upgrade.source = Some("198.18.0.11:40000".parse().expect("addr"));
-        let headers = lookup(&s.sign("GET", "/api/kernels/k/channels", &upgrade));
-        for peer in [None, Some("198.18.0.11:40001"), Some("198.18.0.100:40000")] {
-            let peer = peer.map(|p| p.parse().expect("addr"));
-            assert_eq!(
-                s.verify("GET", "/api/kernels/k/channels", &headers, peer, 1000)
-                    .map(|c| c.who),
-                Err(SignatureError::WrongSource),
-                "{peer:?}"
-            );
-        }
-        let mapped = "[::ffff:198.18.0.11]:40000".parse().expect("addr");
-        assert!(s
-            .verify(
-                "GET",
-                "/api/kernels/k/channels",
-                &headers,
-                Some(mapped),
-                1000
-            )
-            .is_ok());
+        let challenge = Signer::challenge();
+        assert_ne!(challenge, Signer::challenge());
+        let proof = s.upgrade_proof("n1", &challenge);
+        assert!(s.proves("n1", &challenge, &proof));
+        assert!(!s.proves("n2", &challenge, &proof), "another call's nonce");
+        assert!(
+            !s.proves("n1", &Signer::challenge(), &proof),
+            "another challenge"
+        );
+        let other = Signer::started_at(b"another secret", NODE, RUN, 900);
+        assert!(!s.proves("n1", &challenge, &other.upgrade_proof("n1", &challenge)));
+        assert!(!s.proves("n1", &challenge, ""));
     }
 
     #[test]
