@@ -292,6 +292,9 @@ impl Forwarder {
             node: to.node.clone(),
         };
         let who = Forwarded::new(key, &self.node_id, registered, &to.node, &to.incarnation);
+        // The owner's audit trail names the call by this id; the client's own (if any) goes
+        // on as its `X-Request-Id` header.
+        tracing::debug!(to = %to.node, forwarded_as = %who.request_id, "forwarding");
         if is_upgrade(req.headers()) {
             return tokio::select! {
                 biased;
