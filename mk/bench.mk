@@ -8,6 +8,11 @@
 #                                     alternating rounds (needs `make gvisor`)
 #   make bench BENCH_ARGS=--stages-only only the per-stage breakdown of one execute and each
 #                                     optional feature on and off
+#   ./target/release/bench --render docs/bench-results.json
+#                                     measures nothing: prints the tables and the README's
+#                                     figures of that run's samples (a full run's samples in
+#                                     docs/ are what README.md and docs/performance.md quote;
+#                                     tests/tests/docs.rs checks them)
 #
 # The venv $(BENCH_VENV) holds jupyter_kernel_gateway 3.x plus the kernel image's own pinned
 # packages (kernel-image/requirements.txt), so local kernels run the same ipykernel,

@@ -146,6 +146,7 @@ fn prepare(
         Offer {
             capacity: config.max_kernels,
             specs: specs.names_list(),
+            max_body: config.max_message_mb * 1024 * 1024,
         },
         tracker,
         cancel,

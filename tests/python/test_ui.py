@@ -275,6 +275,44 @@ def test_ui_restart(gateway, chromium, artifacts):
         context.close()
 
 
+def test_ui_newest_output_ends_above_the_prompt(gateway, chromium, artifacts):
+    """After several long outputs, the page has scrolled by itself to the newest one: all of
+    it is inside the window, below the top bar and above the sticky prompt, and its last
+    line is what the user sees there, not the prompt drawn over it."""
+    context = chromium.new_context(viewport={"width": 1280, "height": 900})
+    context.set_default_timeout(30_000)
+    page = context.new_page()
+    ui = Console(page, artifacts)
+    try:
+        ui.log_in_and_start_kernel(gateway)
+        for n in range(4):
+            run = ui.run(f"for i in range(25): print('cell {n} line', i)")
+            out = run.locator(".stream-stdout")
+            expect(out).to_contain_text(f"cell {n} line 24")
+            box = out.bounding_box()
+            prompt = page.locator(".prompt").bounding_box()
+            bar = page.locator(".topbar").bounding_box()
+            assert box is not None and prompt is not None and bar is not None
+            where = f"cell {n}: output {box}, prompt {prompt}, top bar {bar}"
+            assert box["y"] >= bar["y"] + bar["height"], where
+            assert box["y"] + box["height"] <= prompt["y"], where
+            assert box["y"] + box["height"] <= 900, where
+            # What is drawn at the output's last line is the output itself.
+            last_line = page.evaluate(
+                "([x, y]) => { const e = document.elementFromPoint(x, y);"
+                " return e ? (e.closest('.stream-stdout') ? 'output' : e.className) : null; }",
+                [box["x"] + 20, box["y"] + box["height"] - 6],
+            )
+            assert last_line == "output", f"{where}: {last_line!r} is drawn over its last line"
+        # No before_shot scrolling here: the screenshot is what the page scrolled to.
+        page.screenshot(path=str(artifacts / "newest-output.png"))
+    except BaseException:
+        ui.shot("failure")
+        raise
+    finally:
+        context.close()
+
+
 def test_ui_printed_url_logs_in_and_forgets_the_token(gateway, chromium, artifacts):
     """The URL the gateway prints (`/?token=T`) logs the page in; the token then leaves the
     address bar (and the history), so a copied or shared URL does not carry it."""

@@ -2,6 +2,7 @@
 //! port, call its REST API, and speak the Jupyter WebSocket protocol to it. Every test
 //! talks to real Docker and a real ipykernel in the real image.
 
+pub mod bench_report;
 pub mod etcd;
 pub mod netns;
 

@@ -7,6 +7,7 @@
 use anyhow::{Context, Result};
 use base64::engine::general_purpose::STANDARD as B64;
 use base64::Engine;
+use kernelgate::cluster::signing::{Forwarded, Signer};
 use kernelgate_client::mcp::{McpCalls, McpSession};
 use kernelgate_tests::etcd::EtcdServer;
 use kernelgate_tests::netns::{run_in, Host, Net};
@@ -338,26 +339,37 @@ impl Cluster {
         }
     }
 
-    /// A call to node `n` as node-0 forwards it: signed with the cluster secret for key
-    /// `key`, to its cluster listener with node-0's certificate when the cluster has TLS on.
+    /// A call to node `n` (its incarnation `incarnation`) as node-0 forwards it: signed with
+    /// the cluster secret for key `key`, without a body, to its cluster listener with
+    /// node-0's certificate when the cluster has TLS on.
     fn signed_as(
         &self,
         key: &str,
         method: Method,
         path: &str,
         n: usize,
+        incarnation: &str,
     ) -> Result<reqwest::RequestBuilder> {
+        let who = Forwarded::new(key, "node-0", true, &format!("node-{n}"), incarnation);
         if self.tls {
             let client = self.node_client("ca.pem", "node-0", n)?;
-            return self.signed_with(&client, &self.cluster_url(n, path), key, method, path);
+            return self.signed_with(&client, &self.cluster_url(n, path), &who, method, path);
         }
         self.signed_with(
             &reqwest::Client::new(),
             &self.nodes[n].url(path),
-            key,
+            &who,
             method,
             path,
         )
+    }
+
+    /// Node `n`'s incarnation, as its record in etcd says.
+    async fn incarnation(&self, n: usize) -> Result<String> {
+        Ok(self.node_record(n).await?.0["incarnation"]
+            .as_str()
+            .context("an incarnation")?
+            .to_owned())
     }
 
     /// Node `n`'s cluster listener's URL for `path`.
@@ -386,31 +398,59 @@ impl Cluster {
             .build()?)
     }
 
-    /// A call to `url` (its path: `path`) as node-0 forwards it, signed for key `key`.
+    /// A call to `url` (its path: `path`) as node-0 forwards it: `who`, signed with the
+    /// cluster secret.
     fn signed_with(
         &self,
         client: &reqwest::Client,
         url: &str,
-        key: &str,
+        who: &Forwarded,
         method: Method,
         path: &str,
     ) -> Result<reqwest::RequestBuilder> {
-        use kernelgate::cluster::signing::{Forwarded, Signer};
         let secret = std::fs::read_to_string(self._dir.path().join("cluster.secret"))?;
-        let who = Forwarded {
-            key: key.to_owned(),
-            entry: "node-0".to_owned(),
-            request_id: uuid::Uuid::new_v4().simple().to_string(),
-            timestamp: now_seconds() as i64,
-            entry_registered: true,
-        };
         let mut request = client.request(method.clone(), url);
-        for (name, value) in
-            Signer::new(secret.trim_end().as_bytes()).sign(method.as_str(), path, &who)
-        {
+        let signer = Signer::new(secret.trim_end().as_bytes(), "node-0", "any");
+        for (name, value) in signer.sign(method.as_str(), path, who) {
             request = request.header(name, value);
         }
         Ok(request)
+    }
+
+    /// Node `n`'s record in etcd, and the lease it is under.
+    async fn node_record(&self, n: usize) -> Result<(serde_json::Value, String)> {
+        let range: serde_json::Value = reqwest::Client::new()
+            .post(format!("{}/v3/kv/range", self.etcd.url()))
+            .json(&json!({"key": B64.encode(format!("/kernelgate/v1/nodes/node-{n}"))}))
+            .send()
+            .await?
+            .error_for_status()?
+            .json()
+            .await?;
+        let kv = &range["kvs"][0];
+        let value = B64.decode(kv["value"].as_str().context("no such node record")?)?;
+        let lease = kv["lease"].as_str().context("a lease")?.to_owned();
+        Ok((serde_json::from_slice(&value)?, lease))
+    }
+
+    /// Writes node `n`'s record, under `lease`, as someone with write access to etcd can.
+    async fn put_node_record(
+        &self,
+        n: usize,
+        record: &serde_json::Value,
+        lease: &str,
+    ) -> Result<()> {
+        reqwest::Client::new()
+            .post(format!("{}/v3/kv/put", self.etcd.url()))
+            .json(&json!({
+                "key": B64.encode(format!("/kernelgate/v1/nodes/node-{n}")),
+                "value": B64.encode(serde_json::to_vec(record)?),
+                "lease": lease,
+            }))
+            .send()
+            .await?
+            .error_for_status()?;
+        Ok(())
     }
 
     /// Every node the registry's history names as the owner of each kernel key (the
@@ -757,16 +797,21 @@ async fn tls_between_nodes(c: &Cluster, ids: &[String], client_ip: &str) -> Resu
     let on_1 = c.kernel_of(ids, 1)?;
     let path = format!("/api/kernels/{on_1}");
     let to_1 = c.cluster_url(1, &path);
+    let incarnation_1 = c.incarnation(1).await?;
+    let to_node_1 = || Forwarded::new("admin", "node-0", true, "node-1", &incarnation_1);
     // Node-0's certificate, node-0 as the entry: served (for the harness's own key, whose
     // kernel it is).
-    let served = c.signed_as("admin", Method::GET, &path, 1)?.send().await?;
+    let served = c
+        .signed_as("admin", Method::GET, &path, 1, &incarnation_1)?
+        .send()
+        .await?;
     assert_eq!(served.status(), 200, "{}", served.text().await?);
     // The same kind of call on node-1's --listen: refused, its signature good or not.
     let plain = c
         .signed_with(
             &reqwest::Client::new(),
             &c.nodes[1].url(&path),
-            "admin",
+            &to_node_1(),
             Method::GET,
             &path,
         )?
@@ -776,7 +821,7 @@ async fn tls_between_nodes(c: &Cluster, ids: &[String], client_ip: &str) -> Resu
     // Node-2's certificate on a call that says node-0 sent it: refused.
     let node_2 = c.node_client("ca.pem", "node-2", 1)?;
     let claimed = c
-        .signed_with(&node_2, &to_1, "admin", Method::GET, &path)?
+        .signed_with(&node_2, &to_1, &to_node_1(), Method::GET, &path)?
         .send()
         .await?;
     assert_eq!(claimed.status(), 403);
@@ -786,14 +831,14 @@ async fn tls_between_nodes(c: &Cluster, ids: &[String], client_ip: &str) -> Resu
     // A certificate naming node-0, signed by another CA: no answer at all.
     let stranger = c.node_client("both-cas.pem", "stranger", 1)?;
     let refused = c
-        .signed_with(&stranger, &to_1, "admin", Method::GET, &path)?
+        .signed_with(&stranger, &to_1, &to_node_1(), Method::GET, &path)?
         .send()
         .await;
     assert!(refused.is_err(), "a stranger got an answer: {refused:?}");
 
     // node-1's record now names the planted listener as its cluster address.
-    let planted = Planted::start(c, client_ip, "node-2").await?;
-    let original = c.plant_cluster_address("node-1", &planted.url).await?;
+    let planted = PlantedTls::start(c, client_ip, "node-2").await?;
+    let (original, lease) = c.plant_cluster_address(1, &planted.url).await?;
     let start = Instant::now();
     let unreachable = loop {
         let answer = c.nodes[0].request(Method::GET, &path).send().await?;
@@ -830,7 +875,7 @@ async fn tls_between_nodes(c: &Cluster, ids: &[String], client_ip: &str) -> Resu
         String::from_utf8_lossy(&plaintext)
     );
     // The record as it was: node-0 reaches node-1 again.
-    c.put_node_record("node-1", &original).await?;
+    c.put_node_record(1, &original, &lease).await?;
     c.settle("node-0 reaches node-1 again", |c| {
         let path = path.clone();
         async move { Ok(c.nodes[0].get_json(&path).await?.0 == 200) }
@@ -841,15 +886,15 @@ async fn tls_between_nodes(c: &Cluster, ids: &[String], client_ip: &str) -> Resu
 
 /// A TLS listener at an address planted in the registry: it shows a node's real
 /// certificate and keeps whatever a client manages to send it.
-struct Planted {
+struct PlantedTls {
     url: String,
     /// Connections, and every byte read after a handshake.
     seen: Arc<Mutex<(usize, Vec<u8>)>>,
     _task: tokio::task::JoinHandle<()>,
 }
 
-impl Planted {
-    async fn start(c: &Cluster, ip: &str, cert: &str) -> Result<Planted> {
+impl PlantedTls {
+    async fn start(c: &Cluster, ip: &str, cert: &str) -> Result<PlantedTls> {
         use tokio::io::AsyncReadExt;
         let dir = c._dir.path();
         let tls = kernelgate::cluster::tls::ClusterTls::load(
@@ -883,7 +928,7 @@ impl Planted {
                 });
             }
         });
-        Ok(Planted {
+        Ok(PlantedTls {
             url,
             seen,
             _task: task,
@@ -898,53 +943,25 @@ impl Planted {
     }
 }
 
-impl Drop for Planted {
+impl Drop for PlantedTls {
     fn drop(&mut self) {
         self._task.abort();
     }
 }
 
 impl Cluster {
-    /// Sets node `node`'s cluster address in etcd to `url`, under its lease, as one with
-    /// write access to etcd could; its record as it was.
-    async fn plant_cluster_address(&self, node: &str, url: &str) -> Result<Vec<u8>> {
-        let http = reqwest::Client::new();
-        let key = B64.encode(format!("/kernelgate/v1/nodes/{node}"));
-        let range: serde_json::Value = http
-            .post(format!("{}/v3/kv/range", self.etcd.url()))
-            .json(&json!({ "key": key }))
-            .send()
-            .await?
-            .error_for_status()?
-            .json()
-            .await?;
-        let original = B64.decode(range["kvs"][0]["value"].as_str().context("no record")?)?;
-        let mut record: serde_json::Value = serde_json::from_slice(&original)?;
-        record["cluster_address"] = json!(url);
-        self.put_node_record(node, &serde_json::to_vec(&record)?)
-            .await?;
-        Ok(original)
-    }
-
-    /// Puts `value` as node `node`'s record, under the lease its record has now.
-    async fn put_node_record(&self, node: &str, value: &[u8]) -> Result<()> {
-        let http = reqwest::Client::new();
-        let key = B64.encode(format!("/kernelgate/v1/nodes/{node}"));
-        let range: serde_json::Value = http
-            .post(format!("{}/v3/kv/range", self.etcd.url()))
-            .json(&json!({ "key": key }))
-            .send()
-            .await?
-            .error_for_status()?
-            .json()
-            .await?;
-        let lease = range["kvs"][0]["lease"].clone();
-        http.post(format!("{}/v3/kv/put", self.etcd.url()))
-            .json(&json!({ "key": key, "value": B64.encode(value), "lease": lease }))
-            .send()
-            .await?
-            .error_for_status()?;
-        Ok(())
+    /// Sets node `n`'s cluster address in etcd to `url`, under its lease, as one with write
+    /// access to etcd could; its record as it was, and that lease.
+    async fn plant_cluster_address(
+        &self,
+        n: usize,
+        url: &str,
+    ) -> Result<(serde_json::Value, String)> {
+        let (record, lease) = self.node_record(n).await?;
+        let mut planted = record.clone();
+        planted["cluster_address"] = json!(url);
+        self.put_node_record(n, &planted, &lease).await?;
+        Ok((record, lease))
     }
 }
 
@@ -958,10 +975,138 @@ fn a_node_that_dies_or_an_etcd_that_stops_costs_no_kernel() -> Result<()> {
 }
 
 async fn deaths_and_outages(bed: &Testbed) -> Result<()> {
-    let mut c = cluster(bed, KEYS).await?;
+    // Over plain HTTP: what a planted node address harvests there, and what the signature
+    // still refuses (with TLS on, a planted address gets no byte: `tls_between_nodes`).
+    let mut c = plain_cluster(bed, KEYS).await?;
     let ids = c.one_kernel_each().await?;
     let on_2 = c.kernel_of(&ids, 2)?;
     c.nodes[0].execute(&on_2, "kept = 'state'").await?;
+
+    // Someone with write access to etcd plants a listener of theirs as node-2's address:
+    // node-0 forwards an agent-API execute and a WebSocket upgrade for node-2's kernel to it.
+    let execute = format!("/api/kernels/{on_2}/execute");
+    let planted = Planted::start(&bed.client.ip).await?;
+    let (record, lease) = c.node_record(2).await?;
+    let mut planted_record = record.clone();
+    planted_record["address"] = json!(planted.url);
+    c.put_node_record(2, &planted_record, &lease).await?;
+    let since = Instant::now();
+    let call = loop {
+        let answer = c.nodes[0]
+            .request(Method::POST, &execute)
+            .json(&json!({"code": "print('honest')"}))
+            .send()
+            .await?;
+        if let Some(call) = planted.got().into_iter().find(|r| r.method == "POST") {
+            break call;
+        }
+        assert_eq!(answer.status(), 200, "node-0 still reaches the real node-2");
+        anyhow::ensure!(since.elapsed() < Duration::from_secs(10), "nothing planted");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let upgrade = c.nodes[0].channels(&on_2, "harvested").await;
+    assert!(upgrade.is_err(), "the planted listener answers no upgrade");
+    let harvested_upgrade = planted
+        .got()
+        .into_iter()
+        .find(|r| r.method == "GET")
+        .context("an upgrade reached the planted listener")?;
+    // With nothing listening there, the client learns which node is away, not its address
+    // nor the HTTP library's words.
+    drop(planted);
+    let since = Instant::now();
+    let text = loop {
+        let away = c.nodes[0]
+            .request(Method::POST, &execute)
+            .json(&json!({"code": "print('honest')"}))
+            .send()
+            .await?;
+        assert_eq!(away.status(), 503);
+        let text = away.text().await?;
+        // The listener's own 503 has no body; it stops listening in a moment.
+        if !text.is_empty() || since.elapsed() > Duration::from_secs(5) {
+            break text;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(
+        text.contains("the node that runs this kernel (node-2) is unreachable")
+            && !text.contains("http://")
+            && !text.contains(&bed.client.ip),
+        "{text}"
+    );
+    c.put_node_record(2, &record, &lease).await?;
+    c.settle("node-0 reaches the real node-2 again", |c| {
+        let execute = execute.clone();
+        async move {
+            Ok(c.nodes[0]
+                .request(Method::POST, &execute)
+                .json(&json!({"code": "1"}))
+                .send()
+                .await?
+                .status()
+                == 200)
+        }
+    })
+    .await?;
+    // The harvested headers are worth nothing: with another body at node-2; the upgrade's
+    // from another connection; the call as it was at another node.
+    let pwned = call
+        .replay(&c.nodes[2].url(&call.path))
+        .body(r#"{"code": "pwned = 'pwned-' + str(6*7); print(pwned)"}"#)
+        .send()
+        .await?;
+    let status = pwned.status();
+    let refusal = pwned.text().await?;
+    assert_eq!(status, 403, "{refusal}");
+    assert!(
+        refusal.contains("not the one it was signed with"),
+        "{refusal}"
+    );
+    // The upgrade's headers get their 101 (they check out) and a challenge the attacker
+    // cannot answer: the next frame closes the socket with 1008 and nothing else.
+    let (status, after) = harvested_upgrade
+        .replay_upgrade(&c.nodes[2].url(""))
+        .await?;
+    assert!(status.starts_with("HTTP/1.1 101"), "{status}");
+    assert_eq!(after.first(), Some(&0x88), "a close frame first: {after:?}");
+    assert_eq!(after.get(2..4), Some(&[0x03, 0xF0][..]), "1008: {after:?}");
+    let elsewhere = call
+        .replay(&c.nodes[1].url(&call.path))
+        .body(call.body.clone())
+        .send()
+        .await?;
+    let status = elsewhere.status();
+    let refusal = elsewhere.text().await?;
+    assert_eq!(status, 403, "{refusal}");
+    assert!(refusal.contains("not this one"), "{refusal}");
+    let namespace = c.nodes[2]
+        .execute(&on_2, "print('pwned' in globals())")
+        .await?;
+    assert_eq!(namespace["stdout"], "False\n", "{namespace}");
+    let requested = c.nodes[2].audited("execution_requested")?;
+    assert!(
+        !requested.iter().any(|r| r.to_string().contains("pwned-")),
+        "{requested:?}"
+    );
+    // Node-2 refused two of them in this minute from one address: one record.
+    let refused = c.nodes[2].audited("internal_headers_refused")?;
+    assert_eq!(refused.len(), 1, "{refused:?}");
+
+    // An honest client that sends the same X-Request-Id twice at once: both are served.
+    let twice = || {
+        c.nodes[0]
+            .request(Method::POST, &execute)
+            .header("X-Request-Id", "same-id")
+            .json(&json!({"code": "print('served')"}))
+            .send()
+    };
+    let (first, second) = tokio::join!(twice(), twice());
+    for answer in [first?, second?] {
+        assert_eq!(answer.status(), 200);
+        let body: serde_json::Value = answer.json().await?;
+        assert_eq!(body["stdout"], "served\n", "{body}");
+    }
 
     // A WebSocket through node-0 to the kernel: it closes with 1001 (going away) when the
     // owner dies, so that its client reconnects.
@@ -1000,6 +1145,21 @@ async fn deaths_and_outages(bed: &Testbed) -> Result<()> {
     c.nodes.push(crashed.restart(&args).await?);
     c.settle("the kernel is back", |c| c.answers(0, &on_2))
         .await?;
+    // The call harvested before the restart, as it was, at the restarted node: refused.
+    let again = call
+        .replay(&c.nodes[2].url(&call.path))
+        .body(call.body.clone())
+        .send()
+        .await?;
+    let status = again.status();
+    let refusal = again.text().await?;
+    assert_eq!(status, 403, "{refusal}");
+    eprintln!("a call harvested before node-2's restart, replayed after it: {refusal}");
+    assert!(
+        refusal.contains("before this node started")
+            || refusal.contains("away from this node's clock"),
+        "{refusal}"
+    );
     let answer = c.nodes[1].execute(&on_2, "print(kept)").await?;
     assert_eq!(answer["stdout"], "state\n", "{answer}");
 
@@ -1145,6 +1305,10 @@ async fn cut_off(bed: &Testbed) -> Result<()> {
     let mut ws = c.nodes[2].channels(&on_2, "on-node-2").await?;
     ws.kernel_info().await?;
     let node_2 = &bed.nodes[2];
+    let incarnation_2 = c.node_record(2).await?.0["incarnation"]
+        .as_str()
+        .context("an incarnation")?
+        .to_owned();
 
     // Cut off from etcd alone (iptables inside its namespace): the others see its lease
     // end and its kernels go.
@@ -1162,7 +1326,13 @@ async fn cut_off(bed: &Testbed) -> Result<()> {
         .await?;
     assert_eq!(create.status(), 503);
     assert!(create.headers().contains_key("retry-after"));
-    let forwarded = c.signed_as("alice", Method::GET, &format!("/api/kernels/{on_2}"), 2)?;
+    let forwarded = c.signed_as(
+        "alice",
+        Method::GET,
+        &format!("/api/kernels/{on_2}"),
+        2,
+        &incarnation_2,
+    )?;
     let forwarded = forwarded.send().await?;
     assert_eq!(forwarded.status(), 503);
     assert!(forwarded.headers().contains_key("retry-after"));
@@ -1666,6 +1836,180 @@ async fn kernel_record(http: &reqwest::Client, url: &str, id: &str) -> Result<se
             .context("no such record")?,
     )?;
     Ok(serde_json::from_slice(&value)?)
+}
+
+/// A request as a listener planted at a node's address got it.
+#[derive(Debug, Clone)]
+struct Captured {
+    method: String,
+    path: String,
+    headers: Vec<(String, String)>,
+    body: Vec<u8>,
+}
+
+impl Captured {
+    /// The same method and headers (but `Host` and `Content-Length`) sent to `url`, as an
+    /// attacker who harvested them would; the body is the caller's.
+    fn replay(&self, url: &str) -> reqwest::RequestBuilder {
+        let method = Method::from_bytes(self.method.as_bytes()).unwrap_or(Method::GET);
+        let mut request = reqwest::Client::new().request(method, url);
+        for (name, value) in &self.headers {
+            if name != "host" && name != "content-length" {
+                request = request.header(name.as_str(), value.as_str());
+            }
+        }
+        request
+    }
+
+    /// The request's head, as it was but for `Host`, on a connection of its own to the
+    /// node at `base` (`http://host:port/`), then a text frame of the attacker's: the
+    /// first line of the answer, and every byte after its head until the node closes.
+    async fn replay_upgrade(&self, base: &str) -> Result<(String, Vec<u8>)> {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let authority = base
+            .trim_start_matches("http://")
+            .trim_end_matches('/')
+            .to_owned();
+        let mut head = format!(
+            "{} {} HTTP/1.1\r\nhost: {authority}\r\n",
+            self.method, self.path
+        );
+        for (name, value) in &self.headers {
+            if name != "host" {
+                head.push_str(&format!("{name}: {value}\r\n"));
+            }
+        }
+        head.push_str("\r\n");
+        let mut stream = tokio::net::TcpStream::connect(&authority).await?;
+        stream.write_all(head.as_bytes()).await?;
+        let mut answer = Vec::new();
+        let end = loop {
+            let mut chunk = [0u8; 4096];
+            let n =
+                tokio::time::timeout(Duration::from_secs(10), stream.read(&mut chunk)).await??;
+            anyhow::ensure!(n > 0, "closed before a whole head: {answer:?}");
+            answer.extend_from_slice(&chunk[..n]);
+            if let Some(at) = answer.windows(4).position(|w| w == b"\r\n\r\n") {
+                break at + 4;
+            }
+        };
+        let status = String::from_utf8_lossy(&answer[..end])
+            .lines()
+            .next()
+            .unwrap_or_default()
+            .to_owned();
+        let mut after = answer.split_off(end);
+        if status.contains(" 101 ") {
+            // A masked text frame that is not the answer to the challenge.
+            let payload = b"{\"not\": \"the proof\"}";
+            let mask = [1u8, 2, 3, 4];
+            let mut frame = vec![0x81, 0x80 | payload.len() as u8];
+            frame.extend(mask);
+            frame.extend(payload.iter().enumerate().map(|(i, b)| b ^ mask[i % 4]));
+            stream.write_all(&frame).await?;
+            loop {
+                let mut chunk = [0u8; 4096];
+                let n = tokio::time::timeout(Duration::from_secs(15), stream.read(&mut chunk))
+                    .await??;
+                if n == 0 {
+                    break;
+                }
+                after.extend_from_slice(&chunk[..n]);
+            }
+        }
+        Ok((status, after))
+    }
+}
+
+/// A listener on the client's host that keeps every request it gets and answers 503: what
+/// a node address planted in etcd harvests. Stops listening when dropped.
+struct Planted {
+    url: String,
+    got: Arc<Mutex<Vec<Captured>>>,
+    stop: CancellationToken,
+}
+
+impl Planted {
+    async fn start(ip: &str) -> Result<Planted> {
+        let listener = tokio::net::TcpListener::bind((ip, 0)).await?;
+        let url = format!("http://{}", listener.local_addr()?);
+        let got: Arc<Mutex<Vec<Captured>>> = Arc::default();
+        let stop = CancellationToken::new();
+        let (kept, stopped) = (got.clone(), stop.clone());
+        tokio::spawn(async move {
+            loop {
+                let socket = tokio::select! {
+                    _ = stopped.cancelled() => return,
+                    accepted = listener.accept() => match accepted {
+                        Ok((socket, _)) => socket,
+                        Err(_) => return,
+                    },
+                };
+                let kept = kept.clone();
+                tokio::spawn(async move {
+                    use tokio::io::AsyncWriteExt;
+                    if let Ok((request, mut socket)) = Planted::read(socket).await {
+                        kept.lock().unwrap_or_else(|e| e.into_inner()).push(request);
+                        let _ = socket
+                            .write_all(b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+                            .await;
+                    }
+                });
+            }
+        });
+        Ok(Planted { url, got, stop })
+    }
+
+    fn got(&self) -> Vec<Captured> {
+        self.got.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// One request off `socket`: its head, then a body of its `Content-Length`.
+    async fn read(mut socket: tokio::net::TcpStream) -> Result<(Captured, tokio::net::TcpStream)> {
+        use tokio::io::AsyncReadExt;
+        let mut buf = Vec::new();
+        let end = loop {
+            let mut chunk = [0u8; 4096];
+            let n = socket.read(&mut chunk).await?;
+            anyhow::ensure!(n > 0, "closed before a whole head");
+            buf.extend_from_slice(&chunk[..n]);
+            if let Some(at) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                break at;
+            }
+        };
+        let head = String::from_utf8_lossy(&buf[..end]).into_owned();
+        let mut lines = head.split("\r\n");
+        let first: Vec<&str> = lines.next().unwrap_or_default().split(' ').collect();
+        let headers: Vec<(String, String)> = lines
+            .filter_map(|l| l.split_once(':'))
+            .map(|(n, v)| (n.trim().to_ascii_lowercase(), v.trim().to_owned()))
+            .collect();
+        let length: usize = headers
+            .iter()
+            .find(|(n, _)| n == "content-length")
+            .and_then(|(_, v)| v.parse().ok())
+            .unwrap_or(0);
+        let mut body = buf[end + 4..].to_vec();
+        while body.len() < length {
+            let mut chunk = [0u8; 4096];
+            let n = socket.read(&mut chunk).await?;
+            anyhow::ensure!(n > 0, "closed before the whole body");
+            body.extend_from_slice(&chunk[..n]);
+        }
+        let captured = Captured {
+            method: first.first().copied().unwrap_or_default().to_owned(),
+            path: first.get(1).copied().unwrap_or_default().to_owned(),
+            headers,
+            body,
+        };
+        Ok((captured, socket))
+    }
+}
+
+impl Drop for Planted {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
 }
 
 fn now_seconds() -> u64 {

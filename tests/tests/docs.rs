@@ -1,10 +1,13 @@
 //! The documents say what exists: the README's Layout names exactly the repository's
 //! top-level folders, docs/architecture.md's module list names exactly the modules of each
 //! crate, and every relative link in the README and docs/ leads to a file (and heading)
-//! that exists. Generated tables (the audit records, the API's operations) are checked by
-//! the gateway's unit tests.
+//! that exists; every figure of `make bench` that the README and docs/performance.md quote
+//! is the one the committed samples (docs/bench-results.json) give. Generated tables (the
+//! audit records, the API's operations) are checked by the gateway's unit tests.
 
 use anyhow::{Context, Result};
+use kernelgate_tests::bench_report;
+use serde_json::Value;
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
@@ -172,5 +175,106 @@ fn every_relative_link_in_the_documents_resolves() -> Result<()> {
         }
     }
     assert!(broken.is_empty(), "broken links:\n{}", broken.join("\n"));
+    Ok(())
+}
+
+/// The committed samples of the full `make bench` run the documents quote.
+fn samples() -> Result<Value> {
+    let path = root().join("docs/bench-results.json");
+    let text = std::fs::read_to_string(&path).with_context(|| format!("{}", path.display()))?;
+    serde_json::from_str(&text).with_context(|| format!("{} is not JSON", path.display()))
+}
+
+/// The text with every run of white space (line breaks included) as one space.
+fn one_line(text: &str) -> String {
+    text.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+/// The measured figures left in `text`: a number with a unit of time, size, ratio or share
+/// (`1.07x`, `4.7 %`, `981 ms`, `0.24 s`, `295 MiB`, `17 minutes`). Workload sizes (what
+/// the bench prints, not what it measured) are not figures.
+fn figures(text: &str) -> Result<Vec<String>> {
+    let figure = regex::Regex::new(
+        r"\b\d+(?:\.\d+)?(?:-\d+(?:\.\d+)?)?(?:x\b| ?%| ?ms\b| ?µs\b| s\b| MiB\b| minutes\b)",
+    )?;
+    let workloads = ["20 MiB", "100 MiB"];
+    Ok(figure
+        .find_iter(text)
+        .map(|m| m.as_str().to_owned())
+        .filter(|f| !workloads.contains(&f.as_str()))
+        .collect())
+}
+
+/// What is left of `text` once every markdown table line and every sentence of `generated`
+/// is taken out: prose that no bench run produced.
+fn unrendered(text: &str, generated: &[String]) -> String {
+    let mut rest = one_line(
+        &text
+            .lines()
+            .filter(|l| !l.starts_with('|'))
+            .collect::<Vec<_>>()
+            .join("\n"),
+    );
+    for g in generated {
+        let g = one_line(g);
+        if !g.is_empty() {
+            rest = rest.replace(&g, " ");
+        }
+    }
+    rest
+}
+
+#[test]
+fn the_readme_figures_are_the_committed_samples() -> Result<()> {
+    let doc = samples()?;
+    let figures_of_the_run = bench_report::readme(&doc)
+        .context("docs/bench-results.json lacks a part of a full run the README quotes")?;
+    let readme = std::fs::read_to_string(root().join("README.md"))?;
+    let lines: Vec<&str> = readme.lines().collect();
+    for table in &figures_of_the_run.tables {
+        let want: Vec<&str> = table.lines().collect();
+        assert!(
+            lines.windows(want.len()).any(|w| w == want.as_slice()),
+            "README.md should quote this table as the samples give it \
+             (`bench --render docs/bench-results.json`):\n{table}"
+        );
+    }
+    let flat = one_line(&readme);
+    for phrase in &figures_of_the_run.phrases {
+        assert!(
+            flat.contains(&one_line(phrase)),
+            "README.md should say {phrase:?}, as the samples give it"
+        );
+    }
+    let left = figures(&unrendered(&readme, &figures_of_the_run.phrases))?;
+    assert!(
+        left.is_empty(),
+        "README.md quotes figures no committed sample gives: {left:?}"
+    );
+    Ok(())
+}
+
+#[test]
+fn the_performance_tables_are_the_committed_samples() -> Result<()> {
+    let doc = samples()?;
+    let rendered = bench_report::markdown(&doc);
+    let rendered_lines: BTreeSet<&str> = rendered.lines().collect();
+    let text = std::fs::read_to_string(root().join("docs/performance.md"))?;
+    let hand_made: Vec<&str> = text
+        .lines()
+        .filter(|l| l.starts_with('|') && !rendered_lines.contains(l))
+        .collect();
+    assert!(
+        hand_made.is_empty(),
+        "docs/performance.md has table rows the samples do not give \
+         (`bench --render docs/bench-results.json` prints them):\n{}",
+        hand_made.join("\n")
+    );
+    let paragraphs: Vec<String> = rendered.lines().map(str::to_owned).collect();
+    let left = figures(&unrendered(&text, &paragraphs))?;
+    assert!(
+        left.is_empty(),
+        "docs/performance.md quotes figures no committed sample gives: {left:?}"
+    );
     Ok(())
 }

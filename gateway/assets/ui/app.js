@@ -260,6 +260,25 @@
 
   // ---------------------------------------------------------------- one run (a cell)
 
+  // The top bar and the prompt are sticky: they cover the page's top and bottom edges, so
+  // scrolling an output to the viewport's edge (scrollIntoView) would leave it under the
+  // prompt. This scrolls the page so that a node ending below the prompt's top ends just above
+  // it (a terminal showing its newest line), and a node starting under the top bar starts
+  // just below it.
+  function reveal(node) {
+    if (!node || !node.isConnected) return;
+    const bar = document.querySelector('.topbar');
+    const prompt = document.querySelector('.prompt');
+    const r = node.getBoundingClientRect();
+    const top = (bar ? bar.getBoundingClientRect().bottom : 0) + 8;
+    const bottom = Math.min(window.innerHeight, prompt ? prompt.getBoundingClientRect().top : window.innerHeight) - 8;
+    if (r.bottom > bottom) {
+      window.scrollBy(0, r.bottom - bottom);
+    } else if (r.top < top) {
+      window.scrollBy(0, r.top - top);
+    }
+  }
+
   class Run {
     constructor(code, log) {
       this.msgId = uuid4();
@@ -290,7 +309,15 @@
       }
       this.outputs.appendChild(node);
       this.lastStream = null;
-      node.scrollIntoView({ block: 'nearest' });
+      reveal(node);
+      // Images and HTML frames take their height when they load: reveal the end again then,
+      // if this is still the newest output.
+      const media = node.matches('img, iframe') ? [node] : [...node.querySelectorAll('img, iframe')];
+      for (const m of media) {
+        m.addEventListener('load', () => {
+          if (this.outputs.lastElementChild === node) reveal(node);
+        });
+      }
     }
 
     stream(name, text) {
@@ -311,7 +338,7 @@
       }
       s.pre.replaceChildren();
       renderAnsi(s.pre, foldCarriageReturns(s.text));
-      s.pre.scrollIntoView({ block: 'nearest' });
+      reveal(s.pre);
     }
 
     display(content, isResult) {
@@ -357,6 +384,7 @@
       const secs = ((performance.now() - this.started) / 1000).toFixed(2);
       const words = { ok: `done in ${secs} s`, error: `failed after ${secs} s`, aborted: 'aborted (an earlier run failed)' };
       this.meta.textContent = words[status] || status;
+      if (this.root.parentElement && this.root.parentElement.lastElementChild === this.root) reveal(this.meta);
     }
 
     abandon(reason) {
@@ -809,7 +837,7 @@
     app.historyPos = app.history.length;
     ui.code.value = '';
     autosize();
-    run.root.scrollIntoView({ block: 'nearest' });
+    reveal(run.root);
   }
 
   async function interrupt() {

@@ -4,13 +4,15 @@
 //!
 //! Failed attempts are counted per client address: past [`FAILURES_PER_MINUTE`] in a minute,
 //! further failures answer 429 with `Retry-After` at once (and the burst is logged once). A
-//! valid token is never slowed down or refused by this.
+//! valid token is never slowed down or refused by this. A request with internal
+//! `x-kernelgate-*` headers that is not a node-to-node call that checks out counts as a
+//! failure too, and is audited once per address and minute (docs/audit.md).
 
 use super::error::ApiError;
 use super::AppState;
 use crate::audit::Record;
 use crate::cluster::node::ClusterNode;
-use crate::cluster::signing::HEADER_PREFIX;
+use crate::cluster::signing::{body_digest, SignatureError, HEADER_PREFIX};
 use crate::tenants::Tenant;
 use axum::extract::{ConnectInfo, FromRequestParts, Request, State};
 use axum::http::request::Parts;
@@ -50,6 +52,31 @@ struct Window {
     started: Instant,
     failures: u32,
     logged: bool,
+    /// Refused requests with internal headers in this window.
+    internal: u32,
+    /// Such refusals of earlier windows that no audit record counted yet.
+    unrecorded: u32,
+}
+
+impl Window {
+    fn new(now: Instant) -> Window {
+        Window {
+            started: now,
+            failures: 0,
+            logged: false,
+            internal: 0,
+            unrecorded: 0,
+        }
+    }
+}
+
+/// A refused request with internal headers, as [`Failures::internal`] counts it.
+#[derive(Debug, PartialEq, Eq)]
+struct InternalRefusal {
+    /// Seconds to wait, once the address is over the limit.
+    wait: Option<u64>,
+    /// `Some(earlier refusals that got no record)` when this one is to be recorded.
+    record: Option<u32>,
 }
 
 /// Failed authentications by client address.
@@ -61,6 +88,16 @@ pub struct Failures {
 impl Failures {
     /// Counts a failure; `Some(seconds to wait)` once the address is over the limit.
     fn fail(&self, addr: IpAddr) -> Option<u64> {
+        self.count(addr, false).wait
+    }
+
+    /// Counts a refused request with internal headers as a failure; the first of the
+    /// address's window is to be recorded, with the count of those before it that were not.
+    fn internal(&self, addr: IpAddr) -> InternalRefusal {
+        self.count(addr, true)
+    }
+
+    fn count(&self, addr: IpAddr, internal: bool) -> InternalRefusal {
         let mut windows = self.windows.lock().unwrap_or_else(|e| e.into_inner());
         let now = Instant::now();
         if windows.len() >= MAX_TRACKED {
@@ -69,19 +106,29 @@ impl Failures {
                 windows.clear();
             }
         }
-        let w = windows.entry(addr).or_insert(Window {
-            started: now,
-            failures: 0,
-            logged: false,
-        });
+        let w = windows.entry(addr).or_insert_with(|| Window::new(now));
         if now.duration_since(w.started) >= WINDOW {
+            let unrecorded = match w.internal {
+                0 => w.unrecorded,
+                n => n - 1,
+            };
             *w = Window {
-                started: now,
-                failures: 0,
-                logged: false,
+                unrecorded,
+                ..Window::new(now)
             };
         }
         w.failures += 1;
+        let record = internal.then(|| {
+            w.internal += 1;
+            (w.internal == 1).then(|| std::mem::take(&mut w.unrecorded))
+        });
+        InternalRefusal {
+            wait: Self::over(w, addr, now),
+            record: record.flatten(),
+        }
+    }
+
+    fn over(w: &mut Window, addr: IpAddr, now: Instant) -> Option<u64> {
         if w.failures <= FAILURES_PER_MINUTE {
             return None;
         }
@@ -92,6 +139,19 @@ impl Failures {
         let left = WINDOW.saturating_sub(now.duration_since(w.started));
         Some(left.as_secs().max(1))
     }
+}
+
+/// A 429 telling the client to wait `wait` seconds.
+fn too_many(wait: u64) -> Response {
+    let mut response = ApiError::new(
+        StatusCode::TOO_MANY_REQUESTS,
+        format!("Too many failed authentications from this address; try again in {wait} s with the right token"),
+    )
+    .into_response();
+    response
+        .headers_mut()
+        .insert(header::RETRY_AFTER, HeaderValue::from(wait));
+    response
 }
 
 /// The token clients must show, or none when auth was switched off explicitly.
@@ -206,10 +266,16 @@ pub async fn require_token(
     mut req: Request,
     next: Next,
 ) -> Result<Response, Response> {
-    if let Some(cluster) = &state.cluster {
-        if is_forwarded(&req) {
-            return forwarded_call(&state, cluster, req, next).await;
-        }
+    if is_forwarded(&req) {
+        return match &state.cluster {
+            Some(cluster) => forwarded_call(&state, cluster, req, next).await,
+            None => Err(refuse_internal(
+                &state,
+                &req,
+                "x-kernelgate-* headers are for calls between a cluster's nodes, and this gateway is not one: leave them out".to_owned(),
+            )
+            .await),
+        };
     }
     if let Some(tenant) = state.keys.authenticate(presented_token(&req).as_deref()) {
         // The bare tenant too, for handlers outside this module (MCP's).
@@ -222,15 +288,7 @@ pub async fn require_token(
         .get::<ConnectInfo<SocketAddr>>()
         .map(|c| c.0.ip());
     if let Some(wait) = addr.and_then(|a| state.failures.fail(a)) {
-        let mut response = ApiError::new(
-            StatusCode::TOO_MANY_REQUESTS,
-            format!("Too many failed authentications from this address; try again in {wait} s with the right token"),
-        )
-        .into_response();
-        response
-            .headers_mut()
-            .insert(header::RETRY_AFTER, HeaderValue::from(wait));
-        return Err(response);
+        return Err(too_many(wait));
     }
     tracing::info!(client = ?addr, "authentication refused");
     state
@@ -257,15 +315,72 @@ fn is_forwarded(req: &Request) -> bool {
         .any(|name| name.as_str().starts_with(HEADER_PREFIX))
 }
 
-/// A call another node forwarded: its signature is checked (the cluster secret, a replay
-/// window), then the key it names must be a key of this node's own keys file. A forged or
-/// replayed one is refused, audited as a refused authentication.
+/// The address a request came from.
+fn client_addr(req: &Request) -> Option<SocketAddr> {
+    req.extensions()
+        .get::<ConnectInfo<SocketAddr>>()
+        .map(|c| c.0)
+}
+
+/// Refuses a request with internal headers that is not a node-to-node call that checks
+/// out: a failed authentication for the throttle (429 past it), logged each time, audited
+/// once per address and minute with the count of those not recorded before.
+pub(super) fn refuse_internal<'a>(
+    state: &'a AppState,
+    req: &Request,
+    why: String,
+) -> impl std::future::Future<Output = Response> + Send + 'a {
+    let addr = client_addr(req).map(|a| a.ip());
+    let path = req.uri().path().to_owned();
+    refuse_internal_from(state, addr, path, why)
+}
+
+async fn refuse_internal_from(
+    state: &AppState,
+    addr: Option<IpAddr>,
+    path: String,
+    why: String,
+) -> Response {
+    tracing::warn!(client = ?addr, %why, "request with internal headers refused");
+    let refusal = match addr {
+        Some(a) => state.failures.internal(a),
+        None => InternalRefusal {
+            wait: None,
+            record: Some(0),
+        },
+    };
+    if let Some(unrecorded) = refusal.record {
+        state
+            .kernels
+            .audit()
+            .record(&Record::InternalHeadersRefused {
+                client: addr.map(|a| a.to_string()),
+                path,
+                reason: why.clone(),
+                unrecorded,
+            })
+            .await;
+    }
+    match refusal.wait {
+        Some(wait) => too_many(wait),
+        None => ApiError::new(StatusCode::FORBIDDEN, why).into_response(),
+    }
+}
+
+/// A call another node forwarded: its headers are checked (the cluster secret, this node
+/// as the destination, the window, this node's start), then its body against the digest it
+/// was signed with (read whole here, at most `--max-message-mb`, as every handler reads it:
+/// no handler runs before it matches, so a mismatched upload writes nothing), then that it
+/// was not seen before; the key it names must be a key of this node's own keys file. One
+/// that fails is refused ([`refuse_internal`]); one signed for this node's previous run by a
+/// node whose view is behind is answered 503, to retry.
 async fn forwarded_call(
     state: &AppState,
     cluster: &ClusterNode,
-    mut req: Request,
+    req: Request,
     next: Next,
 ) -> Result<Response, Response> {
+    const ONLY_NODES: &str = "x-kernelgate-* headers are for calls between the cluster's nodes";
     let path = req
         .uri()
         .path_and_query()
@@ -276,39 +391,50 @@ async fn forwarded_call(
         req.headers(),
         chrono::Utc::now().timestamp(),
     );
-    let addr = req
-        .extensions()
-        .get::<ConnectInfo<SocketAddr>>()
-        .map(|c| c.0.ip());
-    let refused_path = req.uri().path().to_owned();
-    let refused = |why: String| async move {
-        tracing::warn!(client = ?addr, %why, "forwarded call refused");
-        state
-            .kernels
-            .audit()
-            .record(&Record::AuthRefused {
-                client: addr.map(|a| a.to_string()),
-                path: refused_path,
-            })
-            .await;
-        Err(ApiError::new(StatusCode::FORBIDDEN, why).into_response())
+    let checked = match checked {
+        Ok(checked) => checked,
+        Err(e @ SignatureError::OldIncarnation) => {
+            tracing::info!(client = ?client_addr(&req), "{e}; answered with a retry");
+            return Err(ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "this node has just restarted and the node that forwarded the request has not seen it yet; try again shortly",
+            )
+            .retry_after(1)
+            .into_response());
+        }
+        Err(e) => return Err(refuse_internal(state, &req, format!("{e}: {ONLY_NODES}")).await),
     };
-    let who = match checked {
-        Ok(who) => who,
-        Err(e) => {
-            return refused(format!(
-                "{e}: x-kernelgate-* headers are for calls between the cluster's nodes"
-            ))
-            .await
+    let (parts, body) = req.into_parts();
+    let bytes = match axum::body::to_bytes(body, state.max_message_bytes).await {
+        Ok(bytes) => bytes,
+        Err(_) => {
+            return Err(ApiError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                format!(
+                    "a forwarded body is at most {} bytes (--max-message-mb), or it was cut short",
+                    state.max_message_bytes
+                ),
+            )
+            .into_response())
         }
     };
+    let req = Request::from_parts(parts, axum::body::Body::from(bytes.clone()));
+    let who = match cluster.signer.accept(
+        checked,
+        &body_digest(&bytes),
+        chrono::Utc::now().timestamp(),
+    ) {
+        Ok(who) => who,
+        Err(e) => return Err(refuse_internal(state, &req, format!("{e}: {ONLY_NODES}")).await),
+    };
     let Some(tenant) = state.keys.tenant_named(&who.key) else {
-        return refused(format!(
+        let why = format!(
             "the key {:?} is not in this node's keys file; every node must load the same file",
             who.key
-        ))
-        .await;
+        );
+        return Err(refuse_internal(state, &req, why).await);
     };
+    let mut req = req;
     state
         .kernels
         .audit()
@@ -380,5 +506,43 @@ mod tests {
         let wait = failures.fail(a).expect("the eleventh is refused");
         assert!((1..=60).contains(&wait));
         assert_eq!(failures.fail(b), None, "another address has its own count");
+    }
+
+    #[test]
+    fn internal_header_refusals_count_as_failures_and_are_recorded_once_a_window() {
+        let failures = Failures::default();
+        let a: IpAddr = "127.0.0.1".parse().expect("ip");
+        assert_eq!(
+            failures.internal(a),
+            InternalRefusal {
+                wait: None,
+                record: Some(0)
+            }
+        );
+        for _ in 1..FAILURES_PER_MINUTE {
+            assert_eq!(
+                failures.internal(a),
+                InternalRefusal {
+                    wait: None,
+                    record: None
+                }
+            );
+        }
+        let over = failures.internal(a);
+        assert!(over.wait.is_some() && over.record.is_none(), "{over:?}");
+        assert!(failures.fail(a).is_some(), "a wrong token too, now");
+        // The next window: its first is recorded with the ten that were not.
+        {
+            let mut windows = failures.windows.lock().expect("lock");
+            let w = windows.get_mut(&a).expect("window");
+            w.started -= WINDOW;
+        }
+        assert_eq!(
+            failures.internal(a),
+            InternalRefusal {
+                wait: None,
+                record: Some(FAILURES_PER_MINUTE)
+            }
+        );
     }
 }

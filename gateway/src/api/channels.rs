@@ -3,18 +3,24 @@
 //!
 //! A new socket with the same session id takes the session over and first receives what
 //! was queued while no socket was connected (see [`crate::relay::clients`]).
+//!
+//! In cluster mode, a socket another node forwarded is served only once that node's first
+//! frame answers the challenge this node's `101` carried ([`crate::cluster::signing`]):
+//! upgrade headers captured and sent again open nothing.
 
 use super::auth::Caller;
 use super::error::ApiError;
 use super::extract::Path;
 use super::kernels::find;
 use super::AppState;
+use crate::cluster::signing::{Forwarded, Signer, CHALLENGE_HEADER};
 use crate::metrics::{self, DropReason};
 use crate::relay::{now_iso, Attachment};
 use axum::extract::rejection::QueryRejection;
 use axum::extract::ws::rejection::WebSocketUpgradeRejection;
 use axum::extract::ws::{CloseFrame, Message as WsMessage, WebSocket, WebSocketUpgrade};
-use axum::extract::{Query, State};
+use axum::extract::{Extension, Query, State};
+use axum::http::HeaderValue;
 use axum::response::Response;
 use futures::{Sink, SinkExt, Stream, StreamExt};
 use kernelgate_protocol::websocket::{self, Encoding, Frame, V1_SUBPROTOCOL};
@@ -25,6 +31,10 @@ use std::time::Duration;
 /// Clients are pinged this often, so dead connections are noticed and proxies keep the
 /// connection open.
 const PING_EVERY: Duration = Duration::from_secs(30);
+/// How long a forwarded socket's first frame (the answer to its challenge) may take.
+const PROOF_WAIT: Duration = Duration::from_secs(10);
+/// The close code for a forwarded socket whose first frame does not answer its challenge.
+const POLICY_VIOLATION: u16 = 1008;
 
 #[derive(Debug, Deserialize)]
 pub struct ChannelsQuery {
@@ -37,6 +47,7 @@ pub async fn connect(
     caller: Caller,
     Path(id): Path<String>,
     query: Result<Query<ChannelsQuery>, QueryRejection>,
+    forwarded: Option<Extension<Forwarded>>,
     ws: Result<WebSocketUpgrade, WebSocketUpgradeRejection>,
 ) -> Result<Response, ApiError> {
     let live = find(&state, &caller, &id)?;
@@ -76,7 +87,34 @@ pub async fn connect(
     // kernel publishes after it (it may run code through the agent API at once), not only
     // what comes once the upgrade task has run.
     let attachment = live.relay.attach(&session, false, &caller.0.name);
-    Ok(ws.on_upgrade(move |socket: WebSocket| async move {
+    // A forwarded socket: the forwarding node proves it is the one that signed the call.
+    let challenge = match (forwarded, &state.cluster) {
+        (Some(Extension(who)), Some(cluster)) => {
+            Some((who.nonce, Signer::challenge(), cluster.signer.clone()))
+        }
+        _ => None,
+    };
+    let header = challenge
+        .as_ref()
+        .and_then(|(_, c, _)| HeaderValue::from_str(c).ok());
+    let mut response = ws.on_upgrade(move |mut socket: WebSocket| async move {
+        if let Some((nonce, challenge, signer)) = challenge {
+            let first = tokio::time::timeout(PROOF_WAIT, socket.recv()).await;
+            let proved = matches!(
+                &first,
+                Ok(Some(Ok(WsMessage::Text(proof)))) if signer.proves(&nonce, &challenge, proof.as_str())
+            );
+            if !proved {
+                tracing::warn!(kernel = %live.id(), %session, "a forwarded WebSocket did not answer its challenge (forwarded upgrade headers sent again?); closed");
+                let _ = socket
+                    .send(WsMessage::Close(Some(CloseFrame {
+                        code: POLICY_VIOLATION,
+                        reason: "a forwarded WebSocket must answer its challenge first".into(),
+                    })))
+                    .await;
+                return;
+            }
+        }
         tracing::debug!(kernel = %live.id(), %session, ?encoding, "client connected");
         metrics::websocket_opened();
         tokio::select! {
@@ -88,7 +126,11 @@ pub async fn connect(
         }
         metrics::websocket_closed();
         tracing::debug!(kernel = %live.id(), %session, "client disconnected");
-    }))
+    });
+    if let Some(value) = header {
+        response.headers_mut().insert(CHALLENGE_HEADER, value);
+    }
+    Ok(response)
 }
 
 /// Relays between one client socket and its kernel session until either side ends.

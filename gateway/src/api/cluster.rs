@@ -8,7 +8,7 @@
 use super::auth::Caller;
 use super::error::ApiError;
 use super::AppState;
-use crate::cluster::forward::{never_left, ForwardError, Left};
+use crate::cluster::forward::{never_left, Destination, ForwardError, Left};
 use crate::cluster::membership::View;
 use crate::cluster::node::ClusterNode;
 use crate::cluster::placement;
@@ -121,30 +121,27 @@ fn unavailable(message: String) -> Response {
         .into_response()
 }
 
-fn request_id(req: &Request) -> String {
-    req.headers()
-        .get("x-request-id")
-        .and_then(|v| v.to_str().ok())
-        .map(str::to_owned)
-        .unwrap_or_else(|| uuid::Uuid::new_v4().simple().to_string())
+/// Node `id` as a call's destination.
+fn destination(id: &str, record: &NodeRecord) -> Destination {
+    Destination::of(id, record)
 }
 
+/// Sends `req` on to `to`: its answer, or what went wrong, with the detail (address, the
+/// HTTP library's words) in the log only. `role` names the node for the client ("the node
+/// that runs this kernel").
 async fn forward(
     cluster: &ClusterNode,
-    node: &str,
-    record: &NodeRecord,
+    to: &Destination,
+    role: &str,
     caller: &Caller,
     req: Request,
     left: Left,
 ) -> Response {
-    let id = request_id(&req);
     match cluster
         .forwarder
         .forward(
-            node,
-            record,
+            to,
             &caller.0.name,
-            &id,
             cluster.membership.registered(),
             req,
             left,
@@ -157,9 +154,27 @@ async fn forward(
             format!("Kernel not found: {e} while this request waited for it; the kernel comes back if that node returns with it"),
         )
         .into_response(),
-        Err(e @ ForwardError::Unreachable { .. }) => unavailable(format!("{e}; try again shortly")),
-        Err(e @ ForwardError::BadAnswer { .. }) => {
-            ApiError::new(StatusCode::BAD_GATEWAY, e.to_string()).into_response()
+        Err(ForwardError::Unreachable { node, address, reason }) => {
+            tracing::warn!(%node, %address, %reason, "another node of the cluster cannot be reached");
+            unavailable(format!("{role} ({node}) is unreachable; try again shortly"))
+        }
+        Err(ForwardError::BadAnswer { node, address }) => {
+            tracing::warn!(%node, %address, "another node of the cluster answered something that is not HTTP");
+            ApiError::new(
+                StatusCode::BAD_GATEWAY,
+                format!("{role} ({node}) answered something that is not HTTP; try again shortly"),
+            )
+            .into_response()
+        }
+        Err(e @ ForwardError::TooLarge { .. }) => {
+            ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, e.to_string()).into_response()
+        }
+        Err(ForwardError::Body(reason)) => {
+            tracing::info!(%reason, "a forwarded request's body could not be read");
+            ApiError::bad_request(
+                "the request's body could not be read whole; send it again".to_owned(),
+            )
+            .into_response()
         }
     }
 }
@@ -248,7 +263,16 @@ async fn place_somewhere(
         };
         let Some(parts) = local.as_ref() else { break };
         let req = again(&parts.method, &parts.uri, &parts.headers, &bytes);
-        let response = forward(cluster, node, record, caller, req, never_left()).await;
+        let to = destination(node, record);
+        let response = forward(
+            cluster,
+            &to,
+            "the node chosen for this kernel",
+            caller,
+            req,
+            never_left(),
+        )
+        .await;
         // Full since the view was made, or gone: the next node.
         let status = response.status();
         if status == StatusCode::FORBIDDEN || status == StatusCode::SERVICE_UNAVAILABLE {
@@ -280,10 +304,10 @@ async fn list(cluster: &Arc<ClusterNode>, caller: &Caller, req: Request, next: N
     };
     // Only the nodes that hold a kernel the caller may see.
     let mut others = other_nodes(cluster, &view);
-    others.retain(|(id, _)| {
+    others.retain(|to| {
         view.kernels
             .values()
-            .any(|k| k.node == *id && caller.0.may_use(&k.tenant))
+            .any(|k| k.node == to.node && caller.0.may_use(&k.tenant))
     });
     let asks = ask_others(cluster, caller, &asked, &others).await;
     for (node, answer) in asks {
@@ -330,15 +354,15 @@ async fn local_rows(req: Request, next: Next) -> Result<(Asked, Vec<Value>), Res
     Ok((asked, serde_json::from_slice(&bytes).unwrap_or_default()))
 }
 
-/// Asks each of `others` (node id, address) the same `GET`, in parallel, [`LIST_TIMEOUT`]
-/// each: their JSON arrays, `None` for a node that did not answer one in time.
+/// Asks each of `others` the same `GET`, in parallel, [`LIST_TIMEOUT`] each: their JSON
+/// arrays, `None` for a node that did not answer one in time.
 async fn ask_others(
     cluster: &ClusterNode,
     caller: &Caller,
     asked: &Asked,
-    others: &[(String, NodeRecord)],
+    others: &[Destination],
 ) -> Vec<(String, Option<Vec<Value>>)> {
-    let asks = others.iter().map(|(node, record)| {
+    let asks = others.iter().map(|to| {
         let req = again(
             &asked.method,
             &asked.uri,
@@ -347,7 +371,15 @@ async fn ask_others(
         );
         async move {
             let answer = tokio::time::timeout(LIST_TIMEOUT, async {
-                let response = forward(cluster, node, record, caller, req, never_left()).await;
+                let response = forward(
+                    cluster,
+                    to,
+                    "a node of the cluster",
+                    caller,
+                    req,
+                    never_left(),
+                )
+                .await;
                 if !response.status().is_success() {
                     return None;
                 }
@@ -357,21 +389,21 @@ async fn ask_others(
             .await
             .ok()
             .flatten();
-            (node.clone(), answer)
+            (to.node.clone(), answer)
         }
     });
     futures::future::join_all(asks).await
 }
 
-/// Every other node of `view`: (id, record), by id.
-fn other_nodes(cluster: &ClusterNode, view: &View) -> Vec<(String, NodeRecord)> {
-    let mut others: Vec<(String, NodeRecord)> = view
+/// Every other node of `view`, by id.
+fn other_nodes(cluster: &ClusterNode, view: &View) -> Vec<Destination> {
+    let mut others: Vec<Destination> = view
         .nodes
         .iter()
         .filter(|(id, _)| **id != cluster.node_id)
-        .map(|(id, n)| (id.clone(), n.clone()))
+        .map(|(id, n)| destination(id, n))
         .collect();
-    others.sort_by(|a, b| a.0.cmp(&b.0));
+    others.sort_by(|a, b| a.node.cmp(&b.node));
     others
 }
 
@@ -415,11 +447,11 @@ async fn answer(cluster: &ClusterNode, caller: &Caller, req: Request, next: Next
     if local.status() != StatusCode::NOT_FOUND {
         return local;
     }
-    for (node, record) in other_nodes(cluster, &cluster.membership.view()) {
+    for to in other_nodes(cluster, &cluster.membership.view()) {
         let response = forward(
             cluster,
-            &node,
-            &record,
+            &to,
+            "a node of the cluster",
             caller,
             again(&method, &uri, &headers, &bytes),
             never_left(),
@@ -476,7 +508,16 @@ async fn to_owner(
     let left = until_left(cluster.clone(), owner.to_owned())
         .boxed()
         .shared();
-    forward(cluster, owner, &node, caller, req, left).await
+    let to = destination(owner, &node);
+    forward(
+        cluster,
+        &to,
+        "the node that runs this kernel",
+        caller,
+        req,
+        left,
+    )
+    .await
 }
 
 /// A sessionless MCP call (protocol 2026-07-28): a tool call whose `kernel_id` names a
@@ -554,11 +595,19 @@ async fn mcp_elsewhere(
     // The node remembered first, then the others.
     let mut order = other_nodes(cluster, &cluster.membership.view());
     if let Some(node) = &remembered {
-        order.sort_by_key(|(id, _)| id != node);
+        order.sort_by_key(|to| to.node != *node);
     }
-    for (node, record) in order {
+    for to in order {
         let req = again(&parts.method, &parts.uri, &parts.headers, &bytes);
-        let response = forward(cluster, &node, &record, caller, req, never_left()).await;
+        let response = forward(
+            cluster,
+            &to,
+            "the node that holds this MCP session",
+            caller,
+            req,
+            never_left(),
+        )
+        .await;
         let status = response.status();
         if status != StatusCode::NOT_FOUND && status != StatusCode::SERVICE_UNAVAILABLE {
             let mut known = cluster
@@ -571,7 +620,7 @@ async fn mcp_elsewhere(
             if parts.method == Method::DELETE {
                 known.remove(session);
             } else {
-                known.insert(session.to_owned(), node);
+                known.insert(session.to_owned(), to.node);
             }
             return response;
         }

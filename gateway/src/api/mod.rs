@@ -172,9 +172,12 @@ pub async fn serve(
     });
     let cancel = state.cancel.clone();
     let cluster_listener = state.cluster.as_ref().is_some_and(|c| c.tls.is_some());
-    let mut app = router(state);
+    let mut app = router(state.clone());
     if cluster_listener {
-        app = app.layer(middleware::from_fn(peers::no_forwarded_calls));
+        app = app.layer(middleware::from_fn_with_state(
+            state,
+            peers::no_forwarded_calls,
+        ));
     }
     let app = app.into_make_service_with_connect_info::<std::net::SocketAddr>();
     axum::serve(listener, app)

@@ -2,14 +2,16 @@
 //! mutual TLS ([`crate::cluster::tls`]). A connection gets as far as HTTP only with a
 //! client certificate signed by the cluster's CA; each request must be a forwarded call
 //! whose entry node is the node that certificate names. Behind that, the same routes as
-//! `--listen` (the signature is checked as ever). With the cluster listener on, `--listen`
-//! is for clients only: it refuses any request that says it was forwarded.
+//! `--listen`, and the same checks of a forwarded call ([`crate::cluster::signing`]: its
+//! signature for this node and run, its body's digest, no replay). With the cluster
+//! listener on, `--listen` is for clients only: it refuses any request that says it was
+//! forwarded.
 
 use super::error::ApiError;
 use super::AppState;
 use crate::cluster::signing::{ENTRY_HEADER, HEADER_PREFIX};
 use crate::cluster::tls;
-use axum::extract::{ConnectInfo, Request};
+use axum::extract::{ConnectInfo, Request, State};
 use axum::http::StatusCode;
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
@@ -172,18 +174,27 @@ async fn only_nodes(mut req: Request, next: Next) -> Response {
 }
 
 /// On `--listen` while the cluster listener is on: no request that says it was forwarded
-/// (forwarded calls come only over TLS, from a node that proved who it is).
-pub async fn no_forwarded_calls(req: Request, next: Next) -> Response {
+/// (forwarded calls come only over TLS, from a node that proved who it is). Refused as any
+/// client's internal headers are: counted against the address's failed authentications and
+/// audited once a minute (docs/audit.md).
+pub async fn no_forwarded_calls(
+    State(state): State<AppState>,
+    req: Request,
+    next: Next,
+) -> Response {
     if req
         .headers()
         .keys()
         .any(|name| name.as_str().starts_with(HEADER_PREFIX))
     {
-        return refused(
+        return super::auth::refuse_internal(
+            &state,
+            &req,
             "calls between the cluster's nodes come on the cluster listener (--cluster-listen), \
              over TLS; this address is for clients, whose requests carry no x-kernelgate-* header"
                 .into(),
-        );
+        )
+        .await;
     }
     next.run(req).await
 }

@@ -229,6 +229,16 @@ pub enum Record {
         client: Option<String>,
         path: String,
     },
+    /// A request with internal `x-kernelgate-*` headers was refused: a node-to-node call
+    /// that does not check out (forged, replayed, for another node or body) or a client's.
+    /// One record per client address and minute: `unrecorded` counts the address's earlier
+    /// refusals that got none (the log has each).
+    InternalHeadersRefused {
+        client: Option<String>,
+        path: String,
+        reason: String,
+        unrecorded: u32,
+    },
     /// Cluster mode: the owner accepted a call another node forwarded, for the client's key
     /// `key` that reached node `entry`; the records the call then makes name the same key.
     ForwardedCall {
@@ -645,6 +655,12 @@ pub fn read_back(args: &crate::config::AuditArgs) -> anyhow::Result<()> {
             ),
             e if e.starts_with("file_") => field("path"),
             "auth_refused" => format!("{} {}", field("client"), field("path")),
+            "internal_headers_refused" => format!(
+                "{} {} ({} unrecorded before)",
+                field("client"),
+                field("path"),
+                r["unrecorded"]
+            ),
             "kernel_died" => field("why"),
             _ => String::new(),
         };

@@ -1,14 +1,19 @@
 //! The forwarding layer: a request for a kernel another node owns goes to that node as the
-//! client sent it (method, path, query, headers, body streamed both ways), less the
-//! client's credentials and any internal header a client tried to send, plus the identity
-//! the entry node vouches for, signed with the cluster secret ([`super::signing`]). A
-//! WebSocket is forwarded as the HTTP Upgrade itself: the owner checks the request,
-//! negotiates the subprotocol and answers `101`, then the bytes are spliced both ways and
-//! no frame is ever decoded or re-encoded here. With the cluster's TLS on
-//! ([`super::tls`]), both go to the owner's cluster listener, over TLS with this node's
-//! certificate, and only to a server whose certificate names the owner.
+//! client sent it (method, path, query, headers, body), less the client's credentials and
+//! any internal header, plus the identity the entry node vouches for, signed with the
+//! cluster secret for that one node and that one body ([`super::signing`]). The body is read
+//! whole first, to hash it: in memory up to [`IN_MEMORY`], in an unnamed temporary file
+//! beyond (a file upload), at most `--max-message-mb` either way; the answer streams back as
+//! the owner sends it. A WebSocket is forwarded as the HTTP Upgrade itself: the owner checks
+//! the request, negotiates the subprotocol and answers `101` with a challenge; this node's
+//! first frame to it answers the challenge (the owner serves the socket only then), and the
+//! bytes are spliced both ways; no frame of the client's or the owner's is ever decoded or
+//! re-encoded here. With the cluster's TLS on ([`super::tls`]), both go to the owner's
+//! cluster listener, over TLS with this node's certificate, and only to a server whose
+//! certificate names the owner: the signature still binds each call to that node, its run
+//! and its body.
 
-use super::signing::{Forwarded, Signer, HEADER_PREFIX};
+use super::signing::{Forwarded, Signer, CHALLENGE_HEADER, HEADER_PREFIX};
 use super::tls::ClusterTls;
 use super::NodeRecord;
 use axum::body::Body;
@@ -17,10 +22,11 @@ use axum::http::{header, HeaderMap, HeaderName, HeaderValue, Response};
 use futures::future::{BoxFuture, Shared};
 use futures::{FutureExt, StreamExt, TryStreamExt};
 use hyper_util::rt::TokioIo;
+use sha2::{Digest, Sha256};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncSeekExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -29,6 +35,8 @@ use tokio_util::task::TaskTracker;
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// The most an owner's answer to an upgrade may hold before its body.
 const MAX_HEAD: usize = 64 * 1024;
+/// A forwarded body larger than this waits in a temporary file, not in memory.
+pub const IN_MEMORY: usize = 1 << 20;
 
 /// Headers that describe one hop, not the request (RFC 9110 §7.6.1), the client's
 /// credentials, which stay at the entry node, and its `Origin`, checked there against the
@@ -47,17 +55,54 @@ const NOT_FORWARDED: [&str; 11] = [
     "origin",
 ];
 
+/// What went wrong with a forwarded call. The messages name the node by its id only: the
+/// address called and the HTTP or TLS library's words are in the fields, for the log.
 #[derive(Debug, thiserror::Error)]
 pub enum ForwardError {
     /// The owner did not answer: the client should try again shortly.
-    #[error("the node that runs this kernel ({node}) cannot be reached: {reason}")]
-    Unreachable { node: String, reason: String },
+    #[error("node {node} of the cluster cannot be reached now")]
+    Unreachable {
+        node: String,
+        address: String,
+        reason: String,
+    },
     /// The owner answered something that is not HTTP.
-    #[error("the node that runs this kernel ({node}) answered something that is not HTTP")]
-    BadAnswer { node: String },
+    #[error("node {node} of the cluster answered something that is not HTTP")]
+    BadAnswer { node: String, address: String },
     /// The owner left the cluster (its lease ended) before it answered.
-    #[error("the node that runs this kernel ({node}) left the cluster")]
+    #[error("node {node} left the cluster")]
     OwnerLeft { node: String },
+    /// The client's body is larger than a node takes.
+    #[error("the request's body is larger than {limit} bytes (--max-message-mb)")]
+    TooLarge { limit: usize },
+    /// The client's body could not be read (cut short), or not kept for sending.
+    #[error("the request's body could not be read whole: {0}")]
+    Body(String),
+}
+
+/// The node a call goes to, as the registry names it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Destination {
+    /// Its node id.
+    pub node: String,
+    /// Its incarnation (the random id of its current run).
+    pub incarnation: String,
+    /// Its address, `http://host:port` (`--advertise`).
+    pub address: String,
+    /// Its cluster listener, `https://host:port`, when it serves one (`--cluster-listen`).
+    pub cluster_address: Option<String>,
+}
+
+impl Destination {
+    /// Node `node` as its registry record says to reach it.
+    pub fn of(node: &str, record: &NodeRecord) -> Destination {
+        Destination {
+            node: node.to_owned(),
+            incarnation: record.incarnation.clone(),
+            address: record.address.clone(),
+            cluster_address: record.cluster_address.clone(),
+        }
+    }
 }
 
 /// Resolves when the owner a call went to has left the cluster: the call, a streamed answer
@@ -84,6 +129,92 @@ pub struct Forwarder {
     /// Owns the splice of every forwarded WebSocket.
     tracker: TaskTracker,
     cancel: CancellationToken,
+    /// The largest body forwarded (`--max-message-mb`).
+    max_body: usize,
+}
+
+/// A request's body, read whole and hashed.
+struct Spooled {
+    sha256: String,
+    len: u64,
+    data: Spool,
+}
+
+enum Spool {
+    Memory(bytes::Bytes),
+    /// An unnamed temporary file (gone with its handle), at its start.
+    File(tokio::fs::File),
+}
+
+/// Reads `body` whole, hashing it: in memory up to [`IN_MEMORY`], in a temporary file
+/// beyond, refused past `max` bytes.
+async fn spool(body: Body, max: usize) -> Result<Spooled, ForwardError> {
+    let mut stream = body.into_data_stream();
+    let mut hash = Sha256::new();
+    let mut memory = bytes::BytesMut::new();
+    let mut file: Option<tokio::fs::File> = None;
+    let mut len: u64 = 0;
+    let kept = |e: std::io::Error| ForwardError::Body(format!("cannot keep it to send: {e}"));
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk.map_err(|e| ForwardError::Body(e.to_string()))?;
+        len += chunk.len() as u64;
+        if len > max as u64 {
+            return Err(ForwardError::TooLarge { limit: max });
+        }
+        hash.update(&chunk);
+        if file.is_none() && memory.len() + chunk.len() <= IN_MEMORY {
+            memory.extend_from_slice(&chunk);
+            continue;
+        }
+        if file.is_none() {
+            let std_file = tokio::task::spawn_blocking(tempfile::tempfile)
+                .await
+                .map_err(|e| ForwardError::Body(e.to_string()))?
+                .map_err(kept)?;
+            let mut f = tokio::fs::File::from_std(std_file);
+            f.write_all(&memory).await.map_err(kept)?;
+            memory.clear();
+            file = Some(f);
+        }
+        if let Some(f) = file.as_mut() {
+            f.write_all(&chunk).await.map_err(kept)?;
+        }
+    }
+    let data = match file {
+        None => Spool::Memory(memory.freeze()),
+        Some(mut f) => {
+            f.flush().await.map_err(kept)?;
+            f.seek(std::io::SeekFrom::Start(0)).await.map_err(kept)?;
+            Spool::File(f)
+        }
+    };
+    Ok(Spooled {
+        sha256: hex::encode(hash.finalize()),
+        len,
+        data,
+    })
+}
+
+impl Spooled {
+    fn into_body(self) -> reqwest::Body {
+        match self.data {
+            Spool::Memory(bytes) => reqwest::Body::from(bytes),
+            Spool::File(file) => {
+                let chunks = futures::stream::unfold(file, |mut file| async move {
+                    let mut buf = vec![0u8; 64 * 1024];
+                    match file.read(&mut buf).await {
+                        Ok(0) => None,
+                        Ok(n) => {
+                            buf.truncate(n);
+                            Some((Ok::<_, std::io::Error>(bytes::Bytes::from(buf)), file))
+                        }
+                        Err(e) => Some((Err(e), file)),
+                    }
+                });
+                reqwest::Body::wrap_stream(chunks)
+            }
+        }
+    }
 }
 
 /// The path and query as forwarded: without a `token` parameter (credentials stay here).
@@ -105,13 +236,14 @@ fn forwarded_path(req: &Request) -> String {
     }
 }
 
-/// The client's headers that go on to the owner.
+/// The client's headers that go on to the owner (its `Content-Length` is the spooled
+/// body's, set anew).
 fn forwarded_headers(headers: &HeaderMap) -> Vec<(HeaderName, HeaderValue)> {
     headers
         .iter()
         .filter(|(name, _)| {
             let n = name.as_str();
-            !NOT_FORWARDED.contains(&n) && !n.starts_with(HEADER_PREFIX)
+            !NOT_FORWARDED.contains(&n) && !n.starts_with(HEADER_PREFIX) && n != "content-length"
         })
         .map(|(n, v)| (n.clone(), v.clone()))
         .collect()
@@ -160,7 +292,14 @@ impl Forwarder {
             node_id: node_id.to_owned(),
             tracker,
             cancel,
+            max_body: usize::MAX,
         })
+    }
+
+    /// The same, forwarding bodies of at most `max_body` bytes (`--max-message-mb`).
+    pub fn bounded(mut self, max_body: usize) -> Forwarder {
+        self.max_body = max_body;
+        self
     }
 
     /// Calls to other nodes over mutual TLS, to their cluster listeners.
@@ -169,34 +308,36 @@ impl Forwarder {
         self
     }
 
-    /// Where calls to node `node` go: its cluster listener with TLS on, else its address.
-    fn base_of(&self, node: &str, record: &NodeRecord) -> Result<String, ForwardError> {
+    /// Where calls to `to` go: its cluster listener with TLS on, else its address.
+    fn base_of<'a>(&self, to: &'a Destination) -> Result<&'a str, ForwardError> {
         if self.tls.is_none() {
-            return Ok(record.address.clone());
+            return Ok(&to.address);
         }
-        match &record.cluster_address {
-            Some(url) if url.starts_with("https://") => Ok(url.clone()),
+        match &to.cluster_address {
+            Some(url) if url.starts_with("https://") => Ok(url),
             _ => Err(ForwardError::Unreachable {
-                node: node.to_owned(),
+                node: to.node.clone(),
+                address: to.address.clone(),
                 reason: "it serves no TLS cluster listener (--cluster-listen), and this node calls no other way".into(),
             }),
         }
     }
 
-    /// The HTTP client for calls to node `node`.
-    fn client_for(&self, node: &str) -> Result<reqwest::Client, ForwardError> {
+    /// The HTTP client for calls to `to`, at `base`.
+    fn client_for(&self, to: &Destination, base: &str) -> Result<reqwest::Client, ForwardError> {
         let Some(tls) = &self.tls else {
             return Ok(self.http.clone());
         };
         let mut peers = self.peers.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(client) = peers.get(node) {
+        if let Some(client) = peers.get(&to.node) {
             return Ok(client.clone());
         }
         let unreachable = |reason: String| ForwardError::Unreachable {
-            node: node.to_owned(),
+            node: to.node.clone(),
+            address: base.to_owned(),
             reason,
         };
-        let config = tls.client_config(node).map_err(unreachable)?;
+        let config = tls.client_config(&to.node).map_err(unreachable)?;
         let client = reqwest::Client::builder()
             .connect_timeout(CONNECT_TIMEOUT)
             .redirect(reqwest::redirect::Policy::none())
@@ -204,61 +345,67 @@ impl Forwarder {
             .use_preconfigured_tls((*config).clone())
             .build()
             .map_err(|e| unreachable(e.to_string()))?;
-        peers.insert(node.to_owned(), client.clone());
+        peers.insert(to.node.clone(), client.clone());
         Ok(client)
     }
 
-    /// Sends `req` to node `node` (as `record`, its registry record, says to reach it), on
-    /// behalf of the client key `key`; the owner's answer, streamed.
-    #[allow(clippy::too_many_arguments)]
+    /// Sends `req` to node `to`, on behalf of the client key `key` (`registered`: whether
+    /// this node holds its lease); the owner's answer, streamed. Each call is signed anew,
+    /// for `to` alone, and (TLS on) goes only to a server whose certificate names `to`.
     pub async fn forward(
         &self,
-        node: &str,
-        record: &NodeRecord,
+        to: &Destination,
         key: &str,
-        request_id: &str,
         registered: bool,
         req: Request,
         left: Left,
     ) -> Result<Response<Body>, ForwardError> {
         let path = forwarded_path(&req);
         let gone = || ForwardError::OwnerLeft {
-            node: node.to_owned(),
+            node: to.node.clone(),
         };
-        let base = &self.base_of(node, record)?;
-        let who = Forwarded {
-            key: key.to_owned(),
-            entry: self.node_id.clone(),
-            request_id: request_id.to_owned(),
-            timestamp: chrono::Utc::now().timestamp(),
-            entry_registered: registered,
-        };
-        let signed = self.signer.sign(req.method().as_str(), &path, &who);
+        let base = self.base_of(to)?;
+        let who = Forwarded::new(key, &self.node_id, registered, &to.node, &to.incarnation);
+        // The owner's audit trail names the call by this id; the client's own (if any) goes
+        // on as its `X-Request-Id` header.
+        tracing::debug!(to = %to.node, forwarded_as = %who.request_id, "forwarding");
         if is_upgrade(req.headers()) {
             return tokio::select! {
                 biased;
-                answer = self.upgrade(node, base, &path, signed, req, left.clone()) => answer,
+                answer = self.upgrade(to, base, &path, who, req, left.clone()) => answer,
                 () = left => Err(gone()),
             };
         }
         let unreachable = |e: reqwest::Error| ForwardError::Unreachable {
-            node: node.to_owned(),
+            node: to.node.clone(),
+            address: base.to_owned(),
             // The TLS error that refused the owner's certificate is in the source chain.
             reason: error_chain(&e),
         };
         let method = reqwest::Method::from_bytes(req.method().as_str().as_bytes())
             .unwrap_or(reqwest::Method::GET);
+        let (parts, body) = req.into_parts();
+        let spooled = tokio::select! {
+            biased;
+            spooled = spool(body, self.max_body) => spooled?,
+            () = left.clone() => return Err(gone()),
+        };
+        let who = who.with_body(spooled.sha256.clone());
+        let signed = self.signer.sign(parts.method.as_str(), &path, &who);
         let mut request = self
-            .client_for(node)?
+            .client_for(to, base)?
             .request(method, format!("{base}{path}"));
-        for (name, value) in forwarded_headers(req.headers()) {
+        for (name, value) in forwarded_headers(&parts.headers) {
             request = request.header(name.as_str(), value.as_bytes());
         }
         for (name, value) in signed {
             request = request.header(name, value);
         }
-        let body = req.into_body().into_data_stream();
-        let sent = request.body(reqwest::Body::wrap_stream(body)).send();
+        // From memory the length is known to the HTTP client; from a file it is said here.
+        if matches!(spooled.data, Spool::File(_)) {
+            request = request.header(header::CONTENT_LENGTH.as_str(), spooled.len);
+        }
+        let sent = request.body(spooled.into_body()).send();
         let response = tokio::select! {
             biased;
             response = sent => response.map_err(unreachable)?,
@@ -279,7 +426,8 @@ impl Forwarder {
                 .take_until(left),
         );
         answer.body(body).map_err(|_| ForwardError::BadAnswer {
-            node: node.to_owned(),
+            node: to.node.clone(),
+            address: base.to_owned(),
         })
     }
 
@@ -288,15 +436,16 @@ impl Forwarder {
     /// spliced; any other answer goes to the client as it is.
     async fn upgrade(
         &self,
-        node: &str,
+        to: &Destination,
         base: &str,
         path: &str,
-        signed: Vec<(&'static str, String)>,
+        who: Forwarded,
         req: Request,
         left: Left,
     ) -> Result<Response<Body>, ForwardError> {
         let unreachable = |reason: String| ForwardError::Unreachable {
-            node: node.to_owned(),
+            node: to.node.clone(),
+            address: base.to_owned(),
             reason,
         };
         let scheme = if self.tls.is_some() {
@@ -318,12 +467,12 @@ impl Forwarder {
             .map_err(|e| unreachable(e.to_string()))?;
         let Some(tls) = &self.tls else {
             return self
-                .upgrade_over(owner, node, authority, path, signed, req, left)
+                .upgrade_over(owner, to, base, authority, path, who, req, left)
                 .await;
         };
         // The handshake checks the owner's certificate before a byte of the request goes.
-        let config = tls.client_config(node).map_err(unreachable)?;
-        let name = super::tls::node_name(node).map_err(|e| unreachable(e.to_string()))?;
+        let config = tls.client_config(&to.node).map_err(unreachable)?;
+        let name = super::tls::node_name(&to.node).map_err(|e| unreachable(e.to_string()))?;
         let owner = tokio::time::timeout(
             CONNECT_TIMEOUT,
             tokio_rustls::TlsConnector::from(config).connect(name, owner),
@@ -331,19 +480,21 @@ impl Forwarder {
         .await
         .map_err(|_| unreachable("TLS handshake timed out".into()))?
         .map_err(|e| unreachable(format!("TLS handshake failed: {e}")))?;
-        self.upgrade_over(owner, node, authority, path, signed, req, left)
+        self.upgrade_over(owner, to, base, authority, path, who, req, left)
             .await
     }
 
-    /// [`Forwarder::upgrade`] on a connection to the owner.
+    /// [`Forwarder::upgrade`] on a connection to the owner (`authority` of `base`), plain
+    /// or TLS: the signed request, the owner's answer, the proof frame, the splice.
     #[allow(clippy::too_many_arguments)]
     async fn upgrade_over<S>(
         &self,
         mut owner: S,
-        node: &str,
+        to: &Destination,
+        base: &str,
         authority: &str,
         path: &str,
-        signed: Vec<(&'static str, String)>,
+        who: Forwarded,
         mut req: Request,
         left: Left,
     ) -> Result<Response<Body>, ForwardError>
@@ -351,9 +502,15 @@ impl Forwarder {
         S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     {
         let unreachable = |reason: String| ForwardError::Unreachable {
-            node: node.to_owned(),
+            node: to.node.clone(),
+            address: base.to_owned(),
             reason,
         };
+        let bad_answer = || ForwardError::BadAnswer {
+            node: to.node.clone(),
+            address: base.to_owned(),
+        };
+        let signed = self.signer.sign(req.method().as_str(), path, &who);
         let mut head = format!("{} {path} HTTP/1.1\r\nhost: {authority}\r\n", req.method());
         head.push_str("connection: Upgrade\r\nupgrade: websocket\r\n");
         for (name, value) in forwarded_headers(req.headers()) {
@@ -367,6 +524,11 @@ impl Forwarder {
         head.push_str("\r\n");
         owner
             .write_all(head.as_bytes())
+            .await
+            .map_err(|e| unreachable(e.to_string()))?;
+        // Over TLS, what is written may wait in the session until flushed.
+        owner
+            .flush()
             .await
             .map_err(|e| unreachable(e.to_string()))?;
 
@@ -394,18 +556,14 @@ impl Forwarder {
                     break (answer.code.unwrap_or(502), headers, len);
                 }
                 Ok(httparse::Status::Partial) if buf.len() < MAX_HEAD => continue,
-                _ => {
-                    return Err(ForwardError::BadAnswer {
-                        node: node.to_owned(),
-                    })
-                }
+                _ => return Err(bad_answer()),
             }
         };
         let rest = buf.split_off(head_len);
         let mut answer = Response::builder().status(status);
         for (name, value) in &headers {
             let hop = NOT_FORWARDED.contains(&name.as_str()) && status != 101;
-            if !hop && name != "content-length" {
+            if !hop && name != "content-length" && !name.starts_with(HEADER_PREFIX) {
                 answer = answer.header(name.as_str(), value.as_slice());
             }
         }
@@ -426,17 +584,28 @@ impl Forwarder {
                 }
             }
             body.truncate(length);
-            return answer
-                .body(Body::from(body))
-                .map_err(|_| ForwardError::BadAnswer {
-                    node: node.to_owned(),
-                });
+            return answer.body(Body::from(body)).map_err(|_| bad_answer());
         }
         let Some(on_upgrade) = req.extensions_mut().remove::<hyper::upgrade::OnUpgrade>() else {
-            return Err(ForwardError::BadAnswer {
-                node: node.to_owned(),
-            });
+            return Err(bad_answer());
         };
+        // The owner's challenge, answered before any byte of the client's.
+        let Some(challenge) = headers
+            .iter()
+            .find(|(n, _)| n == CHALLENGE_HEADER)
+            .and_then(|(_, v)| std::str::from_utf8(v).ok())
+        else {
+            return Err(bad_answer());
+        };
+        let proof = self.signer.upgrade_proof(&who.nonce, challenge);
+        owner
+            .write_all(&masked_text_frame(proof.as_bytes()))
+            .await
+            .map_err(|e| unreachable(e.to_string()))?;
+        owner
+            .flush()
+            .await
+            .map_err(|e| unreachable(e.to_string()))?;
         let cancel = self.cancel.clone();
         self.tracker.spawn(async move {
             let Ok(upgraded) = on_upgrade.await else {
@@ -445,11 +614,7 @@ impl Forwarder {
             let mut client = TokioIo::new(upgraded);
             splice(&mut client, owner, &rest, cancel, left).await;
         });
-        answer
-            .body(Body::empty())
-            .map_err(|_| ForwardError::BadAnswer {
-                node: node.to_owned(),
-            })
+        answer.body(Body::empty()).map_err(|_| bad_answer())
     }
 }
 
@@ -464,6 +629,22 @@ fn error_chain(e: &dyn std::error::Error) -> String {
         source = cause.source();
     }
     text
+}
+
+/// A client-to-server text frame (masked, as RFC 6455 §5.3 wants) of a short `payload`.
+fn masked_text_frame(payload: &[u8]) -> Vec<u8> {
+    let mask: [u8; 4] = rand::random();
+    let mut frame = vec![0x81];
+    match payload.len() {
+        n @ 0..=125 => frame.push(0x80 | n as u8),
+        n => {
+            frame.push(0x80 | 126);
+            frame.extend((n.min(usize::from(u16::MAX)) as u16).to_be_bytes());
+        }
+    }
+    frame.extend(mask);
+    frame.extend(payload.iter().enumerate().map(|(i, b)| b ^ mask[i % 4]));
+    frame
 }
 
 /// The close frame the entry node sends when the owner's side ends without one (the owner
@@ -592,7 +773,7 @@ mod tests {
         f.watch(&[0xE8]);
         assert!(f.closed && f.between());
     }
-    use crate::cluster::signing::{KEY_HEADER, SIGNATURE_HEADER};
+    use crate::cluster::signing::{body_digest, KEY_HEADER, SIGNATURE_HEADER};
     use axum::extract::ws::{Message as WsFrame, WebSocketUpgrade};
     use axum::routing::{any, get, post};
     use axum::Router;
@@ -601,6 +782,14 @@ mod tests {
     use tokio_tungstenite::tungstenite::Message as ClientFrame;
 
     const SUBPROTOCOL: &str = "v1.kernel.websocket.jupyter.org";
+    const OWNER: &str = "owner-1";
+    const RUN: &str = "run-1";
+    const MAX_BODY: usize = 4 << 20;
+
+    /// A signer of the cluster with `secret`, as the owner has it.
+    fn signer_of(secret: &[u8]) -> Arc<Signer> {
+        Arc::new(Signer::new(secret, OWNER, RUN))
+    }
 
     async fn serve(router: Router) -> String {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
@@ -629,38 +818,76 @@ mod tests {
             });
             Body::from_stream(lines)
         });
+        let checked = signer.clone();
+        let digest = post(move |h: HeaderMap, req: Request| {
+            let signer = checked.clone();
+            async move {
+                let path = req.uri().path().to_owned();
+                let body = axum::body::to_bytes(req.into_body(), usize::MAX)
+                    .await
+                    .unwrap_or_default();
+                let now = chrono::Utc::now().timestamp();
+                let taken = signer
+                    .verify("POST", &path, &h, now)
+                    .and_then(|c| signer.accept(c, &body_digest(&body), now));
+                match taken {
+                    Ok(_) => (axum::http::StatusCode::OK, body.len().to_string()).into_response(),
+                    Err(e) => (axum::http::StatusCode::FORBIDDEN, e.to_string()).into_response(),
+                }
+            }
+        });
         let ws = any(move |h: HeaderMap, req: Request| {
             let signer = signer.clone();
             async move {
                 let path = req.uri().path().to_owned();
-                if signer
-                    .verify("GET", &path, &h, chrono::Utc::now().timestamp())
-                    .is_err()
-                {
+                let now = chrono::Utc::now().timestamp();
+                let Ok(who) = signer
+                    .verify("GET", &path, &h, now)
+                    .and_then(|c| signer.accept(c, &body_digest(b""), now))
+                else {
                     return axum::http::StatusCode::FORBIDDEN.into_response();
-                }
+                };
+                let challenge = Signer::challenge();
                 let (mut parts, _) = req.into_parts();
                 let Ok(upgrade) = WebSocketUpgrade::from_request_parts(&mut parts, &()).await
                 else {
                     return axum::http::StatusCode::BAD_REQUEST.into_response();
                 };
-                upgrade
-                    .protocols([SUBPROTOCOL])
-                    .on_upgrade(|mut socket| async move {
-                        while let Some(Ok(frame)) = socket.recv().await {
-                            if matches!(frame, WsFrame::Close(_))
-                                || socket.send(frame).await.is_err()
-                            {
-                                break;
+                let answered = challenge.clone();
+                let mut response =
+                    upgrade
+                        .protocols([SUBPROTOCOL])
+                        .on_upgrade(move |mut socket| async move {
+                            // Served only once the entry node answers the challenge.
+                            let proved = match socket.recv().await {
+                                Some(Ok(WsFrame::Text(t))) => {
+                                    signer.proves(&who.nonce, &answered, t.as_str())
+                                }
+                                _ => false,
+                            };
+                            if !proved {
+                                return;
                             }
-                        }
-                    })
+                            while let Some(Ok(frame)) = socket.recv().await {
+                                if matches!(frame, WsFrame::Close(_))
+                                    || socket.send(frame).await.is_err()
+                                {
+                                    break;
+                                }
+                            }
+                        });
+                response.headers_mut().insert(
+                    CHALLENGE_HEADER,
+                    HeaderValue::from_str(&challenge).expect("hex"),
+                );
+                response
             }
         });
         serve(
             Router::new()
                 .route("/headers", headers)
                 .route("/stream", stream)
+                .route("/digest", digest)
                 .route("/ws", ws),
         )
         .await
@@ -683,28 +910,24 @@ mod tests {
                 TaskTracker::new(),
                 CancellationToken::new(),
             )
-            .expect("forwarder"),
+            .expect("forwarder")
+            .bounded(MAX_BODY),
         );
+        let to = Destination {
+            node: OWNER.into(),
+            incarnation: RUN.into(),
+            address: owner,
+            cluster_address: None,
+        };
         let router = Router::new().fallback(move |mut req: Request| {
-            let (forwarder, owner, left) = (forwarder.clone(), owner.clone(), left.clone());
+            let (forwarder, to, left) = (forwarder.clone(), to.clone(), left.clone());
             async move {
                 strip_internal(req.headers_mut());
-                let record = NodeRecord {
-                    address: owner.clone(),
-                    cluster_address: Some(owner.replace("http://", "https://")),
-                    incarnation: "i1".into(),
-                    capacity: 1,
-                    load: 0,
-                    version: String::new(),
-                    specs: Vec::new(),
-                    warm: Default::default(),
-                    away: false,
-                };
-                match forwarder
-                    .forward("owner-1", &record, "alice", "req-1", true, req, left)
-                    .await
-                {
+                match forwarder.forward(&to, "alice", true, req, left).await {
                     Ok(r) => r.into_response(),
+                    Err(e @ ForwardError::TooLarge { .. }) => {
+                        (axum::http::StatusCode::PAYLOAD_TOO_LARGE, e.to_string()).into_response()
+                    }
                     Err(e) => {
                         (axum::http::StatusCode::SERVICE_UNAVAILABLE, e.to_string()).into_response()
                     }
@@ -716,7 +939,7 @@ mod tests {
 
     #[tokio::test]
     async fn requests_and_websockets_reach_the_owner_signed_and_without_credentials() {
-        let signer = Arc::new(Signer::new(b"secret"));
+        let signer = signer_of(b"secret");
         let owner_url = owner(signer.clone()).await;
         let entry_url = entry(signer.clone(), owner_url).await;
         let http = reqwest::Client::new();
@@ -750,6 +973,27 @@ mod tests {
             .expect("text");
         assert_eq!(body, "line one\n");
 
+        // Bodies signed with their digest: a small one from memory, one past IN_MEMORY from
+        // its temporary file; one past the bound is refused at the entry.
+        for len in [10, IN_MEMORY + 12_345] {
+            let body: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
+            let answer = http
+                .post(format!("{entry_url}/digest"))
+                .body(body)
+                .send()
+                .await
+                .expect("forwarded");
+            assert_eq!(answer.status().as_u16(), 200, "{len} bytes");
+            assert_eq!(answer.text().await.expect("text"), len.to_string());
+        }
+        let answer = http
+            .post(format!("{entry_url}/digest"))
+            .body(vec![0u8; MAX_BODY + 1])
+            .send()
+            .await
+            .expect("answered");
+        assert_eq!(answer.status().as_u16(), 413);
+
         // A WebSocket: the owner's 101 with its subprotocol; text and binary frames intact.
         let (mut ws, response) = websocket_through(&entry_url).await;
         assert_eq!(
@@ -773,8 +1017,8 @@ mod tests {
     #[tokio::test]
     async fn an_owner_that_refuses_the_upgrade_is_answered_as_it_is_and_a_dead_one_is_unreachable()
     {
-        let signer = Arc::new(Signer::new(b"secret"));
-        let owner_url = owner(Arc::new(Signer::new(b"another secret"))).await;
+        let signer = signer_of(b"secret");
+        let owner_url = owner(signer_of(b"another secret")).await;
         let entry_url = entry(signer, owner_url).await;
         let request = format!("{}/ws", entry_url.replace("http://", "ws://"))
             .into_client_request()
@@ -790,11 +1034,7 @@ mod tests {
             let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
             l.local_addr().expect("addr").port()
         };
-        let entry_url = entry(
-            Arc::new(Signer::new(b"s")),
-            format!("http://127.0.0.1:{port}"),
-        )
-        .await;
+        let entry_url = entry(signer_of(b"s"), format!("http://127.0.0.1:{port}")).await;
         let r = reqwest::get(format!("{entry_url}/headers"))
             .await
             .expect("answer");
@@ -875,7 +1115,7 @@ mod tests {
     async fn with_tls_a_server_that_is_not_the_owner_gets_no_byte_of_a_call_or_an_upgrade() {
         let ca = crate::cluster::tls::tests::Ca::new();
         let forwarder = Forwarder::new(
-            Arc::new(Signer::new(b"secret")),
+            Arc::new(Signer::new(b"secret", "node-1", "i0")),
             "node-1",
             TaskTracker::new(),
             CancellationToken::new(),
@@ -895,7 +1135,7 @@ mod tests {
             warm: Default::default(),
             away: false,
         };
-        let planted = record(Some(format!("https://{addr}")));
+        let planted = Destination::of("node-2", &record(Some(format!("https://{addr}"))));
         let call = || {
             axum::http::Request::builder()
                 .method("POST")
@@ -913,10 +1153,10 @@ mod tests {
         };
         for req in [call(), upgrade()] {
             let answer = forwarder
-                .forward("node-2", &planted, "alice", "r", true, req, never_left())
+                .forward(&planted, "alice", true, req, never_left())
                 .await;
             match answer {
-                Err(ForwardError::Unreachable { node, reason }) => {
+                Err(ForwardError::Unreachable { node, reason, .. }) => {
                     assert_eq!(node, "node-2");
                     assert!(reason.contains("certificate"), "{reason}");
                 }
@@ -925,9 +1165,9 @@ mod tests {
         }
         assert_eq!(connections.load(std::sync::atomic::Ordering::SeqCst), 2);
         // A record without a cluster address: not called at all, not even in clear.
-        let plain = record(None);
+        let plain = Destination::of("node-2", &record(None));
         let answer = forwarder
-            .forward("node-2", &plain, "alice", "r", true, call(), never_left())
+            .forward(&plain, "alice", true, call(), never_left())
             .await;
         assert!(
             matches!(answer, Err(ForwardError::Unreachable { .. })),
@@ -952,7 +1192,7 @@ mod tests {
                 held.push(socket);
             }
         });
-        let signer = Arc::new(Signer::new(b"secret"));
+        let signer = signer_of(b"secret");
         let (leave, left) = switch();
         let entry_url = entry_watching(signer.clone(), silent_url, left).await;
         let call = tokio::spawn(reqwest::get(format!("{entry_url}/headers")));

@@ -46,6 +46,8 @@ pub struct ClusterNode {
 pub struct Offer {
     pub capacity: usize,
     pub specs: Vec<String>,
+    /// The largest body a call may carry (`--max-message-mb`): forwarded ones too.
+    pub max_body: usize,
 }
 
 impl ClusterNode {
@@ -127,10 +129,11 @@ impl ClusterNode {
             away: false,
         };
         let ttl = Duration::from_secs(args.lease_ttl);
+        let signer = Arc::new(Signer::new(&secret, &node_id, &record.incarnation));
         let membership = Membership::new(registry, &node_id, record, ttl);
-        let signer = Arc::new(Signer::new(&secret));
         let forwarder = Forwarder::new(signer.clone(), &node_id, tracker.clone(), cancel.clone())
             .context("cannot set up node-to-node calls")?
+            .bounded(offer.max_body)
             .with_tls(tls.clone());
         Ok(Some(Arc::new(ClusterNode {
             node_id,

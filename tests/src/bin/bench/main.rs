@@ -69,6 +69,8 @@ struct Opts {
     hibernate_rounds: usize,
     /// Hibernate-resume rounds of the kernel holding 100 MiB.
     hibernate_large_rounds: usize,
+    /// Measure nothing: print the tables of this earlier run's samples.
+    render: Option<PathBuf>,
 }
 
 impl Opts {
@@ -96,6 +98,7 @@ impl Opts {
             packages_only: false,
             hibernate_rounds: 10,
             hibernate_large_rounds: 5,
+            render: None,
         };
         let mut args = std::env::args().skip(1);
         while let Some(a) = args.next() {
@@ -115,6 +118,7 @@ impl Opts {
                 "--cluster-only" => o.cluster_only = true,
                 "--hibernate-only" => o.hibernate_only = true,
                 "--packages-only" => o.packages_only = true,
+                "--render" => o.render = Some(val()?.into()),
                 "--quick" => {
                     // For trying the bench out, not for numbers.
                     o.rounds = 1;
@@ -144,7 +148,8 @@ impl Opts {
 
 const USAGE: &str = "usage: bench [--out FILE.json] [--md FILE.md] [--venv DIR] [--rounds N] \
                      [--pool-size N] [--idle-kernels N] [--quick] [--mcp-only] [--stages-only] \
-                     [--walls-only] [--restart-only] [--cluster-only] [--hibernate-only] [--packages-only]";
+                     [--walls-only] [--restart-only] [--cluster-only] [--hibernate-only] [--packages-only] \
+                     [--render BENCH-RESULTS.json]";
 
 /// One target's kernels and client connections during the run.
 #[derive(Debug)]
@@ -178,6 +183,15 @@ fn log(msg: impl AsRef<str>) {
 #[tokio::main]
 async fn main() -> Result<()> {
     let opts = Opts::parse()?;
+    if let Some(samples) = &opts.render {
+        let doc: Value = serde_json::from_str(
+            &std::fs::read_to_string(samples)
+                .with_context(|| format!("reading {}", samples.display()))?,
+        )
+        .with_context(|| format!("{} is not a bench-results.json", samples.display()))?;
+        println!("{}", report::markdown(&doc));
+        return Ok(());
+    }
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .parent()
         .map(PathBuf::from)
