@@ -23,10 +23,10 @@ use std::time::{Duration, Instant};
 use tracing::Instrument;
 
 /// After an out-of-memory kill in a kernel's container, heartbeat probes that must all go
-/// unanswered before the kernel counts as dead of it: about 2 s in all.
+/// unanswered before the kernel counts as dead of it: under 2 s in all.
 const OOM_PROBES: u32 = 3;
 const OOM_PROBE_GAP: Duration = Duration::from_millis(100);
-const OOM_PROBE_TIMEOUT: Duration = Duration::from_millis(600);
+const OOM_PROBE_TIMEOUT: Duration = Duration::from_millis(500);
 
 /// Tries of one restart before the kernel is declared dead.
 pub(super) const RESTART_TRIES: u32 = 3;
