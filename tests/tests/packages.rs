@@ -224,9 +224,11 @@ async fn allowed_packages_install_offline_and_import_in_the_same_kernel() -> Res
             let error = out.error.clone().unwrap_or_default();
             assert_eq!(error["ename"], "PipInstallRefused", "{cell}: {out:?}");
             assert!(
-                error["evalue"].as_str().is_some_and(|e| e.contains(&format!(
-                    "'{name}' is not in this gateway's package allowlist"
-                ))),
+                error["evalue"]
+                    .as_str()
+                    .is_some_and(|e| e.contains(&format!(
+                        "'{name}' is not in this gateway's package allowlist"
+                    ))),
                 "{cell}: {out:?}"
             );
         }

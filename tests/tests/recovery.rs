@@ -383,16 +383,17 @@ const HOGS: [&str; 3] = [
 /// only noticed by the heartbeat (15 s and more) fails here.
 async fn run_within_10s(gw: &Gateway, id: &str, code: &str) -> Result<Value> {
     let answer = gw
-        .request(
-            reqwest::Method::POST,
-            &format!("/api/kernels/{id}/execute"),
-        )
+        .request(reqwest::Method::POST, &format!("/api/kernels/{id}/execute"))
         .json(&json!({"code": code, "timeout": 60}))
         .timeout(Duration::from_secs(10))
         .send()
         .await
         .with_context(|| format!("no answer to {code:?} within 10 s"))?;
-    anyhow::ensure!(answer.status() == 200, "execute answered {}", answer.status());
+    anyhow::ensure!(
+        answer.status() == 200,
+        "execute answered {}",
+        answer.status()
+    );
     Ok(answer.json().await?)
 }
 
@@ -401,7 +402,9 @@ fn assert_out_of_memory(answer: &Value, limit_mb: u64) {
     assert_eq!(answer["status"], "error", "{answer}");
     assert_eq!(answer["error"]["ename"], "KernelDied", "{answer}");
     assert!(
-        evalue.contains(&format!("the kernel ran out of memory (limit {limit_mb} MiB)")),
+        evalue.contains(&format!(
+            "the kernel ran out of memory (limit {limit_mb} MiB)"
+        )),
         "{answer}"
     );
 }
@@ -435,7 +438,10 @@ async fn deaths_in_a_row_fork_loops_and_deletes_are_named_with_their_cause() -> 
     let out = forked["stdout"].as_str().unwrap_or_default().to_owned();
     assert!(out.starts_with("BlockingIOError "), "{forked}");
     if kernelgate_tests::gvisor() {
-        assert!(out.trim_end().ends_with(" 64"), "RLIMIT_NPROC 256 / 4: {out}");
+        assert!(
+            out.trim_end().ends_with(" 64"),
+            "RLIMIT_NPROC 256 / 4: {out}"
+        );
     }
     let after = run_within_10s(&gw, &id, "x + 1").await?;
     assert_eq!(after["results"][0]["data"]["text/plain"], "42", "{after}");
@@ -500,11 +506,16 @@ async fn deaths_in_a_row_fork_loops_and_deletes_are_named_with_their_cause() -> 
                 .context(text.clone())?;
             assert_eq!(error["ename"], "KernelDeleted", "{text}");
             assert!(
-                error["evalue"].as_str().is_some_and(|e| e.contains(deleted)),
+                error["evalue"]
+                    .as_str()
+                    .is_some_and(|e| e.contains(deleted)),
                 "{text}"
             );
             let end = lines.last().context("an end line")?;
-            assert_eq!((&end["type"], &end["status"]), (&json!("end"), &json!("error")));
+            assert_eq!(
+                (&end["type"], &end["status"]),
+                (&json!("end"), &json!("error"))
+            );
         } else {
             let answer: Value = serde_json::from_str(&text)?;
             assert_eq!(answer["status"], "error", "{answer}");

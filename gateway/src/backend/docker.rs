@@ -20,9 +20,9 @@ use crate::metrics;
 use bollard::errors::Error as DockerError;
 use bollard::models::ContainerSummaryStateEnum;
 use bollard::query_parameters::{
-    CreateContainerOptionsBuilder, EventsOptionsBuilder, InspectContainerOptions, KillContainerOptionsBuilder,
-    ListContainersOptionsBuilder, RenameContainerOptions, RestartContainerOptionsBuilder,
-    WaitContainerOptionsBuilder,
+    CreateContainerOptionsBuilder, EventsOptionsBuilder, InspectContainerOptions,
+    KillContainerOptionsBuilder, ListContainersOptionsBuilder, RenameContainerOptions,
+    RestartContainerOptionsBuilder, WaitContainerOptionsBuilder,
 };
 use bollard::Docker;
 use futures::future::BoxFuture;

@@ -227,9 +227,7 @@ impl Removal {
             }
             Removal::AskedBy(key) => format!("the kernel was deleted by key {key:?}"),
             Removal::Because(reason) => format!("the kernel was deleted ({reason})"),
-            Removal::Culled => {
-                "the kernel was shut down as idle (--cull-idle-timeout)".to_owned()
-            }
+            Removal::Culled => "the kernel was shut down as idle (--cull-idle-timeout)".to_owned(),
         }
     }
 }

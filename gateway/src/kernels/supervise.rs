@@ -1,6 +1,7 @@
 //! Supervision of running kernels: restarts (asked for, or automatic after a death),
-//! the death watch (process exit, or a heartbeat that stops answering), and culling of
-//! idle kernels.
+//! the death watch (process exit, an out-of-memory kill that leaves the process stuck, or
+//! a heartbeat that stops answering; a kernel brought back after it was declared dead is
+//! watched again), and culling of idle kernels.
 //!
 //! A restart moves the kernel into a warm kernel of its spec's pool when one fits (the
 //! configured limits, an environment a warm kernel can be given): same id, same clients,
@@ -352,7 +353,11 @@ impl Kernels {
     /// which leaves the kernel stuck in a sandbox that never exits (seen with runsc 2024,
     /// systrap): only its heartbeat tells. A process the kernel started may be the one
     /// killed: a kernel that still answers is left alone.
-    async fn stuck_after_oom(&self, handle: &str, connection: &ConnectionInfo) -> crate::backend::Exit {
+    async fn stuck_after_oom(
+        &self,
+        handle: &str,
+        connection: &ConnectionInfo,
+    ) -> crate::backend::Exit {
         use futures::StreamExt;
         let mut ooms = self.backend.out_of_memory(handle);
         'events: while let Some(exit) = ooms.next().await {

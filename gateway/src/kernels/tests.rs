@@ -573,7 +573,10 @@ async fn a_kernel_left_stuck_by_running_out_of_memory_is_named_so_before_its_hea
     assert_eq!(died.len(), 1, "{trail}");
     assert_eq!(
         died[0]["why"],
-        format!("the kernel ran out of memory (limit {} MiB)", fake::MEMORY_MB)
+        format!(
+            "the kernel ran out of memory (limit {} MiB)",
+            fake::MEMORY_MB
+        )
     );
 }
 
