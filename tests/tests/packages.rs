@@ -2,7 +2,8 @@
 //! fills a wheelhouse from fixture wheels this test builds offline, and kernels install
 //! allowlisted packages with `%pip`, `!pip`, `python -m pip`, the agent API and MCP, import
 //! them in the same kernel at once, are refused anything else with a message that says what
-//! to do, and every install is in the audit trail. Installs survive hibernation, go with a
+//! to do (a refused `%pip install` fails its cell with the refusal), and every install is in
+//! the audit trail. Installs survive hibernation, go with a
 //! restart, hold when the home is full, and `%pip install` of allowed packages passes a
 //! policy that denies shell commands while `!pip` does not.
 
@@ -217,6 +218,20 @@ async fn allowed_packages_install_offline_and_import_in_the_same_kernel() -> Res
             "{cell}: {text}"
         );
         assert!(text.contains("kernelgate packages add"), "{cell}: {text}");
+        if cell.starts_with('%') {
+            // The cell fails, so an agent reading its status sees it.
+            assert_eq!(out.status, "error", "{cell}: {out:?}");
+            let error = out.error.clone().unwrap_or_default();
+            assert_eq!(error["ename"], "PipInstallRefused", "{cell}: {out:?}");
+            assert!(
+                error["evalue"]
+                    .as_str()
+                    .is_some_and(|e| e.contains(&format!(
+                        "'{name}' is not in this gateway's package allowlist"
+                    ))),
+                "{cell}: {out:?}"
+            );
+        }
     }
     let out = ws.execute("%pip install kgfix-app==1.0").await?;
     assert!(printed(&out).contains("kgfix-app 2.0"), "{out:?}");

@@ -20,12 +20,13 @@ use crate::metrics;
 use bollard::errors::Error as DockerError;
 use bollard::models::ContainerSummaryStateEnum;
 use bollard::query_parameters::{
-    CreateContainerOptionsBuilder, InspectContainerOptions, KillContainerOptionsBuilder,
-    ListContainersOptionsBuilder, RenameContainerOptions, RestartContainerOptionsBuilder,
-    WaitContainerOptionsBuilder,
+    CreateContainerOptionsBuilder, EventsOptionsBuilder, InspectContainerOptions,
+    KillContainerOptionsBuilder, ListContainersOptionsBuilder, RenameContainerOptions,
+    RestartContainerOptionsBuilder, WaitContainerOptionsBuilder,
 };
 use bollard::Docker;
 use futures::future::BoxFuture;
+use futures::stream::BoxStream;
 use futures::{FutureExt, StreamExt};
 use kernelgate_protocol::{ConnectionInfo, SigningKey};
 use socket_dir::{Ids, Ownership};
@@ -335,6 +336,29 @@ impl DockerBackend {
         }
     }
 
+    /// Whether the engine logged an `oom` event for the container since `since` (its
+    /// start, RFC 3339), waiting [`OOM_EVENT_GRACE`] for one still on its way.
+    async fn oom_event_since(&self, handle: &str, since: &str) -> bool {
+        let Ok(since) = chrono::DateTime::parse_from_rfc3339(since) else {
+            return false;
+        };
+        let until = chrono::Utc::now() + OOM_EVENT_GRACE;
+        let stamp = |t: i64, nanos: u32| format!("{t}.{nanos:09}");
+        let filters = HashMap::from([
+            ("type", vec!["container".to_owned()]),
+            ("container", vec![handle.to_owned()]),
+            ("event", vec!["oom".to_owned()]),
+        ]);
+        let options = EventsOptionsBuilder::default()
+            .since(&stamp(since.timestamp(), since.timestamp_subsec_nanos()))
+            .until(&stamp(until.timestamp(), until.timestamp_subsec_nanos()))
+            .filters(&filters)
+            .build();
+        let mut events = self.docker.events(Some(options));
+        let first = tokio::time::timeout(OOM_EVENT_GRACE * 4, events.next()).await;
+        matches!(first, Ok(Some(Ok(_))))
+    }
+
     fn runtime_dir_label(&self) -> String {
         self.settings.runtime_dir.to_string_lossy().into_owned()
     }
@@ -495,15 +519,43 @@ impl KernelBackend for DockerBackend {
                 let state = info.state.unwrap_or_default();
                 exit.oom_killed = state.oom_killed.unwrap_or(false);
                 exit.code = state.exit_code.unwrap_or(code);
-                exit.memory_mb = info
-                    .host_config
-                    .and_then(|h| h.memory)
-                    .and_then(|m| u64::try_from(m).ok())
-                    .filter(|m| *m > 0)
-                    .map(|m| m >> 20);
+                exit.memory_mb = memory_mb(info.host_config.as_ref());
+                // The engine learns of the kill and of the exit on two paths, and sets
+                // `OOMKilled` only when the kill came first: a SIGKILL may still be the
+                // memory limit's, as its `oom` event says.
+                if !exit.oom_killed && exit.code == 128 + 9 {
+                    if let Some(since) = state.started_at.as_deref() {
+                        exit.oom_killed = self.oom_event_since(handle, since).await;
+                    }
+                }
             }
             Ok(exit)
         })
+    }
+
+    fn out_of_memory<'a>(&'a self, handle: &'a str) -> BoxStream<'a, Exit> {
+        let filters = HashMap::from([
+            ("type", vec!["container".to_owned()]),
+            ("container", vec![handle.to_owned()]),
+            ("event", vec!["oom".to_owned()]),
+        ]);
+        let options = EventsOptionsBuilder::default().filters(&filters).build();
+        self.docker
+            .events(Some(options))
+            .take_while(|event| futures::future::ready(event.is_ok()))
+            .then(move |_| async move {
+                let info = self
+                    .docker
+                    .inspect_container(handle, None::<InspectContainerOptions>)
+                    .await
+                    .ok();
+                Exit {
+                    code: 128 + 9,
+                    oom_killed: true,
+                    memory_mb: info.and_then(|i| memory_mb(i.host_config.as_ref())),
+                }
+            })
+            .boxed()
     }
 
     fn exec<'a>(
@@ -644,6 +696,18 @@ impl KernelBackend for DockerBackend {
             Ok(found)
         })
     }
+}
+
+/// How long a kernel killed by SIGKILL waits for the engine's `oom` event that says the
+/// memory limit did it (the event and the exit travel separately).
+const OOM_EVENT_GRACE: std::time::Duration = std::time::Duration::from_millis(400);
+
+/// A container's memory limit in MiB, when it has one.
+fn memory_mb(host: Option<&bollard::models::HostConfig>) -> Option<u64> {
+    host.and_then(|h| h.memory)
+        .and_then(|m| u64::try_from(m).ok())
+        .filter(|m| *m > 0)
+        .map(|m| m >> 20)
 }
 
 /// Writes a small record beside a socket directory, in the gateway's runtime directory,

@@ -5,6 +5,7 @@
 pub mod docker;
 
 use futures::future::BoxFuture;
+use futures::stream::BoxStream;
 use kernelgate_protocol::ConnectionInfo;
 use std::collections::BTreeMap;
 
@@ -176,6 +177,17 @@ pub trait KernelBackend: Send + Sync + 'static {
     /// Resolves when the kernel's process exits (at once if it is not running), with how
     /// it ended.
     fn wait_exit<'a>(&'a self, handle: &'a str) -> BoxFuture<'a, Result<Exit, BackendError>>;
+
+    /// One item each time the kernel's container hits its memory limit and something in
+    /// it is killed for it, as [`Exit::cause`] names it (with the limit). The kernel's
+    /// process may have survived (a process it started was killed) or, under gVisor, be
+    /// left stuck in a sandbox that does not exit (the host killed the stub process its
+    /// memory was mapped in): the caller tells them apart. Ends when the container cannot
+    /// be watched.
+    fn out_of_memory<'a>(&'a self, handle: &'a str) -> BoxStream<'a, Exit> {
+        let _ = handle;
+        Box::pin(futures::stream::empty())
+    }
 
     /// Runs `argv` inside the kernel's sandbox as the kernel's user, in its working
     /// directory, with `stdin` as input; keeps at most `max_stdout` bytes of output.

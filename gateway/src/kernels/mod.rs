@@ -218,6 +218,20 @@ pub enum Removal {
     Culled,
 }
 
+impl Removal {
+    /// What the executions a removed kernel owed are answered with.
+    fn cause(&self) -> String {
+        match self {
+            Removal::AskedBy(key) if key == TOKEN_KEY => {
+                "the kernel was deleted by the admin (the gateway's token)".to_owned()
+            }
+            Removal::AskedBy(key) => format!("the kernel was deleted by key {key:?}"),
+            Removal::Because(reason) => format!("the kernel was deleted ({reason})"),
+            Removal::Culled => "the kernel was shut down as idle (--cull-idle-timeout)".to_owned(),
+        }
+    }
+}
+
 /// All kernels of this gateway.
 #[derive(Debug)]
 pub struct Kernels {
@@ -652,6 +666,11 @@ impl Kernels {
         let owner = live.owner().to_owned();
         if live.is_hibernated() {
             self.forget_state(id).await;
+        } else {
+            // What it runs and holds is answered with who deleted it, as a restart's is.
+            live.relay
+                .lost_executions("KernelDeleted", &why.cause())
+                .await;
         }
         if let Some(ledger) = &self.settings.ledger {
             ledger.release(id).await;
