@@ -324,8 +324,9 @@ impl Kernels {
         }
     }
 
-    /// Creates a kernel: checks the spec, environment and limit, then takes one from the
-    /// warm pool or starts one, and waits until it answers.
+    /// Creates a kernel: checks the spec, environment and limit, holds the key's quota slot
+    /// in the ledger (cluster mode), then takes one from the warm pool or starts one, and
+    /// waits until it answers.
     ///
     /// Safe to abandon: the work runs in a task of its own, so a caller that goes away
     /// (an HTTP client hanging up drops this future) frees its slot of the limit, and a

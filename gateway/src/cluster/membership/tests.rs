@@ -259,6 +259,9 @@ async fn slots_of(store: &Memory, tenant: &str) -> Vec<(String, String)> {
         .collect()
 }
 
+/// The kernels a node's registration refused for their key's quota, with the key.
+type Refused = Arc<Mutex<Vec<(String, String)>>>;
+
 /// Node "a" run again on the same runtime directory: a new incarnation that re-adopts
 /// `kernels` (running, alice may hold `max`), and keeps its lease; what it lost.
 fn restarted(
@@ -266,7 +269,7 @@ fn restarted(
     kernels: &[&str],
     max: Option<usize>,
     cancel: &CancellationToken,
-) -> (Arc<Membership<Memory>>, Arc<Mutex<Vec<(String, String)>>>) {
+) -> (Arc<Membership<Memory>>, Refused) {
     let mut again = node("http://a");
     again.incarnation = "i2".into();
     let a = Membership::new(store.clone(), "a", again, Duration::from_secs(3));
