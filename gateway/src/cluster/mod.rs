@@ -23,7 +23,9 @@ pub mod placement;
 pub mod registry;
 pub mod signing;
 
-pub use registry::{Entry, Event, Lease, Listing, Registry, RegistryError, Revision};
+pub use registry::{
+    Change, Compare, Entry, Event, Lease, Listing, Registry, RegistryError, Revision,
+};
 
 use serde::{Deserialize, Serialize};
 

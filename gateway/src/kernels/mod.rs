@@ -57,6 +57,15 @@ pub enum CreateError {
     Resume(String),
 }
 
+impl From<ledger::ClaimRefused> for CreateError {
+    fn from(refused: ledger::ClaimRefused) -> Self {
+        match refused {
+            ledger::ClaimRefused::Quota { key, max } => CreateError::TooManyForKey { key, max },
+            ledger::ClaimRefused::Unavailable(why) => CreateError::Unregistered(why),
+        }
+    }
+}
+
 /// What governs kernels, taken from the configuration.
 #[derive(Debug, Clone)]
 pub struct Settings {
@@ -329,8 +338,9 @@ impl Kernels {
         }
     }
 
-    /// Creates a kernel: checks the spec, environment and limit, then takes one from the
-    /// warm pool or starts one, and waits until it answers.
+    /// Creates a kernel: checks the spec, environment and limit, holds the key's quota slot
+    /// in the ledger (cluster mode), then takes one from the warm pool or starts one, and
+    /// waits until it answers.
     ///
     /// Safe to abandon: the work runs in a task of its own, so a caller that goes away
     /// (an HTTP client hanging up drops this future) frees its slot of the limit, and a
@@ -362,6 +372,24 @@ impl Kernels {
         let max_hibernated = tenant.max_hibernated;
         self.tracker.spawn(
             async move {
+                // The key's quota slot first: a create the quota refuses takes no warm
+                // kernel and starts none, on any node.
+                let reservation = match &me.settings.ledger {
+                    Some(ledger) => match ledger.reserve(&owner, max_kernels).await {
+                        Ok(reservation) => Some(reservation),
+                        Err(refused) => {
+                            drop(slot);
+                            let _ = tx.send(Err(refused.into()));
+                            return;
+                        }
+                    },
+                    None => None,
+                };
+                let give_back = |reservation: Option<ledger::Reservation>| async {
+                    if let (Some(ledger), Some(reservation)) = (&me.settings.ledger, reservation) {
+                        ledger.cancel(reservation).await;
+                    }
+                };
                 let started = std::time::Instant::now();
                 let result = me.obtain(&name, env.clone(), &owner, limits).await;
                 let (live, source) = match result {
@@ -378,6 +406,7 @@ impl Kernels {
                     }
                     Err(e) => {
                         drop(slot);
+                        give_back(reservation).await;
                         let _ = tx.send(Err(e));
                         return;
                     }
@@ -391,21 +420,17 @@ impl Kernels {
                 }
                 if tx.is_closed() || !slot.fill(&live) {
                     me.abandon(&live).await;
+                    give_back(reservation).await;
                     return;
                 }
-                if let Some(ledger) = &me.settings.ledger {
-                    let claimed = ledger.claim(live.id(), &owner, &name, max_kernels).await;
+                if let (Some(ledger), Some(reservation)) = (&me.settings.ledger, reservation) {
+                    let claimed = ledger.claim(live.id(), &owner, &name, reservation).await;
                     if let Err(refused) = claimed {
                         let taken = me.lock().live.remove(live.id());
                         if let Some(taken) = taken {
                             me.abandon(&taken).await;
                         }
-                        let _ = tx.send(Err(match refused {
-                            ledger::ClaimRefused::Quota { key, max } => {
-                                CreateError::TooManyForKey { key, max }
-                            }
-                            ledger::ClaimRefused::Unavailable(why) => CreateError::Unregistered(why),
-                        }));
+                        let _ = tx.send(Err(refused.into()));
                         return;
                     }
                 }
@@ -723,6 +748,18 @@ impl Kernels {
         let mut all: Vec<_> = t.live.drain().map(|(_, v)| v).collect();
         all.extend(t.pool.drain().flat_map(|(_, p)| p));
         all
+    }
+
+    /// Removes the warm kernels of every pool (a cluster node that stops: they are
+    /// nobody's, and a node that does not return would leave them running).
+    pub async fn remove_warm(&self) {
+        let warm: Vec<_> = self.lock().pool.drain().flat_map(|(_, p)| p).collect();
+        let removals = warm.iter().map(|live| self.discard(live));
+        for (live, result) in warm.iter().zip(futures::future::join_all(removals).await) {
+            if let Err(e) = result {
+                tracing::warn!(kernel = %live.id(), error = %e, "cannot remove a warm kernel at shutdown");
+            }
+        }
     }
 
     /// Lets go of every kernel without removing it (a cluster node that stops and will

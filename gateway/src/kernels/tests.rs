@@ -6,7 +6,7 @@ use super::*;
 use futures::FutureExt;
 use std::future::Future;
 
-fn specs(extra: &[&str], pools: &[&str]) -> Arc<KernelSpecs> {
+pub(super) fn specs(extra: &[&str], pools: &[&str]) -> Arc<KernelSpecs> {
     let strings = |v: &[&str]| v.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
     Arc::new(KernelSpecs::parse("kernel:1", &strings(extra), &strings(pools)).expect("valid"))
 }
@@ -78,7 +78,7 @@ fn env(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
 }
 
 impl Kernels {
-    fn pooled(&self) -> usize {
+    pub(super) fn pooled(&self) -> usize {
         self.lock().pool.values().map(VecDeque::len).sum()
     }
 

@@ -272,7 +272,7 @@ impl Kernels {
             let live = self.hibernated_kernel(&meta);
             self.lock().live.insert(meta.id.clone(), live.clone());
             if let Some(ledger) = &self.settings.ledger {
-                ledger.adopt(&meta.id, &meta.owner, &meta.spec);
+                ledger.adopt(&meta.id, &meta.owner, &meta.spec, false);
                 ledger.hibernated(&meta.id, true).await;
             }
             tracing::info!(kernel = %meta.id, "hibernated kernel of an earlier run listed again");
