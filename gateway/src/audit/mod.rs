@@ -113,11 +113,25 @@ pub enum Record {
         #[serde(skip_serializing_if = "Vec::is_empty")]
         dropped: Vec<String>,
     },
-    /// A hibernated kernel runs again, with its state loaded into a fresh process.
+    /// A hibernated kernel runs again, its saved state confirmed loaded into a fresh process.
     KernelResumed {
         kernel: String,
         owner: String,
         took_ms: u64,
+    },
+    /// A hibernated kernel's saved state did not load into its new process (`reason` says
+    /// why): the state is kept and the kernel hibernates again.
+    KernelResumeFailed {
+        kernel: String,
+        owner: String,
+        reason: String,
+    },
+    /// A key discarded a hibernated kernel's saved variables: it runs again as a fresh
+    /// process with its saved files.
+    KernelStateDiscarded {
+        kernel: String,
+        owner: String,
+        key: String,
     },
     /// Code is on its way to the kernel (written before it is sent).
     ExecutionRequested {
