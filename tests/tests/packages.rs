@@ -388,15 +388,35 @@ async fn agents_list_and_install_packages_through_the_agent_api_and_mcp() -> Res
     assert_eq!(installed.len(), 5, "{installed:?}");
     assert_eq!(installed[0]["kernel"], id);
     assert_eq!(installed[0]["requested"], json!(["kgfix-app"]));
+    // The gateway vouches for the request and the allowlist line that let it through; what
+    // was installed is the kernel's word, and filed as such.
     assert_eq!(
-        installed[0]["installed"][1],
+        installed[0]["allowed"],
+        json!(["kgfix-app"]),
+        "{installed:?}"
+    );
+    assert_eq!(installed[0].get("installed"), None, "{installed:?}");
+    let reported = &installed[0]["kernel_reported"];
+    assert_eq!(
+        reported["installed"][1],
         json!({"name": "kgfix-app", "version": "2.0"})
     );
+    assert_eq!(reported["exit_code"], 0);
     assert!(installed[0]["key"].is_string());
-    assert_eq!(installed[1]["already"][2]["name"], "numpy");
-    assert_eq!(installed[2]["refused"][0]["requirement"], "kgfix-denied");
+    assert_eq!(
+        installed[1]["kernel_reported"]["already"][2]["name"],
+        "numpy"
+    );
+    assert_eq!(installed[2]["allowed"], json!([]), "{installed:?}");
+    assert_eq!(
+        installed[2]["kernel_reported"]["refused"][0]["requirement"],
+        "kgfix-denied"
+    );
     assert_eq!(installed[3]["kernel"], kernel_id);
-    assert_eq!(installed[4]["refused"][0]["requirement"], "kgfix-denied");
+    assert_eq!(
+        installed[4]["kernel_reported"]["refused"][0]["requirement"],
+        "kgfix-denied"
+    );
     gw.stop().await?;
     Ok(())
 }

@@ -4,7 +4,7 @@
 //! (docs/packages.md).
 
 use super::{Kernels, LiveKernel};
-use crate::audit::{PackageRefusal, PackageVersion, Record};
+use crate::audit::{KernelReportedInstall, PackageRefusal, PackageVersion, Record};
 use crate::backend::{BackendError, ExecRequest};
 use crate::packages::allowlist;
 use serde::{Deserialize, Serialize};
@@ -110,15 +110,33 @@ pub async fn install(
             why
         }));
     };
+    // What the gateway knows: the allowlist's lines for the names asked for.
+    let asked: Vec<String> = requirements
+        .iter()
+        .filter_map(|r| allowlist::parse_requirement(r).ok())
+        .map(|e| e.name)
+        .collect();
+    let allowed = kernels
+        .packages()
+        .map(|p| p.allowed(&live.name))
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|e| asked.contains(&e.name))
+        .map(|e| e.requirement)
+        .collect();
     kernels
         .audit()
         .record(&Record::PackagesInstalled {
             key: key.to_owned(),
             kernel: live.id().to_owned(),
             requested: requirements.to_vec(),
-            installed: report.installed.clone(),
-            already: report.already.clone(),
-            refused: report.refused.clone(),
+            allowed,
+            kernel_reported: KernelReportedInstall {
+                installed: report.installed.clone(),
+                already: report.already.clone(),
+                refused: report.refused.clone(),
+                exit_code: out.exit_code,
+            },
         })
         .await;
     if report.refused.is_empty() && out.exit_code == 0 {

@@ -330,7 +330,13 @@ impl Kernels {
                     HibernateError::Failed(format!("writing into --hibernate-dir: {e}"))
                 })?;
                 let mut out = std::io::BufWriter::with_capacity(64 << 10, file);
-                let kept = keep_files(ChunkReader::new(received), &mut out, lossy)?;
+                let mut reader = ChunkReader::new(received);
+                let kept = keep_files(&mut reader, &mut out, lossy)?;
+                // What follows the archive's end (tar's record padding) is read too, so
+                // the command is never cut short.
+                std::io::copy(&mut reader, &mut std::io::sink()).map_err(|e| {
+                    HibernateError::Failed(format!("reading the kernel's files: {e}"))
+                })?;
                 let file = out.into_inner().map_err(|e| {
                     HibernateError::Failed(format!("writing into --hibernate-dir: {e}"))
                 })?;
@@ -358,7 +364,8 @@ impl Kernels {
             }
             e => HibernateError::Failed(format!("taking the state out: {e}")),
         })?;
-        if out.truncated && !matches!(kept, Err(HibernateError::Blocked(_))) {
+        // Cut at the cap, the archive ends early: the cap is the reason.
+        if out.truncated {
             return Err(HibernateError::Blocked(format!(
                 "the kernel's variables and files pass the {} MiB allowed (--hibernate-max-mb); delete some, or raise it",
                 policy.max_bytes >> 20
