@@ -407,7 +407,12 @@ async fn agents_list_and_install_packages_through_the_agent_api_and_mcp() -> Res
         installed[1]["kernel_reported"]["already"][2]["name"],
         "numpy"
     );
-    assert_eq!(installed[2]["allowed"], json!([]), "{installed:?}");
+    assert_eq!(
+        installed[2]["allowed"],
+        json!(["kgfix-hello"]),
+        "{installed:?}"
+    );
+    assert_eq!(installed[4]["allowed"], json!([]), "{installed:?}");
     assert_eq!(
         installed[2]["kernel_reported"]["refused"][0]["requirement"],
         "kgfix-denied"
