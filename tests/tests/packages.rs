@@ -722,8 +722,18 @@ async fn sync_fetches_a_real_package_from_the_package_index() -> Result<()> {
         .output()?;
     let stderr = String::from_utf8_lossy(&out.stderr);
     if !out.status.success() || String::from_utf8_lossy(&out.stdout).contains("refused tqdm") {
-        if unreachable_index(&stderr) || unreachable_index(&String::from_utf8_lossy(&out.stdout)) {
-            eprintln!("SKIPPED: no package index is reachable from this machine, so the real sync was not checked:\n{stderr}");
+        // The sync keeps only pip's errors; pip's own warnings say whether any index
+        // answered: ask it once more, directly.
+        let probe = std::process::Command::new(host_python())
+            .args(["-m", "pip", "download", "--no-deps", "--dest"])
+            .arg(dir.path().join("probe"))
+            .arg("tqdm")
+            .env("PIP_RETRIES", "0")
+            .env("PIP_DEFAULT_TIMEOUT", "20")
+            .output()?;
+        let probed = String::from_utf8_lossy(&probe.stderr);
+        if !probe.status.success() && unreachable_index(&probed) {
+            eprintln!("SKIPPED: no package index is reachable from this machine, so the real sync was not checked:\n{stderr}\n{probed}");
             return Ok(());
         }
         anyhow::bail!(
