@@ -216,6 +216,13 @@ async fn kernel_table(
             retention: (config.hibernate_retention > 0)
                 .then(|| Duration::from_secs(config.hibernate_retention)),
             lossy: config.hibernate_lossy,
+            save_timeout: Duration::from_secs(config.hibernate_save_timeout),
+            command_timeout: Duration::from_secs(config.sandbox_command_timeout),
+            per_key: match config.max_hibernated_per_key {
+                0 => config.max_hibernated.div_ceil(4).max(1),
+                n => n,
+            },
+            key_max_bytes: config.hibernate_key_max_mb << 20,
             runtime_dir: config.runtime_dir.display().to_string(),
         },
         packages,

@@ -336,9 +336,7 @@ impl KernelBackend for FakeBackend {
     fn exec<'a>(
         &'a self,
         _handle: &'a str,
-        _argv: Vec<String>,
-        _stdin: Bytes,
-        _max_stdout: usize,
+        _request: crate::backend::ExecRequest,
     ) -> BoxFuture<'a, Result<ExecOutput, BackendError>> {
         Box::pin(async {
             Err(BackendError::Runtime(

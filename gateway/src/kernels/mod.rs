@@ -55,6 +55,10 @@ pub enum CreateError {
     /// A hibernated kernel's state could not be put into a fresh process; it stays on disk.
     #[error("the hibernated kernel's state could not be loaded: {0}")]
     Resume(String),
+    /// Its saved variables did not load into the new process; the state is kept and the
+    /// kernel hibernates again.
+    #[error("the kernel's saved state could not be loaded ({why}); the state is kept: try again, or discard the saved variables and keep the files with POST /api/kernels/{id}/discard-state (docs/hibernation.md)")]
+    StateNotLoaded { id: String, why: String },
 }
 
 impl From<ledger::ClaimRefused> for CreateError {
@@ -280,6 +284,12 @@ impl Kernels {
     /// The audit trail.
     pub fn audit(&self) -> &Audit {
         &self.settings.audit
+    }
+
+    /// How long a command the gateway runs in a kernel's sandbox may take
+    /// (`--sandbox-command-timeout`).
+    pub fn command_timeout(&self) -> Duration {
+        self.settings.hibernate.command_timeout
     }
 
     /// The package allowlists and wheelhouse, when `--wheelhouse` is set.
