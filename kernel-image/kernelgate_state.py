@@ -32,11 +32,13 @@ What survives:
 What does not:
 
 * objects that hold an operating-system resource or a running computation: generators and
-  coroutines, database connections (sqlite3.Connection), locks, threads, open files,
-  sockets, subprocesses; and anything that refers to one. `save` refuses, naming every such
-  variable (HibernateBlocked), unless `lossy`, which saves the rest. The names of what was
-  lost, and of variables that fail to load, are printed on stderr when the first cell after
-  the wake runs;
+  coroutines, database connections (sqlite3.Connection), locks, threads, open files (read
+  or write, named with their path and mode), sockets, subprocesses; and anything that
+  refers to one. `save` refuses, naming every such variable (HibernateBlocked), unless
+  `lossy`, which saves the rest. An open file's buffered writes are flushed to the file
+  first, so the file in the home holds them either way. The names of what was lost, and of
+  variables that fail to load, are printed on stderr when the first cell after the wake
+  runs;
 * module-level state of imported modules: attributes set on a module, its caches, random
   number generator states, matplotlib's rcParams and pyplot's list of open figures start
   afresh, as after a new import;
@@ -49,6 +51,9 @@ save() fails with HibernateBlocked (str() is one line to show the user) when
 
 * variables cannot be pickled and not lossy:
   `cannot be saved: conn (sqlite3.Connection), gen (generator); delete them or hibernate with --hibernate-lossy`
+  (an open file reads `f (open file 'data.csv' in mode 'r')`);
+* the save is interrupted (the gateway does so past --hibernate-save-timeout):
+  `pickling slow (Slow) was interrupted: it took too long; delete it or make it quicker to pickle`;
 * max_bytes > 0 and the pickled variables take more:
   `the state would be 12.5 MiB, more than the 10 MiB allowed (--hibernate-max-mb)`
   (both reasons joined by "; " when both hold);
@@ -232,14 +237,27 @@ class _Pickler(cloudpickle.Pickler):
     def __init__(self, file, shell):
         super().__init__(file, protocol=5)
         self._shell = shell
+        # The open file that made this pickle fail, if one did.
+        self.open_file = None
 
     def reducer_override(self, obj):
         if obj is self._shell:
             return _current_shell, ()
-        # `with open(...) as f:` leaves a closed file in the namespace: nothing of it is
-        # lost, so it comes back closed instead of blocking the hibernation.
-        if isinstance(obj, io.IOBase) and obj.closed:
-            return _closed_file, (isinstance(obj, io.TextIOBase),)
+        if isinstance(obj, io.IOBase) and not _standard_stream(obj):
+            # `with open(...) as f:` leaves a closed file in the namespace: nothing of it is
+            # lost, so it comes back closed instead of blocking the hibernation.
+            if obj.closed:
+                return _closed_file, (isinstance(obj, io.TextIOBase),)
+            # An open one cannot come back as it was (cloudpickle would make a read-mode
+            # file an io.StringIO of its contents): it is refused, named, and what it
+            # buffered reaches the file in the home.
+            self.open_file = obj
+            try:
+                if obj.writable():
+                    obj.flush()
+            except (OSError, ValueError):
+                pass
+            raise pickle.PicklingError("an open file cannot be saved")
         return super().reducer_override(obj)
 
     def _dynamic_function_reduce(self, func):
@@ -263,6 +281,18 @@ _USER_NAMESPACE = _UserNamespace()
 
 def _current_shell():
     return _shell()
+
+
+def _standard_stream(obj) -> bool:
+    """sys.stdout and the like, which cloudpickle pickles as themselves."""
+    return any(obj is stream for stream in (sys.stdout, sys.stderr, sys.stdin, sys.__stdout__, sys.__stderr__, sys.__stdin__))
+
+
+def _open_file_text(f) -> str:
+    name = getattr(f, "name", None)
+    mode = getattr(f, "mode", None)
+    shown = f"open file {name!r}" if isinstance(name, str) else "open file"
+    return f"{shown} in mode {mode!r}" if isinstance(mode, str) else shown
 
 
 def _closed_file(text: bool):
@@ -324,13 +354,20 @@ def _write_state(shell, state_dir: str, lossy: bool, max_bytes: int) -> None:
             path = os.path.join(state_dir, file)
             total_before = sink.total
             sink.open(path)
+            pickler = _Pickler(sink, shell)
             try:
-                _Pickler(sink, shell).dump(value)
-            except (KeyboardInterrupt, _WriteFailed):
+                pickler.dump(value)
+            except KeyboardInterrupt:
+                sink.discard(path, total_before)
+                raise HibernateBlocked(
+                    f"pickling {name} ({_type_name(value)}) was interrupted: it took too long; delete it or make it quicker to pickle"
+                ) from None
+            except _WriteFailed:
                 raise
             except BaseException:
                 sink.discard(path, total_before)
-                failed.append({"name": name, "type": _type_name(value)})
+                kind = _open_file_text(pickler.open_file) if pickler.open_file is not None else _type_name(value)
+                failed.append({"name": name, "type": kind})
                 if not lossy:
                     sink.doom()
                 continue

@@ -63,8 +63,11 @@ def main():
             fail(NOT_FOUND, "no such file")
         if os.path.isdir(path):
             fail(IS_DIR, "is a directory")
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        # Non-blocking: a pipe is refused, never waited on.
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                fail(BAD_PATH, "not a regular file")
             while True:
                 chunk = f.read(1 << 20)
                 if not chunk:

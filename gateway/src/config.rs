@@ -397,6 +397,25 @@ pub struct Config {
     #[arg(long, env = "KERNELGATE_MAX_HIBERNATED", default_value_t = 256, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(0..))]
     pub max_hibernated: usize,
 
+    /// Most kernels one key may keep hibernated (a key's `max_hibernated` in the keys file
+    /// overrides it); 0 is a quarter of --max-hibernated.
+    #[arg(long, env = "KERNELGATE_MAX_HIBERNATED_PER_KEY", default_value_t = 0)]
+    pub max_hibernated_per_key: usize,
+
+    /// Most MiB of state one key's hibernated kernels may take on disk together.
+    #[arg(long, env = "KERNELGATE_HIBERNATE_KEY_MAX_MB", default_value_t = 4096, value_parser = clap::value_parser!(u64).range(1..))]
+    pub hibernate_key_max_mb: u64,
+
+    /// Seconds pickling a kernel's variables may take before the save is interrupted and
+    /// the kernel keeps running, blocked from hibernating until its next execution.
+    #[arg(long, env = "KERNELGATE_HIBERNATE_SAVE_TIMEOUT", default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
+    pub hibernate_save_timeout: u64,
+
+    /// Seconds a command the gateway runs in a kernel's sandbox may take (taking a state
+    /// out or putting it back, the files API) before it is killed.
+    #[arg(long, env = "KERNELGATE_SANDBOX_COMMAND_TIMEOUT", default_value_t = 120, value_parser = clap::value_parser!(u64).range(1..))]
+    pub sandbox_command_timeout: u64,
+
     /// Seconds a hibernated kernel is kept before it is deleted with its state; 0 forever.
     #[arg(long, env = "KERNELGATE_HIBERNATE_RETENTION", default_value_t = 7 * 24 * 3600)]
     pub hibernate_retention: u64,

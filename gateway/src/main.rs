@@ -216,6 +216,13 @@ async fn kernel_table(
             retention: (config.hibernate_retention > 0)
                 .then(|| Duration::from_secs(config.hibernate_retention)),
             lossy: config.hibernate_lossy,
+            save_timeout: Duration::from_secs(config.hibernate_save_timeout),
+            command_timeout: Duration::from_secs(config.sandbox_command_timeout),
+            per_key: match config.max_hibernated_per_key {
+                0 => config.max_hibernated.div_ceil(4).max(1),
+                n => n,
+            },
+            key_max_bytes: config.hibernate_key_max_mb << 20,
             runtime_dir: config.runtime_dir.display().to_string(),
         },
         packages,
@@ -250,6 +257,11 @@ async fn serve(config: Config) -> anyhow::Result<()> {
     let cancel = CancellationToken::new();
     let prepared = prepare(&config, &tracker, &cancel)?;
     if let Some(node) = &prepared.cluster {
+        // Kernels re-adopted at start take back their keys' quota slots by these.
+        let keys = keys.clone();
+        node.membership.set_quotas(Box::new(move |name| {
+            keys.tenant_named(name).and_then(|t| t.max_kernels)
+        }));
         if !kernelgate::metrics::set_node(&node.node_id) {
             tracing::warn!(
                 "metrics were recorded before the node was known: they carry no node label"
@@ -333,13 +345,23 @@ async fn serve(config: Config) -> anyhow::Result<()> {
     })
     .await?;
     if let Some(node) = node {
-        // Another node may be asked for them meanwhile (503 until this one is back); this
-        // node re-adopts them when it starts again on the same runtime directory.
-        if let Err(e) = node.membership.step_away(AWAY_FOR).await {
-            tracing::warn!(error = %e, "cannot mark this node away in the cluster registry: its kernels answer 404 once its lease ends, until it is back");
+        // Warm kernels are nobody's: removed, whether the node returns or not.
+        kernels.remove_warm().await;
+        if kernels.list().is_empty() {
+            // Nothing to come back for (a node being retired): it leaves the cluster now.
+            if let Err(e) = node.membership.leave().await {
+                tracing::warn!(error = %e, "cannot leave the cluster registry now: this node's record goes when its lease ends");
+            }
+            tracing::info!("cluster mode: no kernel left on this node; it left the cluster");
+        } else {
+            // Another node may be asked for them meanwhile (503 until this one is back);
+            // this node re-adopts them when it starts again on the same runtime directory.
+            if let Err(e) = node.membership.step_away(AWAY_FOR).await {
+                tracing::warn!(error = %e, "cannot mark this node away in the cluster registry: its kernels answer 404 once its lease ends, until it is back");
+            }
+            kernels.leave();
+            tracing::info!(away_for = ?AWAY_FOR, "cluster mode: the kernels keep running for this node's return");
         }
-        kernels.leave();
-        tracing::info!(away_for = ?AWAY_FOR, "cluster mode: the kernels keep running for this node's return");
     } else {
         kernels.shutdown().await;
         // No container mounts the installer any more (a cluster node's keep running).

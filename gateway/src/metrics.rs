@@ -233,8 +233,11 @@ static METRICS: LazyLock<Metrics> = LazyLock::new(|| {
     registry.register(
         "cluster_reconciled",
         "Differences between this node's kernels and the cluster registry that the periodic \
-         reconcile fixed: a record of a kernel this node no longer has (stale_record), or a \
-         kernel of this node the registry did not know (unregistered_kernel)",
+         reconcile fixed: a record of a kernel this node no longer has (stale_record), a \
+         kernel of this node the registry did not know (unregistered_kernel), a kernel \
+         without its key's quota slot (missing_slot), a quota slot whose kernel is gone \
+         (stale_slot); or found and could not fix: a kernel without a slot whose key has \
+         none free (over_quota)",
         m.reconciled.clone(),
     );
     registry.register(
@@ -359,7 +362,8 @@ pub fn docker_error(call: &str) {
         .inc();
 }
 
-/// A difference the cluster reconcile fixed: `stale_record` or `unregistered_kernel`.
+/// A difference the cluster reconcile fixed: `stale_record`, `unregistered_kernel`,
+/// `missing_slot` or `stale_slot`; or found and could not fix: `over_quota`.
 pub fn reconciled(fix: &'static str, count: u64) {
     METRICS
         .reconciled

@@ -176,7 +176,7 @@ for cell in [
     "def count():\\n    yield 1\\ngen = count()",
     "import sqlite3; conn = sqlite3.connect(':memory:')",
     "import threading, socket; lock = threading.Lock(); t = threading.Thread(target=print)",
-    "fh = open('/tmp/f', 'w'); sock = socket.socket()",
+    "fh = open('/tmp/f', 'w'); fh.write('buffered'); rf = open('/etc/hostname'); sock = socket.socket()",
 ]:
     run(cell)
 
@@ -197,6 +197,8 @@ out = {
 manifest = json.load(open(STATE + "/manifest.json"))
 out["saved"] = [v["name"] for v in manifest["variables"]]
 out["dropped"] = manifest["dropped"]
+# What the open file had buffered reached the file: nothing of it is lost with the handle.
+out["flushed"] = open("/tmp/f").read()
 report(**out)
 '''
 
@@ -209,8 +211,9 @@ report(first=first, second=second, y=shell.user_ns["z"], gen="gen" in shell.user
        restored=sorted(set(shell.user_ns) - before))
 '''
 
-UNPICKLABLE = ("conn (sqlite3.Connection), fh (_io.TextIOWrapper), gen (generator), "
-               "lock (_thread.lock), sock (socket.socket), t (threading.Thread)")
+UNPICKLABLE = ("conn (sqlite3.Connection), fh (open file '/tmp/f' in mode 'w'), gen (generator), "
+               "lock (_thread.lock), rf (open file '/etc/hostname' in mode 'r'), "
+               "sock (socket.socket), t (threading.Thread)")
 
 
 def test_what_cannot_be_pickled_blocks_the_save_unless_lossy(tmp_path: Path) -> None:
@@ -224,6 +227,8 @@ def test_what_cannot_be_pickled_blocks_the_save_unless_lossy(tmp_path: Path) -> 
     assert out["lossy"] == {"error": None, "state_left": True}
     assert out["saved"] == ["x", "big", "count"]
     assert [f"{d['name']} ({d['type']})" for d in out["dropped"]] == UNPICKLABLE.split(", ")
+    # An open file is named, never turned into something else; what it buffered is written.
+    assert out["flushed"] == "buffered"
 
     loaded = in_image(home, LOAD_LOSSY)
     # Once, in the output of the first cell after the wake.

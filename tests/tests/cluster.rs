@@ -153,15 +153,20 @@ fn write_certificates(dir: &std::path::Path) -> Result<()> {
 /// Three nodes of at most two kernels each, with a 3 s lease, sharing `keys` (a keys file),
 /// on `bed`'s hosts, calling each other over mutual TLS. Call it from the client's host.
 async fn cluster(bed: &Testbed, keys: &str) -> Result<Cluster> {
-    start_cluster(bed, keys, true).await
+    cluster_with(bed, keys, &[]).await
+}
+
+/// The same, every node with `extra` flags too.
+async fn cluster_with(bed: &Testbed, keys: &str, extra: &[&str]) -> Result<Cluster> {
+    start_cluster(bed, keys, true, extra).await
 }
 
 /// [`cluster`], its nodes calling each other over plain HTTP on their `--listen` address.
 async fn plain_cluster(bed: &Testbed, keys: &str) -> Result<Cluster> {
-    start_cluster(bed, keys, false).await
+    start_cluster(bed, keys, false, &[]).await
 }
 
-async fn start_cluster(bed: &Testbed, keys: &str, tls: bool) -> Result<Cluster> {
+async fn start_cluster(bed: &Testbed, keys: &str, tls: bool, extra: &[&str]) -> Result<Cluster> {
     let etcd = EtcdServer::start_on(&bed.etcd).await?;
     let dir = tempfile::tempdir()?;
     let secret = dir.path().join("cluster.secret");
@@ -188,6 +193,7 @@ async fn start_cluster(bed: &Testbed, keys: &str, tls: bool) -> Result<Cluster> 
         "2",
     ]
     .iter()
+    .chain(extra)
     .map(|s| s.to_string())
     .collect();
     let mut flags = flags;
@@ -294,6 +300,43 @@ impl Cluster {
             );
         }
         Ok(ids)
+    }
+
+    /// Three kernels of the key of `token` created through node-0: one on each node.
+    async fn one_kernel_each_as(&self, token: &str) -> Result<Vec<String>> {
+        let mut ids = Vec::new();
+        for _ in 0..3 {
+            let (status, made) = self.nodes[0]
+                .call_as(token, Method::POST, "/api/kernels", Some(json!({})))
+                .await?;
+            anyhow::ensure!(status == 201, "create answered {status}: {made}");
+            ids.push(made["id"].as_str().context("id")?.to_owned());
+        }
+        Ok(ids)
+    }
+
+    /// Every node's containers started as warm kernels (those handed out since included),
+    /// once every node's pool is full.
+    async fn warm_containers(&self) -> Result<Vec<Vec<String>>> {
+        let mut all = Vec::new();
+        for node in &self.nodes {
+            node.wait_pool("filled").await?;
+            let out = std::process::Command::new("docker")
+                .args(["ps", "-aq", "--no-trunc", "--filter"])
+                .arg(format!(
+                    "label=org.kernelgate.runtime_dir={}",
+                    node.runtime_dir.display()
+                ))
+                .args(["--filter", "label=org.kernelgate.pool"])
+                .output()?;
+            let mut ids: Vec<String> = String::from_utf8(out.stdout)?
+                .split_whitespace()
+                .map(str::to_owned)
+                .collect();
+            ids.sort();
+            all.push(ids);
+        }
+        Ok(all)
     }
 
     /// The kernel of `ids` that node `n` owns.
@@ -977,8 +1020,9 @@ fn a_node_that_dies_or_an_etcd_that_stops_costs_no_kernel() -> Result<()> {
 async fn deaths_and_outages(bed: &Testbed) -> Result<()> {
     // Over plain HTTP: what a planted node address harvests there, and what the signature
     // still refuses (with TLS on, a planted address gets no byte: `tls_between_nodes`).
-    let mut c = plain_cluster(bed, KEYS).await?;
-    let ids = c.one_kernel_each().await?;
+    // Alice's key may hold three kernels: her three, one on each node.
+    let mut c = plain_cluster(bed, KEYS_WITH_QUOTA).await?;
+    let ids = c.one_kernel_each_as("alice-token").await?;
     let on_2 = c.kernel_of(&ids, 2)?;
     c.nodes[0].execute(&on_2, "kept = 'state'").await?;
 
@@ -1162,6 +1206,16 @@ async fn deaths_and_outages(bed: &Testbed) -> Result<()> {
     );
     let answer = c.nodes[1].execute(&on_2, "print(kept)").await?;
     assert_eq!(answer["stdout"], "state\n", "{answer}");
+    // It took its quota slot back with it: alice is at her three, through every node.
+    for node in &c.nodes {
+        let (status, body) = node
+            .call_as("alice-token", Method::POST, "/api/kernels", Some(json!({})))
+            .await?;
+        assert_eq!(
+            status, 403,
+            "alice over her quota after the restart: {body}"
+        );
+    }
 
     // etcd stops for longer than the TTL: kernels keep answering, creates get 503.
     c.etcd.kill()?;
@@ -1222,6 +1276,20 @@ async fn deaths_and_outages(bed: &Testbed) -> Result<()> {
     tokio::time::sleep(Duration::from_secs(4)).await;
     let (status, _) = c.nodes[0].get_json(&format!("/api/kernels/{on_1}")).await?;
     assert_eq!(status, 200, "node-1's kernel still registered");
+    // Deleted, it frees alice's slot at once (not when the away lease would have ended).
+    let (status, body) = c.nodes[0]
+        .call_as(
+            "alice-token",
+            Method::DELETE,
+            &format!("/api/kernels/{on_1}"),
+            None,
+        )
+        .await?;
+    assert_eq!(status, 204, "{body}");
+    let (status, body) = c.nodes[2]
+        .call_as("alice-token", Method::POST, "/api/kernels", Some(json!({})))
+        .await?;
+    assert_eq!(status, 201, "alice's slot is free again: {body}");
     Ok(())
 }
 
@@ -1265,13 +1333,22 @@ async fn creates_through_all(c: &Cluster, token: Option<&str>) -> Result<(Vec<St
 }
 
 async fn concurrent_creates(bed: &Testbed) -> Result<()> {
-    let c = cluster(bed, KEYS_WITH_QUOTA).await?;
+    let c = cluster_with(bed, KEYS_WITH_QUOTA, &["--pool-size", "1"]).await?;
     // Six creates of a key that may hold three: three made, three refused as one node would.
     let (alices, refused) = creates_through_all(&c, Some("alice-token")).await?;
     assert_eq!(
         (alices.len(), refused.as_slice()),
         (3, &[403, 403, 403][..])
     );
+    // A create the quota refuses touches no node's warm kernel, through whichever node.
+    let warm = c.warm_containers().await?;
+    for node in &c.nodes {
+        let (status, body) = node
+            .call_as("alice-token", Method::POST, "/api/kernels", Some(json!({})))
+            .await?;
+        assert_eq!(status, 403, "{body}");
+    }
+    assert_eq!(c.warm_containers().await?, warm, "the same warm kernels");
     // Six more of a key without a limit: three nodes of two have room for three more.
     let (more, refused) = creates_through_all(&c, None).await?;
     assert_eq!((more.len(), refused.as_slice()), (3, &[403, 403, 403][..]));
@@ -2016,4 +2093,144 @@ fn now_seconds() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs())
+}
+
+/// The shell blocks of the section of `doc` under `heading`, in order, as one script.
+fn shell_blocks(doc: &str, heading: &str) -> Result<String> {
+    let at = doc
+        .find(&format!("\n{heading}\n"))
+        .with_context(|| format!("no section {heading:?}"))?;
+    let section = &doc[at + heading.len() + 2..];
+    let section = &section[..section.find("\n## ").unwrap_or(section.len())];
+    let mut script = String::new();
+    let mut rest = section;
+    while let Some(open) = rest.find("```sh\n") {
+        let body = &rest[open + "```sh\n".len()..];
+        let close = body.find("```").context("an unclosed block")?;
+        script.push_str(&body[..close]);
+        rest = &body[close + 3..];
+    }
+    anyhow::ensure!(!script.is_empty(), "no shell block under {heading:?}");
+    Ok(script)
+}
+
+/// The ids of the processes whose command line names `path`.
+fn processes_naming(path: &std::path::Path) -> Vec<u32> {
+    let needle = path.display().to_string();
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline"))
+                .is_ok_and(|c| String::from_utf8_lossy(&c).contains(&needle))
+        })
+        .collect()
+}
+
+/// What the walkthrough started, removed whatever happened: the processes it left (found
+/// by the directory on their command lines, each ended by its PID), the containers and
+/// mounts of both nodes' runtime directories, the directory.
+struct Walkthrough {
+    dir: tempfile::TempDir,
+}
+
+impl Walkthrough {
+    fn demo(&self) -> std::path::PathBuf {
+        self.dir.path().join("demo")
+    }
+}
+
+impl Drop for Walkthrough {
+    fn drop(&mut self) {
+        for signal in ["-TERM", "-KILL"] {
+            let left = processes_naming(&self.demo());
+            if left.is_empty() {
+                break;
+            }
+            eprintln!("the walkthrough left processes {left:?}: {signal}");
+            for pid in left {
+                let _ = std::process::Command::new("kill")
+                    .args([signal, &pid.to_string()])
+                    .status();
+            }
+            std::thread::sleep(Duration::from_secs(5));
+        }
+        for n in [1, 2] {
+            kernelgate_tests::remove_leftovers(&self.demo().join(format!("run-{n}")));
+        }
+    }
+}
+
+/// The one-host walkthrough of docs/cluster.md, its shell blocks run as written (only the
+/// variables its first block lets the caller set are given: free ports, a temporary
+/// directory): etcd and two nodes on loopback, a kernel created through one node keeps its
+/// variable through the other; and once its last block ran, nothing of it is left: no
+/// process, no container (the nodes removed their warm kernels when stopped), no directory.
+#[tokio::test]
+async fn the_one_host_walkthrough_in_the_docs_runs_as_written() -> Result<()> {
+    if skipped() {
+        return Ok(());
+    }
+    let doc = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/cluster.md"),
+    )?;
+    let script = shell_blocks(&doc, "## Trying it on one host")?;
+    let walk = Walkthrough {
+        dir: tempfile::Builder::new().prefix("kg-walk-").tempdir()?,
+    };
+    let bin = kernelgate_tests::binary();
+    let path = format!(
+        "{}:{}",
+        bin.parent().context("the binary's directory")?.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let mut command = tokio::process::Command::new("bash");
+    command
+        .args(["-c", &script])
+        .env("PATH", path)
+        .env("DEMO", walk.demo())
+        .env("KERNELGATE_IMAGE", kernelgate_tests::image())
+        .env("KERNELGATE_RUNTIME", runtime())
+        .stdin(std::process::Stdio::null())
+        .kill_on_drop(true);
+    for port in ["ETCD_PORT", "ETCD_PEER_PORT", "PORT_1", "PORT_2"] {
+        command.env(port, kernelgate_tests::free_port()?.to_string());
+    }
+    let run = tokio::time::timeout(Duration::from_secs(180), command.output()).await;
+    let output = run.context("the walkthrough did not end within 180 s")??;
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr),
+    );
+    eprintln!("walkthrough stdout:\n{stdout}\nwalkthrough stderr:\n{stderr}");
+    assert!(
+        stdout.contains(r#""stdout":"42\n""#),
+        "x set through node 1 is 42 through node 2"
+    );
+    assert!(
+        !walk.demo().exists(),
+        "its last block removed the directory"
+    );
+    assert_eq!(
+        processes_naming(&walk.demo()),
+        Vec::<u32>::new(),
+        "no process left"
+    );
+    for n in [1, 2] {
+        let filter = format!(
+            "label=org.kernelgate.runtime_dir={}",
+            walk.demo().join(format!("run-{n}")).display()
+        );
+        let listed = std::process::Command::new("docker")
+            .args(["ps", "-aq", "--filter", &filter])
+            .output()?;
+        assert!(
+            listed.stdout.iter().all(u8::is_ascii_whitespace),
+            "node-{n} left containers: {}",
+            String::from_utf8_lossy(&listed.stdout)
+        );
+    }
+    Ok(())
 }

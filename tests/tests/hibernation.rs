@@ -2,7 +2,11 @@
 //! environment and execution count survive hibernate and resume into a fresh process; its
 //! container is gone meanwhile; what cannot be saved keeps the kernel running and says
 //! why; a hibernated kernel survives a gateway killed with SIGKILL; requests that come
-//! together wake it once.
+//! together wake it once, into the warm kernel; a hostile home (a 10 TB sparse file, a pipe,
+//! modules named like the helpers', a variable that pickles forever) stalls neither the
+//! gateway nor other kernels' hibernation; a state that does not load is kept, and can be
+//! discarded for a fresh kernel with the files; concurrent hibernations and resumes of
+//! 512 MiB homes keep the gateway within its memory budget.
 
 use anyhow::{Context, Result};
 use kernelgate_tests::{hibernate_dir, Gateway};
@@ -21,6 +25,21 @@ fn containers(gw: &Gateway) -> Result<usize> {
     Ok(String::from_utf8_lossy(&out.stdout)
         .split_whitespace()
         .count())
+}
+
+/// The ids of the containers of the gateway (running or not).
+fn gateway_containers(gw: &Gateway) -> Result<Vec<String>> {
+    let filter = format!(
+        "label=org.kernelgate.runtime_dir={}",
+        gw.runtime_dir.display()
+    );
+    let out = std::process::Command::new("docker")
+        .args(["ps", "-aq", "--no-trunc", "--filter", &filter])
+        .output()?;
+    Ok(String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .map(str::to_owned)
+        .collect())
 }
 
 /// The kernel model of `id`.
@@ -284,21 +303,47 @@ async fn requests_that_come_together_wake_a_kernel_once_from_the_pool() -> Resul
     gw.wait_pool("filled").await?;
     let (status, body) = hibernate(&gw, &id).await?;
     assert_eq!(status, 200, "{body}");
+    // The one container left is the warm kernel the resume is to take.
+    let warm = gateway_containers(&gw)?;
+    assert_eq!(warm.len(), 1, "{warm:?}");
+    // A first request starts the resume; four more are released at once while it runs.
+    let first = gw.execute(&id, "seen.append('first'); print(len(seen))");
+    let barrier = tokio::sync::Barrier::new(4);
     let runs = (0..4).map(|n| {
-        let (gw, id) = (&gw, id.clone());
+        let (gw, id, barrier) = (&gw, id.clone(), &barrier);
         async move {
-            // In the order they were sent.
-            tokio::time::sleep(Duration::from_millis(50 * n)).await;
+            barrier.wait().await;
             gw.execute(&id, &format!("seen.append({n}); print(len(seen))"))
                 .await
         }
     });
-    let answers = futures::future::try_join_all(runs).await?;
-    for answer in &answers {
+    let (first, answers) = tokio::join!(first, async {
+        // Released once the resume has its new process and connects to it or loads the
+        // state into it (the model stops reading as hibernated then).
+        let _ = wait_model(&gw, &id, Duration::from_secs(5), |m| {
+            m["hibernated"] == false
+        })
+        .await;
+        futures::future::try_join_all(runs).await
+    });
+    let first = first?;
+    assert_eq!(first["status"], "ok", "{first}");
+    for answer in &answers? {
         assert_eq!(answer["status"], "ok", "{answer}");
     }
-    assert_eq!(run(&gw, &id, "print(seen)").await?.trim(), "[0, 1, 2, 3]");
+    let seen = run(&gw, &id, "print(sorted(map(str, seen)))").await?;
+    assert_eq!(seen.trim(), "['0', '1', '2', '3', 'first']");
     assert_eq!(resumes(&gw).await?, 1);
+    // The kernel runs in the container that was warm.
+    let name = std::process::Command::new("docker")
+        .args(["inspect", "-f", "{{.Name}}", &warm[0]])
+        .output()?;
+    let name = String::from_utf8_lossy(&name.stdout);
+    assert_eq!(
+        name.trim(),
+        format!("/kernelgate-{id}"),
+        "not resumed into the warm kernel"
+    );
     // Files come back with the kernel: reading one wakes it too.
     run(&gw, &id, "open('kept.txt', 'w').write('still here')").await?;
     let (status, body) = hibernate(&gw, &id).await?;
@@ -318,7 +363,7 @@ async fn requests_that_come_together_wake_a_kernel_once_from_the_pool() -> Resul
     assert_eq!(status, 200, "{body}");
     let mut mcp = kernelgate_client::mcp::McpCalls::new(gw.client());
     let text = mcp.run_python(&id, "print(len(seen))").await?;
-    assert_eq!(text.trim(), "4", "{text}");
+    assert_eq!(text.trim(), "5", "{text}");
     assert_eq!(model(&gw, &id).await?["hibernated"], false);
     Ok(())
 }
@@ -502,5 +547,288 @@ async fn hibernated_kernels_count_against_their_own_caps_and_go_with_their_key()
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    Ok(())
+}
+
+/// Waits until `check` holds for the model of `id`, up to `limit`; the last model.
+async fn wait_model(
+    gw: &Gateway,
+    id: &str,
+    limit: Duration,
+    check: impl Fn(&Value) -> bool,
+) -> Result<Value> {
+    let since = Instant::now();
+    loop {
+        let model = model(gw, id).await?;
+        if check(&model) || since.elapsed() > limit {
+            return Ok(model);
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// A home no helper of the gateway may trust: a 10 TB sparse file, a pipe, modules named
+/// like those the helpers import (each would hang if imported), and a variable whose
+/// pickling never ends.
+const HOSTILE: &str = r#"
+import os, time
+with open("sparse.bin", "wb") as f:
+    f.truncate(10 * 2**40)
+os.mkfifo("pipe")
+hang = "import time\ntime.sleep(3600)\n"
+for module in ["tarfile.py", "json.py"]:
+    open(module, "w").write(hang)
+os.makedirs("pip", exist_ok=True)
+open("pip/__init__.py", "w").write(hang)
+open("pip/__main__.py", "w").write(hang)
+class Slow:
+    def __reduce__(self):
+        time.sleep(3600)
+slow = Slow()
+kept = 11
+print(os.stat("sparse.bin").st_size)
+"#;
+
+#[tokio::test]
+async fn a_hostile_home_stalls_neither_the_gateway_nor_other_kernels() -> Result<()> {
+    // One gateway hibernates idle kernels on its own; the other is driven by hand.
+    let (auto, by_hand) = tokio::join!(
+        Gateway::start(&["--hibernate-after", "3", "--hibernate-save-timeout", "20",]),
+        Gateway::start(&[
+            "--hibernate-max-mb",
+            "32",
+            "--sandbox-command-timeout",
+            "20"
+        ])
+    );
+    let (auto, gw) = (auto?, by_hand?);
+    let (hostile, quiet, manual) = (
+        auto.client().create_kernel(None).await?,
+        auto.client().create_kernel(None).await?,
+        gw.client().create_kernel(None).await?,
+    );
+    assert_eq!(
+        run(&auto, &hostile, HOSTILE).await?.trim(),
+        "10995116277760"
+    );
+    run(&auto, &quiet, "x = 1").await?;
+
+    // The quiet kernel hibernates on schedule while the hostile one's save hangs.
+    let slept = wait_model(&auto, &quiet, Duration::from_secs(60), |m| {
+        m["hibernated"] == true
+    })
+    .await?;
+    assert_eq!(slept["hibernated"], true, "{slept}");
+    let saving = model(&auto, &hostile).await?;
+    assert_eq!(saving["hibernate_blocked"], Value::Null, "{saving}");
+    // The save is interrupted past --hibernate-save-timeout, and the variable named.
+    let blocked = wait_model(&auto, &hostile, Duration::from_secs(90), |m| {
+        m["hibernate_blocked"].is_string()
+    })
+    .await?;
+    let why = blocked["hibernate_blocked"].as_str().unwrap_or_default();
+    assert!(
+        why.contains("slow (")
+            && why.contains("interrupted")
+            && why.contains("--hibernate-save-timeout"),
+        "{blocked}"
+    );
+    assert_eq!(blocked["hibernated"], false, "{blocked}");
+    // The kernel runs on with its variables.
+    assert_eq!(run(&auto, &hostile, "print(kept)").await?.trim(), "11");
+
+    // The files API: the listing works, a pipe and a huge file fail at once, with reasons.
+    assert_eq!(run(&gw, &manual, HOSTILE).await?.trim(), "10995116277760");
+    let get = |path: &'static str| {
+        let (gw, id) = (&gw, manual.clone());
+        async move {
+            let response = gw
+                .request(
+                    reqwest::Method::GET,
+                    &format!("/api/kernels/{id}/files{path}"),
+                )
+                .send()
+                .await?;
+            anyhow::Ok((response.status().as_u16(), response.text().await?))
+        }
+    };
+    let listing = get("").await?;
+    assert_eq!(listing.0, 200, "{listing:?}");
+    assert!(
+        listing.1.contains("tarfile.py") && listing.1.contains("pipe"),
+        "{listing:?}"
+    );
+    let (status, body) = get("/pipe").await?;
+    assert_eq!(status, 400, "{body}");
+    assert!(body.contains("not a regular file"), "{body}");
+    let (status, body) = get("/sparse.bin").await?;
+    assert_eq!(status, 413, "{body}");
+    let (status, body) = get("/json.py").await?;
+    assert_eq!((status, body.contains("time.sleep")), (200, true), "{body}");
+
+    // Hibernating it: each obstacle is named in turn, and the gateway answers.
+    run(&gw, &manual, "del slow").await?;
+    let (status, body) = hibernate(&gw, &manual).await?;
+    assert_eq!(status, 409, "{body}");
+    assert!(body.to_string().contains("--hibernate-max-mb"), "{body}");
+    run(&gw, &manual, "os.remove('sparse.bin')").await?;
+    let (status, body) = hibernate(&gw, &manual).await?;
+    assert_eq!(status, 409, "{body}");
+    assert!(body.to_string().contains("pipe"), "{body}");
+    // Without them it hibernates, shadowing modules and all, and comes back.
+    run(&gw, &manual, "os.remove('pipe')").await?;
+    let (status, body) = hibernate(&gw, &manual).await?;
+    assert_eq!(status, 200, "{body}");
+    let back = run(
+        &gw,
+        &manual,
+        "print(kept, open('json.py').read().count('sleep'))",
+    )
+    .await?;
+    assert_eq!(back.trim(), "11 1");
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_state_that_does_not_load_is_kept_and_can_be_discarded_keeping_the_files() -> Result<()> {
+    let gw = Gateway::start(&[]).await?;
+    let id = gw.client().create_kernel(None).await?;
+    // Loading this variable ends the process that loads it.
+    let cell =
+        "import os\nclass Fatal:\n    def __reduce__(self):\n        return (os._exit, (3,))\n\
+                fatal = Fatal()\nx = 1\nopen('kept.txt', 'w').write('still here')";
+    run(&gw, &id, cell).await?;
+    let (status, body) = hibernate(&gw, &id).await?;
+    assert_eq!(status, 200, "{body}");
+
+    // The cell that wakes it is told, with what to do; the state stays and so does the sleep.
+    let answer = gw.execute(&id, "print(x)").await?;
+    assert_eq!(answer["status"], "error", "{answer}");
+    let error = answer["error"].to_string();
+    assert!(
+        error.contains("could not be loaded")
+            && error.contains("the state is kept")
+            && error.contains(&format!("/api/kernels/{id}/discard-state")),
+        "{answer}"
+    );
+    assert_eq!(model(&gw, &id).await?["hibernated"], true);
+    let state = hibernate_dir(&gw.runtime_dir).join(&id);
+    assert!(state.join("state.tar").is_file(), "the state went");
+    let failed = gw.audited("kernel_resume_failed")?;
+    assert_eq!(failed.len(), 1, "{failed:?}");
+    assert_eq!(failed[0]["kernel"], id.as_str());
+    assert!(
+        gw.audited("kernel_resumed")?.is_empty(),
+        "a failed load was audited as a resume"
+    );
+
+    // Discarding the variables gives a fresh kernel with the files.
+    let (status, body) = gw
+        .post_json(&format!("/api/kernels/{id}/discard-state"), json!({}))
+        .await?;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["hibernated"], false, "{body}");
+    let fresh = run(&gw, &id, "print(open('kept.txt').read(), 'x' in globals())").await?;
+    assert_eq!(fresh.trim(), "still here False");
+    assert!(!state.exists(), "the discarded state is still on disk");
+    assert_eq!(gw.audited("kernel_state_discarded")?.len(), 1);
+    let (status, body) = gw
+        .post_json(&format!("/api/kernels/{id}/discard-state"), json!({}))
+        .await?;
+    assert_eq!(status, 409, "{body}");
+    Ok(())
+}
+
+/// The gateway's memory while `work` runs: its resident size before, and the most seen.
+async fn peak_rss<T>(
+    gw: &Gateway,
+    work: impl std::future::Future<Output = T>,
+) -> Result<(u64, u64, T)> {
+    let before = gw.rss_bytes()?;
+    let done = std::sync::atomic::AtomicBool::new(false);
+    let sample = async {
+        let mut peak = before;
+        while !done.load(std::sync::atomic::Ordering::SeqCst) {
+            peak = peak.max(gw.rss_bytes()?);
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        anyhow::Ok(peak)
+    };
+    let run = async {
+        let out = work.await;
+        done.store(true, std::sync::atomic::Ordering::SeqCst);
+        out
+    };
+    let (peak, out) = tokio::join!(sample, run);
+    Ok((before, peak?, out))
+}
+
+#[tokio::test]
+async fn concurrent_hibernations_and_resumes_of_large_homes_stream_within_the_memory_budget(
+) -> Result<()> {
+    // The budget docs/security.md gives: per hibernation or resume in flight, at most this
+    // much of the gateway's memory, and a fixed allowance for the requests themselves.
+    const PER_STREAM: u64 = 4 << 20;
+    const FIXED: u64 = 32 << 20;
+    const K: usize = 3;
+    const HOME: &str = "chunk = os.urandom(1 << 20)\nwith open('big.bin', 'wb') as f:\n    \
+                        for _ in range(512): f.write(chunk)\nprint(os.path.getsize('big.bin') >> 20)";
+    let gw = Gateway::start(&[
+        "--kernel-disk-mb",
+        "600",
+        "--kernel-memory-mb",
+        "1024",
+        "--hibernate-max-mb",
+        "600",
+    ])
+    .await?;
+    let mut ids = Vec::new();
+    for _ in 0..K {
+        let id = gw.client().create_kernel(None).await?;
+        assert_eq!(
+            run(&gw, &id, &format!("import os\n{HOME}")).await?.trim(),
+            "512"
+        );
+        ids.push(id);
+    }
+    let (before, peak, slept) = peak_rss(
+        &gw,
+        futures::future::join_all(ids.iter().map(|id| hibernate(&gw, id))),
+    )
+    .await?;
+    for answer in slept {
+        let (status, body) = answer?;
+        assert_eq!(status, 200, "{body}");
+    }
+    let budget = FIXED + K as u64 * PER_STREAM;
+    eprintln!(
+        "hibernations: RSS {} MiB before, {} MiB at most",
+        before >> 20,
+        peak >> 20
+    );
+    assert!(
+        peak.saturating_sub(before) <= budget,
+        "{K} hibernations of 512 MiB homes took the gateway from {before} to {peak} bytes, past {budget}"
+    );
+    let (before, peak, woke) = peak_rss(
+        &gw,
+        futures::future::join_all(
+            ids.iter()
+                .map(|id| run(&gw, id, "print(os.path.getsize('big.bin') >> 20)")),
+        ),
+    )
+    .await?;
+    for answer in woke {
+        assert_eq!(answer?.trim(), "512");
+    }
+    eprintln!(
+        "resumes: RSS {} MiB before, {} MiB at most",
+        before >> 20,
+        peak >> 20
+    );
+    assert!(
+        peak.saturating_sub(before) <= budget,
+        "{K} resumes of 512 MiB homes took the gateway from {before} to {peak} bytes, past {budget}"
+    );
     Ok(())
 }

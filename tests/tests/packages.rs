@@ -2,7 +2,8 @@
 //! fills a wheelhouse from fixture wheels this test builds offline, and kernels install
 //! allowlisted packages with `%pip`, `!pip`, `python -m pip`, the agent API and MCP, import
 //! them in the same kernel at once, are refused anything else with a message that says what
-//! to do, and every install is in the audit trail. Installs survive hibernation, go with a
+//! to do (a refused `%pip install` fails its cell with the refusal), and every install is in
+//! the audit trail. Installs survive hibernation, go with a
 //! restart, hold when the home is full, and `%pip install` of allowed packages passes a
 //! policy that denies shell commands while `!pip` does not.
 
@@ -217,6 +218,20 @@ async fn allowed_packages_install_offline_and_import_in_the_same_kernel() -> Res
             "{cell}: {text}"
         );
         assert!(text.contains("kernelgate packages add"), "{cell}: {text}");
+        if cell.starts_with('%') {
+            // The cell fails, so an agent reading its status sees it.
+            assert_eq!(out.status, "error", "{cell}: {out:?}");
+            let error = out.error.clone().unwrap_or_default();
+            assert_eq!(error["ename"], "PipInstallRefused", "{cell}: {out:?}");
+            assert!(
+                error["evalue"]
+                    .as_str()
+                    .is_some_and(|e| e.contains(&format!(
+                        "'{name}' is not in this gateway's package allowlist"
+                    ))),
+                "{cell}: {out:?}"
+            );
+        }
     }
     let out = ws.execute("%pip install kgfix-app==1.0").await?;
     assert!(printed(&out).contains("kgfix-app 2.0"), "{out:?}");
@@ -388,15 +403,40 @@ async fn agents_list_and_install_packages_through_the_agent_api_and_mcp() -> Res
     assert_eq!(installed.len(), 5, "{installed:?}");
     assert_eq!(installed[0]["kernel"], id);
     assert_eq!(installed[0]["requested"], json!(["kgfix-app"]));
+    // The gateway vouches for the request and the allowlist line that let it through; what
+    // was installed is the kernel's word, and filed as such.
     assert_eq!(
-        installed[0]["installed"][1],
+        installed[0]["allowed"],
+        json!(["kgfix-app"]),
+        "{installed:?}"
+    );
+    assert_eq!(installed[0].get("installed"), None, "{installed:?}");
+    let reported = &installed[0]["kernel_reported"];
+    assert_eq!(
+        reported["installed"][1],
         json!({"name": "kgfix-app", "version": "2.0"})
     );
+    assert_eq!(reported["exit_code"], 0);
     assert!(installed[0]["key"].is_string());
-    assert_eq!(installed[1]["already"][2]["name"], "numpy");
-    assert_eq!(installed[2]["refused"][0]["requirement"], "kgfix-denied");
+    assert_eq!(
+        installed[1]["kernel_reported"]["already"][2]["name"],
+        "numpy"
+    );
+    assert_eq!(
+        installed[2]["allowed"],
+        json!(["kgfix-hello"]),
+        "{installed:?}"
+    );
+    assert_eq!(installed[4]["allowed"], json!([]), "{installed:?}");
+    assert_eq!(
+        installed[2]["kernel_reported"]["refused"][0]["requirement"],
+        "kgfix-denied"
+    );
     assert_eq!(installed[3]["kernel"], kernel_id);
-    assert_eq!(installed[4]["refused"][0]["requirement"], "kgfix-denied");
+    assert_eq!(
+        installed[4]["kernel_reported"]["refused"][0]["requirement"],
+        "kgfix-denied"
+    );
     gw.stop().await?;
     Ok(())
 }
@@ -647,6 +687,8 @@ async fn a_kernel_container_mounts_the_wheelhouse_and_the_installer_read_only() 
 }
 
 /// Whether pip's failure says no package index could be reached (then the test is skipped).
+/// Only connection failures count: "No matching distribution" from an index that answered
+/// is a failure of the sync, never a reason to skip.
 fn unreachable_index(stderr: &str) -> bool {
     [
         "NewConnectionError",
@@ -656,7 +698,6 @@ fn unreachable_index(stderr: &str) -> bool {
         "Connection refused",
         "ProxyError",
         "timed out",
-        "No matching distribution found for tqdm",
     ]
     .iter()
     .any(|needle| stderr.contains(needle))
@@ -696,8 +737,18 @@ async fn sync_fetches_a_real_package_from_the_package_index() -> Result<()> {
         .output()?;
     let stderr = String::from_utf8_lossy(&out.stderr);
     if !out.status.success() || String::from_utf8_lossy(&out.stdout).contains("refused tqdm") {
-        if unreachable_index(&stderr) || unreachable_index(&String::from_utf8_lossy(&out.stdout)) {
-            eprintln!("SKIPPED: no package index is reachable from this machine, so the real sync was not checked:\n{stderr}");
+        // The sync keeps only pip's errors; pip's own warnings say whether any index
+        // answered: ask it once more, directly.
+        let probe = std::process::Command::new(host_python())
+            .args(["-m", "pip", "download", "--no-deps", "--dest"])
+            .arg(dir.path().join("probe"))
+            .arg("tqdm")
+            .env("PIP_RETRIES", "0")
+            .env("PIP_DEFAULT_TIMEOUT", "20")
+            .output()?;
+        let probed = String::from_utf8_lossy(&probe.stderr);
+        if !probe.status.success() && unreachable_index(&probed) {
+            eprintln!("SKIPPED: no package index is reachable from this machine, so the real sync was not checked:\n{stderr}\n{probed}");
             return Ok(());
         }
         anyhow::bail!(

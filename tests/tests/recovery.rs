@@ -1,4 +1,7 @@
-//! End to end: kernels that die recover, and say why. A cell that runs out of memory fails
+//! End to end: kernels that die recover, and say why. Memory deaths in a row, through a
+//! warm kernel and in place, are named out of memory with the limit at once (well before
+//! the heartbeat would notice, under gVisor too); a fork loop meets the process limit and
+//! the kernel lives on; a run whose kernel is deleted says who deleted it. A cell that runs out of memory fails
 //! naming the memory limit (agent API and WebSocket); a kernel that dies again while it
 //! restarts is tried again, and one that cannot be restarted fails within seconds saying
 //! what brings it back; a create whose kernel dies while it starts fails at once; a restart with a warm kernel ready moves the kernel into it (same
@@ -365,5 +368,173 @@ async fn a_kernel_that_dies_while_it_starts_fails_its_create_at_once() -> Result
     let (_, listed) = gw.get_json("/api/kernels").await?;
     assert_eq!(listed, json!([]));
     assert_eq!(containers(&gw.runtime_dir, None)?, Vec::<String>::new());
+    Ok(())
+}
+
+/// The memory hogs the deaths below take turns with: a growth loop, one large allocation,
+/// a large array.
+const HOGS: [&str; 3] = [
+    "import numpy as np\nchunks = []\nwhile True:\n    chunks.append(np.ones(25_000_000))",
+    "blob = bytearray(2 * 1024**3)",
+    "import numpy as np\na = np.ones(200_000_000)",
+];
+
+/// The agent API's JSON answer for `code`, which must come within 10 s: a death the gateway
+/// only noticed by the heartbeat (15 s and more) fails here.
+async fn run_within_10s(gw: &Gateway, id: &str, code: &str) -> Result<Value> {
+    let answer = gw
+        .request(reqwest::Method::POST, &format!("/api/kernels/{id}/execute"))
+        .json(&json!({"code": code, "timeout": 60}))
+        .timeout(Duration::from_secs(10))
+        .send()
+        .await
+        .with_context(|| format!("no answer to {code:?} within 10 s"))?;
+    anyhow::ensure!(
+        answer.status() == 200,
+        "execute answered {}",
+        answer.status()
+    );
+    Ok(answer.json().await?)
+}
+
+fn assert_out_of_memory(answer: &Value, limit_mb: u64) {
+    let evalue = answer["error"]["evalue"].as_str().unwrap_or_default();
+    assert_eq!(answer["status"], "error", "{answer}");
+    assert_eq!(answer["error"]["ename"], "KernelDied", "{answer}");
+    assert!(
+        evalue.contains(&format!(
+            "the kernel ran out of memory (limit {limit_mb} MiB)"
+        )),
+        "{answer}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deaths_in_a_row_fork_loops_and_deletes_are_named_with_their_cause() -> Result<()> {
+    const LIMIT_MB: u64 = 512;
+    let gw = Gateway::start(&["--pool-size", "1", "--kernel-memory-mb", "512"]).await?;
+    gw.wait_pool("filled").await?;
+    let id = id_of(&gw.create_kernel().await?);
+
+    // Three memory deaths in a row, each restart into the warm kernel the pool refilled.
+    for hog in HOGS {
+        gw.wait_pool("filled").await?;
+        until_state(&gw, &id, "idle", Duration::from_secs(60)).await?;
+        let answer = run_within_10s(&gw, &id, hog).await?;
+        assert_out_of_memory(&answer, LIMIT_MB);
+    }
+    until_state(&gw, &id, "idle", Duration::from_secs(60)).await?;
+
+    // A fork loop meets the process limit, not the memory limit; the kernel lives on with
+    // its variables. (Under gVisor the limit is RLIMIT_NPROC, a quarter of the pids limit.)
+    let fork_loop = "import os, resource\nx = 41\npids, stopped = [], None\n\
+        try:\n    for _ in range(400):\n        pid = os.fork()\n        if pid == 0:\n            \
+        os.execv('/bin/sleep', ['sleep', '60'])\n        pids.append(pid)\n\
+        except OSError as e:\n    stopped = type(e).__name__\n\
+        for p in pids:\n    os.kill(p, 9)\n    os.waitpid(p, 0)\n\
+        print(stopped, len(pids), resource.getrlimit(resource.RLIMIT_NPROC)[0])";
+    let forked = run_within_10s(&gw, &id, fork_loop).await?;
+    assert_eq!(forked["status"], "ok", "{forked}");
+    let out = forked["stdout"].as_str().unwrap_or_default().to_owned();
+    assert!(out.starts_with("BlockingIOError "), "{forked}");
+    if kernelgate_tests::gvisor() {
+        assert!(
+            out.trim_end().ends_with(" 64"),
+            "RLIMIT_NPROC 256 / 4: {out}"
+        );
+    }
+    let after = run_within_10s(&gw, &id, "x + 1").await?;
+    assert_eq!(after["results"][0]["data"]["text/plain"], "42", "{after}");
+
+    // No warm kernel can take its place (an environment only a fresh process reads): its
+    // restarts are in place, and each death is named as quickly, over the WebSocket too.
+    let (status, model) = gw
+        .post_json(
+            "/api/kernels",
+            json!({"name": "python3", "env": {"KERNEL_ROUND": "cold"}}),
+        )
+        .await?;
+    assert_eq!(status, 201, "{model}");
+    let cold = id_of(&model);
+    let mut c = gw.channels(&cold, "notebook").await?;
+    for hog in HOGS {
+        until_state(&gw, &cold, "idle", Duration::from_secs(60)).await?;
+        let r = tokio::time::timeout(Duration::from_secs(10), c.execute(hog))
+            .await
+            .context("the death named within 10 s")??;
+        assert_eq!(r.status, "error", "{r:?}");
+        let error = r.error.clone().context("an error output")?;
+        assert_out_of_memory(&json!({"status": "error", "error": error}), LIMIT_MB);
+    }
+    let deaths = gw.audited("kernel_died")?;
+    assert_eq!(deaths.len(), 6, "{deaths:?}");
+    for d in &deaths {
+        assert_eq!(
+            d["why"],
+            format!("the kernel ran out of memory (limit {LIMIT_MB} MiB)"),
+            "{d}"
+        );
+    }
+
+    // A kernel deleted under a run: the run ends with who deleted it, in JSON and NDJSON,
+    // and the audit trail says so.
+    for ndjson in [false, true] {
+        let victim = id_of(&gw.create_kernel().await?);
+        let mut call = gw
+            .request(
+                reqwest::Method::POST,
+                &format!("/api/kernels/{victim}/execute"),
+            )
+            .json(&json!({"code": "import time\nprint('started', flush=True)\ntime.sleep(60)"}))
+            .timeout(Duration::from_secs(30));
+        if ndjson {
+            call = call.header("Accept", "application/x-ndjson");
+        }
+        let pending = tokio::spawn(async move { call.send().await?.text().await });
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        assert_eq!(gw.delete_kernel(&victim).await?, 204);
+        let text = pending.await??;
+        let deleted = "the kernel was deleted by the admin (the gateway's token)";
+        if ndjson {
+            let lines: Vec<Value> = text
+                .lines()
+                .map(serde_json::from_str)
+                .collect::<Result<_, _>>()?;
+            let error = lines
+                .iter()
+                .find(|l| l["type"] == "error")
+                .context(text.clone())?;
+            assert_eq!(error["ename"], "KernelDeleted", "{text}");
+            assert!(
+                error["evalue"]
+                    .as_str()
+                    .is_some_and(|e| e.contains(deleted)),
+                "{text}"
+            );
+            let end = lines.last().context("an end line")?;
+            assert_eq!(
+                (&end["type"], &end["status"]),
+                (&json!("end"), &json!("error"))
+            );
+        } else {
+            let answer: Value = serde_json::from_str(&text)?;
+            assert_eq!(answer["status"], "error", "{answer}");
+            assert_eq!(answer["stdout"], "started\n", "{answer}");
+            assert_eq!(answer["error"]["ename"], "KernelDeleted", "{answer}");
+            assert!(
+                answer["error"]["evalue"]
+                    .as_str()
+                    .is_some_and(|e| e.contains(deleted)),
+                "{answer}"
+            );
+        }
+        let finished = gw.audited("execution_finished")?;
+        assert!(
+            finished
+                .iter()
+                .any(|r| r["kernel"] == victim.as_str() && r["ename"] == "KernelDeleted"),
+            "{finished:?}"
+        );
+    }
     Ok(())
 }

@@ -220,14 +220,109 @@ class InstalledPackages:
 
 
 def install_hook():
-    """Puts already-installed packages on sys.path and appends the finder (once)."""
+    """Puts already-installed packages on sys.path and appends the finder (once); makes a
+    refused ``%pip install`` fail its cell."""
     for finder in sys.meta_path:
         if type(finder).__name__ == InstalledPackages.__name__:
             return finder
     finder = InstalledPackages(list_path(), tree_dir())
     finder.add_to_path()
     sys.meta_path.append(finder)
+    sys.meta_path.insert(0, PipMagicPatch())
     return finder
+
+
+class PipInstallRefused(Exception):
+    """A ``%pip install`` that installed nothing: the refusal, as the cell's error."""
+
+
+class PipMagicPatch:
+    """A meta path finder that finds nothing itself: when IPython loads its packaging magics,
+    it has ``%pip`` fail the cell (status ``error``, :class:`PipInstallRefused` with the
+    refusal) when ``pip install`` exits non-zero, where IPython only prints what the command
+    said and the cell succeeds: an agent reading the status would think it installed."""
+
+    TARGET = "IPython.core.magics.packaging"
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != self.TARGET:
+            return None
+        from importlib.machinery import PathFinder
+
+        spec = PathFinder.find_spec(fullname, path)
+        loader = getattr(spec, "loader", None)
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        exec_module = loader.exec_module
+
+        def exec_and_patch(module):
+            exec_module(module)
+            try:
+                patch_pip_magic(module)
+            except Exception:
+                pass  # IPython changed: %pip works as it does there
+
+        loader.exec_module = exec_and_patch
+        return spec
+
+
+def patch_pip_magic(module):
+    """Wraps ``PackagingMagics.pip`` of IPython's packaging module ``module``."""
+    import functools
+
+    magics = module.PackagingMagics
+    original = magics.pip
+
+    @functools.wraps(original)
+    def pip(self, line):
+        __tracebackhide__ = True
+        report = os.environ.get(REPORT_VAR) or DEFAULT_REPORT
+        try:
+            start = os.path.getsize(report)
+        except OSError:
+            start = 0
+        original(self, line)
+        status = self.shell.user_ns.get("_exit_code", 0)
+        if status and _is_install(line):
+            why = _refusals(report, start) or f"pip install exited with status {status}"
+            raise PipInstallRefused(why)
+
+    magics.pip = pip
+
+
+def _is_install(line):
+    import shlex
+
+    from kernelgate_pip import _subcommand
+
+    try:
+        args = shlex.split(line)
+    except ValueError:
+        return False
+    index = _subcommand(args)
+    return index is not None and args[index] == "install"
+
+
+def _refusals(report, start):
+    """The reasons of what installs refused since byte ``start`` of the report file."""
+    import json
+
+    reasons = []
+    try:
+        with open(report, "rb") as f:
+            f.seek(start)
+            lines = f.read(1 << 20).splitlines()
+    except OSError:
+        return ""
+    for line in lines:
+        try:
+            refused = json.loads(line).get("refused") or []
+        except (ValueError, AttributeError):
+            continue
+        for entry in refused:
+            if isinstance(entry, dict) and entry.get("reason"):
+                reasons.append(str(entry["reason"]))
+    return "; ".join(dict.fromkeys(reasons))
 
 
 def run_next_sitecustomize(own_file):

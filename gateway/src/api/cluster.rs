@@ -273,9 +273,19 @@ async fn place_somewhere(
             never_left(),
         )
         .await;
-        // Full since the view was made, or gone: the next node.
+        // Full since the view was made, or gone: the next node. A key at its quota is
+        // refused alike by every node: answered at once.
         let status = response.status();
-        if status == StatusCode::FORBIDDEN || status == StatusCode::SERVICE_UNAVAILABLE {
+        if status == StatusCode::FORBIDDEN {
+            let (head, body) = response.into_parts();
+            let body = to_bytes(body, MAX_CREATE_BODY).await.unwrap_or_default();
+            if is_quota_refusal(&body) {
+                return Response::from_parts(head, Body::from(body));
+            }
+            last = Some(Response::from_parts(head, Body::from(body)));
+            continue;
+        }
+        if status == StatusCode::SERVICE_UNAVAILABLE {
             last = Some(response);
             continue;
         }
@@ -291,6 +301,16 @@ async fn place_somewhere(
         (None, Some(response)) => response,
         (None, None) => unavailable("no node of the cluster can take a kernel now".into()),
     }
+}
+
+/// Whether a create's 403 is its key's quota (`max_kernels`, counted across the cluster)
+/// rather than a full node.
+fn is_quota_refusal(body: &[u8]) -> bool {
+    serde_json::from_slice::<Value>(body).is_ok_and(|v| {
+        v["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("(max_kernels in the keys file)"))
+    })
 }
 
 /// The cluster's kernels: this node's own, and each other node's as it reports them
@@ -632,4 +652,26 @@ async fn mcp_elsewhere(
         .remove(session);
     next.run(Request::from_parts(parts, Body::from(bytes)))
         .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::CreateError;
+
+    #[tokio::test]
+    async fn a_quota_refusal_is_told_from_a_full_node() {
+        let body = |e: CreateError| async move {
+            let response = ApiError::from(e).into_response();
+            to_bytes(response.into_body(), 1 << 16).await.expect("body")
+        };
+        let quota = CreateError::TooManyForKey {
+            key: "alice".into(),
+            max: 3,
+        };
+        assert!(is_quota_refusal(&body(quota).await));
+        assert!(!is_quota_refusal(
+            &body(CreateError::TooMany { max: 2 }).await
+        ));
+    }
 }

@@ -233,6 +233,9 @@ impl From<CreateError> for ApiError {
                 StatusCode::SERVICE_UNAVAILABLE,
                 format!("{e}; try again, or delete the kernel"),
             ),
+            CreateError::StateNotLoaded { .. } => {
+                ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string())
+            }
         }
     }
 }

@@ -292,3 +292,30 @@ pub async fn hibernate(
         )),
     }
 }
+
+/// Discards a hibernated kernel's saved variables: it wakes as a fresh process with its saved files.
+/// For a state that does not load (docs/hibernation.md); the kernel keeps its id and clients.
+#[utoipa::path(
+    post, path = "/api/kernels/{id}/discard-state", tag = "kernels", operation_id = "discard_kernel_state",
+    params(KernelPath),
+    responses(
+        (status = 200, description = "It runs again, fresh, with its saved files", body = KernelModel),
+        (status = 404, description = "No such kernel", body = ErrorBody),
+        (status = 409, description = "It does not hibernate: there is no saved state to discard", body = ErrorBody),
+        (status = 503, description = "It could not be started (the message says why); its state is kept", body = ErrorBody),
+    ),
+)]
+pub async fn discard_state(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(KernelPath { id }): Path<KernelPath>,
+) -> Result<Json<KernelModel>, ApiError> {
+    let live = find(&state, &caller, &id)?;
+    match state.kernels.discard_state(&live, &caller.0.name).await? {
+        true => Ok(Json(KernelModel::of(&live))),
+        false => Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "the kernel does not hibernate: it has no saved state to discard".to_owned(),
+        )),
+    }
+}

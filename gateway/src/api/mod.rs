@@ -110,6 +110,7 @@ pub fn surface() -> Surface {
         .operations(routes!(kernels::interrupt))
         .operations(routes!(kernels::restart))
         .operations(routes!(kernels::hibernate))
+        .operations(routes!(kernels::discard_state))
         .prose(
             "/api/kernels/{id}/channels",
             get(channels::connect),

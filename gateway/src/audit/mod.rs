@@ -113,11 +113,25 @@ pub enum Record {
         #[serde(skip_serializing_if = "Vec::is_empty")]
         dropped: Vec<String>,
     },
-    /// A hibernated kernel runs again, with its state loaded into a fresh process.
+    /// A hibernated kernel runs again, its saved state confirmed loaded into a fresh process.
     KernelResumed {
         kernel: String,
         owner: String,
         took_ms: u64,
+    },
+    /// A hibernated kernel's saved state did not load into its new process (`reason` says
+    /// why): the state is kept and the kernel hibernates again.
+    KernelResumeFailed {
+        kernel: String,
+        owner: String,
+        reason: String,
+    },
+    /// A key discarded a hibernated kernel's saved variables: it runs again as a fresh
+    /// process with its saved files.
+    KernelStateDiscarded {
+        kernel: String,
+        owner: String,
+        key: String,
     },
     /// Code is on its way to the kernel (written before it is sent).
     ExecutionRequested {
@@ -188,18 +202,16 @@ pub enum Record {
         approval_id: Option<String>,
         by: Option<String>,
     },
-    /// The gateway installed packages into a kernel (`install_packages`, `POST
-    /// /api/kernels/{id}/packages`): what was asked for, what the kernel now has from the
-    /// wheelhouse, and what was refused (then nothing was installed).
+    /// The gateway ran an install in a kernel (`install_packages`, `POST
+    /// /api/kernels/{id}/packages`). It vouches for what was asked for and the allowlist's
+    /// lines that let it through (`allowed`); `kernel_reported` is the kernel's installer's
+    /// own word (`installed`, `already`, `refused`, `exit_code`), not checked by the gateway.
     PackagesInstalled {
         key: String,
         kernel: String,
         requested: Vec<String>,
-        installed: Vec<PackageVersion>,
-        #[serde(skip_serializing_if = "Vec::is_empty")]
-        already: Vec<PackageVersion>,
-        #[serde(skip_serializing_if = "Vec::is_empty")]
-        refused: Vec<PackageRefusal>,
+        allowed: Vec<String>,
+        kernel_reported: KernelReportedInstall,
     },
     /// The kernel reported an install asked for from inside it (`%pip`, `!pip`), written
     /// just before the record of the cell it ran in. The kernel's own word: `trusted` is
@@ -248,6 +260,17 @@ pub enum Record {
         method: String,
         path: String,
     },
+}
+
+/// What a kernel's installer said it did: the kernel's word.
+#[derive(Debug, Clone, Serialize, serde::Deserialize, PartialEq, Eq, utoipa::ToSchema)]
+pub struct KernelReportedInstall {
+    pub installed: Vec<PackageVersion>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub already: Vec<PackageVersion>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub refused: Vec<PackageRefusal>,
+    pub exit_code: i64,
 }
 
 /// A package and the version a kernel got.

@@ -5,6 +5,7 @@
 pub mod docker;
 
 use futures::future::BoxFuture;
+use futures::stream::BoxStream;
 use kernelgate_protocol::ConnectionInfo;
 use std::collections::BTreeMap;
 
@@ -114,6 +115,47 @@ fn signal_name(n: i64) -> Option<&'static str> {
         .copied()
 }
 
+/// A command the gateway runs inside a kernel's sandbox (hibernation, resume, the files
+/// API, package installs). Every one is bounded: killed inside the sandbox past `timeout`
+/// (`timeout -s KILL`, and its process group by a second command should that not end
+/// it), and read only up to `max_stdout` bytes.
+#[derive(Debug)]
+pub struct ExecRequest {
+    pub argv: Vec<String>,
+    pub stdin: ExecStdin,
+    /// Where stdout goes as it arrives; `None` keeps it in [`ExecOutput::stdout`].
+    pub stdout: Option<tokio::sync::mpsc::Sender<bytes::Bytes>>,
+    pub max_stdout: usize,
+    pub timeout: std::time::Duration,
+}
+
+impl ExecRequest {
+    /// `argv` with `stdin`, its output kept (at most `max_stdout` bytes), killed past
+    /// `timeout`.
+    pub fn new(
+        argv: Vec<String>,
+        stdin: bytes::Bytes,
+        max_stdout: usize,
+        timeout: std::time::Duration,
+    ) -> Self {
+        ExecRequest {
+            argv,
+            stdin: ExecStdin::Bytes(stdin),
+            stdout: None,
+            max_stdout,
+            timeout,
+        }
+    }
+}
+
+/// What a command reads on stdin.
+#[derive(Debug)]
+pub enum ExecStdin {
+    Bytes(bytes::Bytes),
+    /// A host file, streamed (a hibernated kernel's state).
+    File(std::path::PathBuf),
+}
+
 /// What a command run inside a kernel's sandbox printed, and how it ended.
 #[derive(Debug, Clone, Default)]
 pub struct ExecOutput {
@@ -140,6 +182,12 @@ pub enum BackendError {
     /// text says why and what to do.
     #[error("{0}")]
     Died(String),
+    /// A command in the kernel's sandbox ran past its time and was killed.
+    #[error("{what} did not finish within {} s and was stopped; the kernel's files may hold something that cannot be read (a pipe, a huge sparse file)", .after.as_secs())]
+    TimedOut {
+        what: String,
+        after: std::time::Duration,
+    },
     #[error("cannot prepare the kernel's socket directory {path}: {source}")]
     SocketDir {
         path: String,
@@ -177,14 +225,24 @@ pub trait KernelBackend: Send + Sync + 'static {
     /// it ended.
     fn wait_exit<'a>(&'a self, handle: &'a str) -> BoxFuture<'a, Result<Exit, BackendError>>;
 
-    /// Runs `argv` inside the kernel's sandbox as the kernel's user, in its working
-    /// directory, with `stdin` as input; keeps at most `max_stdout` bytes of output.
+    /// One item each time the kernel's container hits its memory limit and something in
+    /// it is killed for it, as [`Exit::cause`] names it (with the limit). The kernel's
+    /// process may have survived (a process it started was killed) or, under gVisor, be
+    /// left stuck in a sandbox that does not exit (the host killed the stub process its
+    /// memory was mapped in): the caller tells them apart. Ends when the container cannot
+    /// be watched.
+    fn out_of_memory<'a>(&'a self, handle: &'a str) -> BoxStream<'a, Exit> {
+        let _ = handle;
+        Box::pin(futures::stream::empty())
+    }
+
+    /// Runs `request.argv` inside the kernel's sandbox as the kernel's user, from the
+    /// directory `/` (so that nothing in the kernel's home shadows what it imports; the
+    /// home is in `KERNELGATE_WORKDIR`), bounded as [`ExecRequest`] says.
     fn exec<'a>(
         &'a self,
         handle: &'a str,
-        argv: Vec<String>,
-        stdin: bytes::Bytes,
-        max_stdout: usize,
+        request: ExecRequest,
     ) -> BoxFuture<'a, Result<ExecOutput, BackendError>>;
 
     /// Kernels this gateway's backend started earlier (by label).

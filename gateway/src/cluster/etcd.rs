@@ -12,7 +12,7 @@
 //! token authenticates again and is sent once more.
 
 use super::registry::{
-    prefix_end, Entry, Event, Lease, Listing, Registry, RegistryError, Revision,
+    prefix_end, Change, Compare, Entry, Event, Lease, Listing, Registry, RegistryError, Revision,
 };
 use base64::engine::general_purpose::STANDARD as B64;
 use base64::Engine;
@@ -327,6 +327,31 @@ impl Registry for Etcd {
                     "compare": [{"key": key, "target": "VALUE", "result": "EQUAL", "value": b64(expected)}],
                     "success": [{"request_delete_range": {"key": key}}],
                 }),
+            )
+            .await?;
+        Ok(reply["succeeded"].as_bool() == Some(true))
+    }
+
+    async fn txn(&self, compare: &[Compare], changes: &[Change]) -> Result<bool, RegistryError> {
+        let compare: Vec<Value> = compare
+            .iter()
+            .map(|c| match c {
+                Compare::Absent(key) => json!({"key": b64(key.as_bytes()), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}),
+                Compare::Unchanged(key, revision) => json!({"key": b64(key.as_bytes()), "target": "MOD", "result": "EQUAL", "mod_revision": revision.to_string()}),
+                Compare::Holds(key, value) => json!({"key": b64(key.as_bytes()), "target": "VALUE", "result": "EQUAL", "value": b64(value)}),
+            })
+            .collect();
+        let success: Vec<Value> = changes
+            .iter()
+            .map(|c| match c {
+                Change::Put { key, value, lease } => json!({"request_put": {"key": b64(key.as_bytes()), "value": b64(value), "lease": lease.0.to_string()}}),
+                Change::Delete(key) => json!({"request_delete_range": {"key": b64(key.as_bytes())}}),
+            })
+            .collect();
+        let reply = self
+            .call(
+                "/v3/kv/txn",
+                json!({"compare": compare, "success": success}),
             )
             .await?;
         Ok(reply["succeeded"].as_bool() == Some(true))

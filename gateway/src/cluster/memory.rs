@@ -3,7 +3,7 @@
 //! from a revision, compaction), in one process, with tokio's clock.
 
 use super::registry::{
-    prefix_end, Entry, Event, Lease, Listing, Registry, RegistryError, Revision,
+    prefix_end, Change, Compare, Entry, Event, Lease, Listing, Registry, RegistryError, Revision,
 };
 use futures::stream::BoxStream;
 use futures::StreamExt;
@@ -110,11 +110,19 @@ impl Memory {
     }
 
     fn delete(&self, st: &mut State, key: &str) {
-        if st.keys.remove(key).is_some() {
+        if st.keys.contains_key(key) {
             st.revision += 1;
+            let revision = st.revision;
+            self.delete_at(st, key, revision);
+        }
+    }
+
+    /// Deletes `key` at `revision` (the revision of the change or transaction).
+    fn delete_at(&self, st: &mut State, key: &str, revision: Revision) {
+        if st.keys.remove(key).is_some() {
             let event = Event::Delete {
                 key: key.to_owned(),
-                revision: st.revision,
+                revision,
             };
             st.history.push(event.clone());
             let _ = self.changes.send(event);
@@ -124,6 +132,12 @@ impl Memory {
     fn set(&self, st: &mut State, key: &str, value: &[u8], lease: Lease) -> Revision {
         st.revision += 1;
         let revision = st.revision;
+        self.set_at(st, key, value, lease, revision);
+        revision
+    }
+
+    /// Puts `key` at `revision` (the revision of the change or transaction).
+    fn set_at(&self, st: &mut State, key: &str, value: &[u8], lease: Lease, revision: Revision) {
         st.keys.insert(
             key.to_owned(),
             Value {
@@ -139,7 +153,6 @@ impl Memory {
         });
         st.history.push(event.clone());
         let _ = self.changes.send(event);
-        revision
     }
 
     fn check_lease(st: &State, lease: Lease) -> Result<(), RegistryError> {
@@ -209,6 +222,37 @@ impl Registry for Memory {
             return Ok(false);
         }
         self.delete(&mut st, key);
+        Ok(true)
+    }
+
+    async fn txn(&self, compare: &[Compare], changes: &[Change]) -> Result<bool, RegistryError> {
+        let mut st = self.begin()?;
+        for change in changes {
+            if let Change::Put { lease, .. } = change {
+                Self::check_lease(&st, *lease)?;
+            }
+        }
+        let holds = compare.iter().all(|c| match c {
+            Compare::Absent(key) => !st.keys.contains_key(key),
+            Compare::Unchanged(key, revision) => {
+                st.keys.get(key).is_some_and(|v| v.revision == *revision)
+            }
+            Compare::Holds(key, value) => st.keys.get(key).is_some_and(|v| v.bytes == *value),
+        });
+        if !holds {
+            return Ok(false);
+        }
+        // One revision for the whole transaction, as etcd gives it.
+        st.revision += 1;
+        let revision = st.revision;
+        for change in changes {
+            match change {
+                Change::Put { key, value, lease } => {
+                    self.set_at(&mut st, key, value, *lease, revision)
+                }
+                Change::Delete(key) => self.delete_at(&mut st, key, revision),
+            }
+        }
         Ok(true)
     }
 
@@ -318,6 +362,44 @@ mod tests {
         assert!(!m.delete_if("/k/x", b"b").await.expect("delete"));
         assert!(m.delete_if("/k/x", b"a").await.expect("delete"));
         assert!(m.create("/k/x", b"b", b).await.expect("create"));
+    }
+
+    #[tokio::test]
+    async fn a_transaction_makes_all_its_changes_or_none() {
+        let m = Memory::new();
+        let lease = m.grant(Duration::from_secs(10)).await.expect("grant");
+        m.put("/k/slot", b"reserved", lease).await.expect("put");
+        let put = |key: &str, value: &[u8]| Change::Put {
+            key: key.into(),
+            value: value.to_vec(),
+            lease,
+        };
+        let both = [put("/k/slot", b"k1"), put("/k/record", b"r")];
+        // The slot holds something else: nothing changes.
+        let wrong = [Compare::Holds("/k/slot".into(), b"other".to_vec())];
+        assert!(!m.txn(&wrong, &both).await.expect("txn"));
+        assert_eq!(m.list("/k/").await.expect("list").entries.len(), 1);
+        let right = [
+            Compare::Holds("/k/slot".into(), b"reserved".to_vec()),
+            Compare::Absent("/k/record".into()),
+        ];
+        assert!(m.txn(&right, &both).await.expect("txn"));
+        let listing = m.list("/k/").await.expect("list");
+        let revisions: Vec<Revision> = listing.entries.iter().map(|e| e.revision).collect();
+        assert_eq!(
+            revisions[0], revisions[1],
+            "one revision for the whole transaction"
+        );
+        assert!(
+            !m.txn(&right, &both).await.expect("txn"),
+            "compared again: changed"
+        );
+        let unchanged = [Compare::Unchanged("/k/slot".into(), revisions[1])];
+        assert!(m
+            .txn(&unchanged, &[Change::Delete("/k/slot".into())])
+            .await
+            .expect("txn"));
+        assert_eq!(m.list("/k/").await.expect("list").entries.len(), 1);
     }
 
     #[tokio::test]

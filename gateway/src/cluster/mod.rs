@@ -24,7 +24,9 @@ pub mod registry;
 pub mod signing;
 pub mod tls;
 
-pub use registry::{Entry, Event, Lease, Listing, Registry, RegistryError, Revision};
+pub use registry::{
+    Change, Compare, Entry, Event, Lease, Listing, Registry, RegistryError, Revision,
+};
 
 use serde::{Deserialize, Serialize};
 

@@ -5,12 +5,12 @@
 
 use super::etcd::Etcd;
 use super::forward::Forwarder;
-use super::membership::Membership;
+use super::membership::{Membership, Reconciled};
 use super::signing::Signer;
 use super::tls::ClusterTls;
 use super::NodeRecord;
 use crate::config::ClusterArgs;
-use crate::kernels::Kernels;
+use crate::kernels::{Kernels, Removal};
 use anyhow::{bail, Context};
 use std::sync::Arc;
 use std::time::Duration;
@@ -146,10 +146,25 @@ impl ClusterNode {
     }
 
     /// Keeps the lease, follows the registry and reconciles it with `kernels` until
-    /// `cancel`.
+    /// `cancel`. A kernel re-adopted at start whose key is at its `max_kernels` by the time
+    /// it is registered (the node was away past its lease, and the key's owner created
+    /// another meanwhile) is removed: the cluster had already counted it gone.
     pub fn start(&self, kernels: &Arc<Kernels>, tracker: &TaskTracker, cancel: &CancellationToken) {
-        tracker.spawn(self.membership.clone().keep(cancel.clone(), |lost| {
-            tracing::error!(kernels = ?lost, "kernels of this node were claimed by another node while it was cut off; they stay here but unregistered");
+        let (table, tasks) = (kernels.clone(), tracker.clone());
+        tracker.spawn(self.membership.clone().keep(cancel.clone(), move |lost| {
+            if !lost.taken.is_empty() {
+                tracing::error!(kernels = ?lost.taken, "kernels of this node were claimed by another node while it was cut off; they stay here but unregistered");
+            }
+            for (id, key) in lost.over_quota {
+                tracing::warn!(kernel = %id, %key, "a kernel taken back at start is refused: its key is at its max_kernels across the cluster (it created another while this node was away); the kernel is removed");
+                let table = table.clone();
+                tasks.spawn(async move {
+                    let why = format!("key {key:?} was at its max_kernels when this node took the kernel back");
+                    if let Some(Err(e)) = table.delete(&id, Removal::Because(why)).await {
+                        tracing::warn!(kernel = %id, error = %e, "cannot remove a kernel refused by its key's quota");
+                    }
+                });
+            }
         }));
         tracker.spawn(self.membership.clone().follow(cancel.clone()));
         tracker.spawn(reconcile(
@@ -179,14 +194,17 @@ async fn reconcile(
             .collect();
         match membership.reconcile(&local).await {
             Ok(fixed) => {
-                if fixed.stale_records > 0 || fixed.unregistered_kernels > 0 {
+                if fixed != Reconciled::default() {
                     tracing::warn!(
                         ?fixed,
-                        "the cluster registry differed from this node's kernels; fixed"
+                        "the cluster registry differed from this node's kernels; fixed what it could"
                     );
                 }
                 crate::metrics::reconciled("stale_record", fixed.stale_records);
                 crate::metrics::reconciled("unregistered_kernel", fixed.unregistered_kernels);
+                crate::metrics::reconciled("missing_slot", fixed.missing_slots);
+                crate::metrics::reconciled("stale_slot", fixed.stale_slots);
+                crate::metrics::reconciled("over_quota", fixed.over_quota);
             }
             Err(e) => tracing::debug!(error = %e, "cannot reconcile with the cluster registry now"),
         }

@@ -47,6 +47,28 @@ impl Event {
     }
 }
 
+/// A condition of a [`Registry::txn`], on one key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Compare {
+    /// No key of this name exists.
+    Absent(String),
+    /// The key exists and was last changed at this revision (as a listing showed it).
+    Unchanged(String, Revision),
+    /// The key exists and holds exactly this value.
+    Holds(String, Vec<u8>),
+}
+
+/// A change a [`Registry::txn`] makes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Change {
+    Put {
+        key: String,
+        value: Vec<u8>,
+        lease: Lease,
+    },
+    Delete(String),
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum RegistryError {
     /// The store did not answer (down, partitioned, too slow).
@@ -100,6 +122,14 @@ pub trait Registry: Send + Sync + 'static {
         &self,
         key: &str,
         expected: &[u8],
+    ) -> impl Future<Output = Result<bool, RegistryError>> + Send;
+
+    /// Makes every change of `changes` at once if every condition of `compare` holds, and
+    /// none otherwise: `Ok(true)` when they were made.
+    fn txn(
+        &self,
+        compare: &[Compare],
+        changes: &[Change],
     ) -> impl Future<Output = Result<bool, RegistryError>> + Send;
 
     /// Every key that starts with `prefix`, sorted, with the store's revision.

@@ -113,7 +113,7 @@ impl Kernels {
         // Kernels from before tenants were recorded belong to the admin.
         let owner = found.owner.clone().unwrap_or_else(|| TOKEN_KEY.to_owned());
         if let Some(ledger) = &self.settings.ledger {
-            ledger.adopt(live.id(), &owner, name);
+            ledger.adopt(live.id(), &owner, name, true);
         }
         let _ = live.owner.set(owner);
         self.lock().live.insert(live.id().to_owned(), live);

@@ -1,18 +1,29 @@
 //! The kernel table as a node of a cluster: two tables on one in-memory registry, with the
 //! registry membership as their ledger.
 
-use super::tests::{admin, eventually, settings, table, tenant};
+use super::fake::FakeBackend;
+use super::tests::{admin, eventually, settings, specs, table, tenant};
 use super::*;
+
+type Member = Arc<crate::cluster::membership::Membership<crate::cluster::memory::Memory>>;
 
 /// A node of a cluster: its table with the registry as its ledger, over `store`.
 async fn cluster_node(
     store: &crate::cluster::memory::Memory,
     id: &str,
     cancel: &CancellationToken,
-) -> (
-    Arc<Kernels>,
-    Arc<crate::cluster::membership::Membership<crate::cluster::memory::Memory>>,
-) {
+) -> (Arc<Kernels>, Member) {
+    let (kernels, membership, _) = cluster_node_with(store, id, cancel, settings()).await;
+    (kernels, membership)
+}
+
+/// The same, with `settings` (its ledger set here), and its fake backend.
+async fn cluster_node_with(
+    store: &crate::cluster::memory::Memory,
+    id: &str,
+    cancel: &CancellationToken,
+    settings: Settings,
+) -> (Arc<Kernels>, Member, Arc<FakeBackend>) {
     use crate::cluster::membership::Membership;
     let node = crate::cluster::NodeRecord {
         address: format!("http://{id}"),
@@ -28,12 +39,12 @@ async fn cluster_node(
     let membership = Membership::new(store.clone(), id, node, Duration::from_secs(3));
     tokio::spawn(membership.clone().keep(cancel.clone(), |_| {}));
     tokio::spawn(membership.clone().follow(cancel.clone()));
-    let (kernels, _) = table(Settings {
+    let (kernels, fake) = table(Settings {
         ledger: Some(membership.clone()),
-        ..settings()
+        ..settings
     })
     .await;
-    (kernels, membership)
+    (kernels, membership, fake)
 }
 
 #[tokio::test]
@@ -161,5 +172,65 @@ async fn a_keys_quota_holds_across_nodes_under_concurrent_creates() {
     a.create(None, &BTreeMap::new(), &carol)
         .await
         .expect("a slot is free again");
+    cancel.cancel();
+}
+
+#[tokio::test]
+async fn a_create_refused_for_its_keys_quota_or_a_full_node_takes_no_warm_kernel() {
+    let store = crate::cluster::memory::Memory::new();
+    let cancel = CancellationToken::new();
+    // One kernel per node, one warm kernel each.
+    let pooled = || Settings {
+        specs: specs(&[], &["1"]),
+        max_kernels: 1,
+        ..settings()
+    };
+    let (a, a_member, a_fake) = cluster_node_with(&store, "a", &cancel, pooled()).await;
+    let (b, b_member, b_fake) = cluster_node_with(&store, "b", &cancel, pooled()).await;
+    eventually("both registered", || async {
+        a_member.registered() && b_member.registered()
+    })
+    .await;
+    let carol = tenant("carol", Some(1));
+    let no_env = BTreeMap::new();
+    a.create(None, &no_env, &carol).await.expect("created");
+    eventually("both pools full", || async {
+        a.pooled() == 1 && b.pooled() == 1
+    })
+    .await;
+    let warm = |k: &Kernels| k.lock().pool[DEFAULT_SPEC][0].handle();
+    let before = (warm(&a), warm(&b), a_fake.records(), b_fake.records());
+    // b has room but carol's key does not; a is full, for anyone.
+    let refused = b.create(None, &no_env, &carol).await;
+    assert!(
+        matches!(refused, Err(CreateError::TooManyForKey { max: 1, .. })),
+        "{refused:?}"
+    );
+    for who in [&carol, &admin()] {
+        let refused = a.create(None, &no_env, who).await;
+        assert!(
+            matches!(refused, Err(CreateError::TooMany { max: 1 })),
+            "{refused:?}"
+        );
+    }
+    let after = (warm(&a), warm(&b), a_fake.records(), b_fake.records());
+    assert_eq!(
+        (&after.0, &after.1),
+        (&before.0, &before.1),
+        "the same warm kernels"
+    );
+    assert_eq!(
+        (after.2.len(), after.3.len()),
+        (before.2.len(), before.3.len()),
+        "no kernel started"
+    );
+    let removed = |r: &std::collections::HashMap<String, super::fake::Record>| {
+        r.values().filter(|r| r.removed).count()
+    };
+    assert_eq!(
+        (removed(&after.2), removed(&after.3)),
+        (0, 0),
+        "no kernel removed"
+    );
     cancel.cancel();
 }

@@ -11,6 +11,7 @@ use crate::backend::{
 };
 use bytes::Bytes;
 use futures::future::BoxFuture;
+use futures::stream::BoxStream;
 use kernelgate_protocol::{wire, Channel, ConnectionInfo, Header, Message, RawJson, SigningKey};
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, HashMap};
@@ -54,6 +55,8 @@ struct Running {
     stop: CancellationToken,
     /// `Some(exit)` once the current process exited.
     exit: watch::Sender<Option<Exit>>,
+    /// Out-of-memory kills in the container so far.
+    ooms: watch::Sender<u32>,
     process: Option<tokio::task::JoinHandle<()>>,
 }
 
@@ -128,6 +131,24 @@ impl FakeBackend {
     /// The kernel's process is killed by its memory limit.
     pub fn oom(&self, handle: &str) {
         self.end(handle, out_of_memory());
+    }
+
+    /// The container runs out of memory and the kernel's process is left stuck, neither
+    /// answering nor exiting, as under gVisor when the host kills the stub process its
+    /// memory was mapped in.
+    pub fn oom_stuck(&self, handle: &str) {
+        if let Some(r) = self.kernels.lock().get(handle) {
+            r.stop.cancel();
+            r.ooms.send_modify(|n| *n += 1);
+        }
+    }
+
+    /// The container runs out of memory but the killer takes a process the kernel
+    /// started: the kernel answers on.
+    pub fn oom_of_a_child(&self, handle: &str) {
+        if let Some(r) = self.kernels.lock().get(handle) {
+            r.ooms.send_modify(|n| *n += 1);
+        }
     }
 
     /// The next `n` processes started (by a launch or a restart) run out of memory before
@@ -249,6 +270,7 @@ impl KernelBackend for FakeBackend {
                 connection: connection.clone(),
                 stop: CancellationToken::new(),
                 exit: watch::channel(None).0,
+                ooms: watch::channel(0).0,
                 process: None,
             };
             self.kernels.lock().insert(handle.clone(), running);
@@ -300,12 +322,21 @@ impl KernelBackend for FakeBackend {
         })
     }
 
+    fn out_of_memory<'a>(&'a self, handle: &'a str) -> BoxStream<'a, Exit> {
+        let Some(mut ooms) = self.kernels.lock().get(handle).map(|r| r.ooms.subscribe()) else {
+            return Box::pin(futures::stream::empty());
+        };
+        ooms.mark_unchanged();
+        Box::pin(futures::stream::unfold(ooms, |mut ooms| async move {
+            ooms.changed().await.ok()?;
+            Some((out_of_memory(), ooms))
+        }))
+    }
+
     fn exec<'a>(
         &'a self,
         _handle: &'a str,
-        _argv: Vec<String>,
-        _stdin: Bytes,
-        _max_stdout: usize,
+        _request: crate::backend::ExecRequest,
     ) -> BoxFuture<'a, Result<ExecOutput, BackendError>> {
         Box::pin(async {
             Err(BackendError::Runtime(

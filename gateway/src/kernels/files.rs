@@ -8,7 +8,7 @@
 
 use super::{Kernels, LiveKernel};
 use crate::audit::{FileAccess, FileEvent, Record};
-use crate::backend::BackendError;
+use crate::backend::{BackendError, ExecRequest};
 use bytes::Bytes;
 
 const SCRIPT: &str = include_str!("../../assets/files.py");
@@ -159,15 +159,14 @@ async fn script(
             reason: format!("the hibernated kernel could not be resumed: {e}"),
         })?;
     }
-    let argv = ["python3", "-c", SCRIPT]
+    // `-P`: nothing in the kernel's home (a `json.py`) shadows what the script imports.
+    let argv = ["python3", "-P", "-c", SCRIPT]
         .into_iter()
         .chain(args.iter().copied())
         .map(str::to_owned)
         .collect();
-    let out = kernels
-        .backend()
-        .exec(&live.handle(), argv, body, max_bytes)
-        .await?;
+    let request = ExecRequest::new(argv, body, max_bytes, kernels.command_timeout());
+    let out = kernels.backend().exec(&live.handle(), request).await?;
     let reason = match out.stderr.trim() {
         "" => "file operation failed".to_owned(),
         message => message.to_owned(),

@@ -2,6 +2,9 @@
 //! the cluster registry (`cluster::membership`); in single-node mode, nowhere. The table
 //! calls it itself, on every path a kernel comes or goes (a create, cold or from the warm
 //! pool; one re-adopted at start; a delete, cull or revocation), so no front end can forget.
+//!
+//! A create asks for its key's quota slot ([`Ledger::reserve`]) before it takes a kernel
+//! from the warm pool or starts one, so that a create the quota refuses costs no kernel.
 
 use futures::future::BoxFuture;
 
@@ -16,22 +19,49 @@ pub enum ClaimRefused {
     Quota { key: String, max: usize },
 }
 
+/// What a create holds before it has a kernel: one of its key's quota slots, taken for it
+/// (none for a key without `max_kernels`). Given to [`Ledger::claim`] with the kernel, or
+/// back with [`Ledger::cancel`].
+#[derive(Debug)]
+#[must_use = "claim a kernel with it, or cancel it"]
+pub struct Reservation {
+    /// What holds the slot meanwhile (`None`: no slot was needed).
+    pub holder: Option<String>,
+    /// The key and its `max_kernels`.
+    pub quota: Option<(String, usize)>,
+}
+
 /// A table's record of the kernels it owns, kept elsewhere.
 pub trait Ledger: Send + Sync + std::fmt::Debug {
-    /// Claims a kernel just created, before its creator hears of it, within the owner's
-    /// `max_kernels` (its keys file's, counted everywhere the ledger reaches). An error
-    /// refuses the create: no kernel may run that the others cannot find, that another
-    /// node holds, or past its key's quota.
+    /// Takes one of the owner's `max_kernels` quota slots (its keys file's, counted
+    /// everywhere the ledger reaches) for a create about to start or take a kernel. Refused
+    /// when every slot is taken, or when the registry cannot be reached: the create is
+    /// refused before any kernel is touched.
+    fn reserve<'a>(
+        &'a self,
+        owner: &'a str,
+        max_kernels: Option<usize>,
+    ) -> BoxFuture<'a, Result<Reservation, ClaimRefused>>;
+
+    /// Claims a kernel just created, before its creator hears of it, with the create's
+    /// reservation (its quota slot passes to the kernel in the same step). An error refuses
+    /// the create (the reservation is given back): no kernel may run that the others cannot
+    /// find, that another node holds, or past its key's quota.
     fn claim<'a>(
         &'a self,
         id: &'a str,
         owner: &'a str,
         spec: &'a str,
-        max_kernels: Option<usize>,
+        reservation: Reservation,
     ) -> BoxFuture<'a, Result<(), ClaimRefused>>;
 
-    /// A kernel found running at start: kept, and registered with the rest of the node's.
-    fn adopt(&self, id: &str, owner: &str, spec: &str);
+    /// Gives back the reservation of a create that made no kernel.
+    fn cancel(&self, reservation: Reservation) -> BoxFuture<'_, ()>;
+
+    /// A kernel found at start: kept, and registered with the rest of the node's. A running
+    /// one (`running`) takes back its key's quota slot as it is registered; when that key is
+    /// at its limit by then, the registration refuses it (see the membership's lease loop).
+    fn adopt(&self, id: &str, owner: &str, spec: &str, running: bool);
 
     /// A kernel gone from the table.
     fn release<'a>(&'a self, id: &'a str) -> BoxFuture<'a, ()>;

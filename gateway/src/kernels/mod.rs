@@ -55,6 +55,19 @@ pub enum CreateError {
     /// A hibernated kernel's state could not be put into a fresh process; it stays on disk.
     #[error("the hibernated kernel's state could not be loaded: {0}")]
     Resume(String),
+    /// Its saved variables did not load into the new process; the state is kept and the
+    /// kernel hibernates again.
+    #[error("the kernel's saved state could not be loaded ({why}); the state is kept: try again, or discard the saved variables and keep the files with POST /api/kernels/{id}/discard-state (docs/hibernation.md)")]
+    StateNotLoaded { id: String, why: String },
+}
+
+impl From<ledger::ClaimRefused> for CreateError {
+    fn from(refused: ledger::ClaimRefused) -> Self {
+        match refused {
+            ledger::ClaimRefused::Quota { key, max } => CreateError::TooManyForKey { key, max },
+            ledger::ClaimRefused::Unavailable(why) => CreateError::Unregistered(why),
+        }
+    }
 }
 
 /// What governs kernels, taken from the configuration.
@@ -218,6 +231,20 @@ pub enum Removal {
     Culled,
 }
 
+impl Removal {
+    /// What the executions a removed kernel owed are answered with.
+    fn cause(&self) -> String {
+        match self {
+            Removal::AskedBy(key) if key == TOKEN_KEY => {
+                "the kernel was deleted by the admin (the gateway's token)".to_owned()
+            }
+            Removal::AskedBy(key) => format!("the kernel was deleted by key {key:?}"),
+            Removal::Because(reason) => format!("the kernel was deleted ({reason})"),
+            Removal::Culled => "the kernel was shut down as idle (--cull-idle-timeout)".to_owned(),
+        }
+    }
+}
+
 /// All kernels of this gateway.
 #[derive(Debug)]
 pub struct Kernels {
@@ -257,6 +284,12 @@ impl Kernels {
     /// The audit trail.
     pub fn audit(&self) -> &Audit {
         &self.settings.audit
+    }
+
+    /// How long a command the gateway runs in a kernel's sandbox may take
+    /// (`--sandbox-command-timeout`).
+    pub fn command_timeout(&self) -> Duration {
+        self.settings.hibernate.command_timeout
     }
 
     /// The package allowlists and wheelhouse, when `--wheelhouse` is set.
@@ -315,8 +348,9 @@ impl Kernels {
         }
     }
 
-    /// Creates a kernel: checks the spec, environment and limit, then takes one from the
-    /// warm pool or starts one, and waits until it answers.
+    /// Creates a kernel: checks the spec, environment and limit, holds the key's quota slot
+    /// in the ledger (cluster mode), then takes one from the warm pool or starts one, and
+    /// waits until it answers.
     ///
     /// Safe to abandon: the work runs in a task of its own, so a caller that goes away
     /// (an HTTP client hanging up drops this future) frees its slot of the limit, and a
@@ -348,6 +382,24 @@ impl Kernels {
         let max_hibernated = tenant.max_hibernated;
         self.tracker.spawn(
             async move {
+                // The key's quota slot first: a create the quota refuses takes no warm
+                // kernel and starts none, on any node.
+                let reservation = match &me.settings.ledger {
+                    Some(ledger) => match ledger.reserve(&owner, max_kernels).await {
+                        Ok(reservation) => Some(reservation),
+                        Err(refused) => {
+                            drop(slot);
+                            let _ = tx.send(Err(refused.into()));
+                            return;
+                        }
+                    },
+                    None => None,
+                };
+                let give_back = |reservation: Option<ledger::Reservation>| async {
+                    if let (Some(ledger), Some(reservation)) = (&me.settings.ledger, reservation) {
+                        ledger.cancel(reservation).await;
+                    }
+                };
                 let started = std::time::Instant::now();
                 let result = me.obtain(&name, env.clone(), &owner, limits).await;
                 let (live, source) = match result {
@@ -364,6 +416,7 @@ impl Kernels {
                     }
                     Err(e) => {
                         drop(slot);
+                        give_back(reservation).await;
                         let _ = tx.send(Err(e));
                         return;
                     }
@@ -377,21 +430,17 @@ impl Kernels {
                 }
                 if tx.is_closed() || !slot.fill(&live) {
                     me.abandon(&live).await;
+                    give_back(reservation).await;
                     return;
                 }
-                if let Some(ledger) = &me.settings.ledger {
-                    let claimed = ledger.claim(live.id(), &owner, &name, max_kernels).await;
+                if let (Some(ledger), Some(reservation)) = (&me.settings.ledger, reservation) {
+                    let claimed = ledger.claim(live.id(), &owner, &name, reservation).await;
                     if let Err(refused) = claimed {
                         let taken = me.lock().live.remove(live.id());
                         if let Some(taken) = taken {
                             me.abandon(&taken).await;
                         }
-                        let _ = tx.send(Err(match refused {
-                            ledger::ClaimRefused::Quota { key, max } => {
-                                CreateError::TooManyForKey { key, max }
-                            }
-                            ledger::ClaimRefused::Unavailable(why) => CreateError::Unregistered(why),
-                        }));
+                        let _ = tx.send(Err(refused.into()));
                         return;
                     }
                 }
@@ -652,6 +701,11 @@ impl Kernels {
         let owner = live.owner().to_owned();
         if live.is_hibernated() {
             self.forget_state(id).await;
+        } else {
+            // What it runs and holds is answered with who deleted it, as a restart's is.
+            live.relay
+                .lost_executions("KernelDeleted", &why.cause())
+                .await;
         }
         if let Some(ledger) = &self.settings.ledger {
             ledger.release(id).await;
@@ -704,6 +758,18 @@ impl Kernels {
         let mut all: Vec<_> = t.live.drain().map(|(_, v)| v).collect();
         all.extend(t.pool.drain().flat_map(|(_, p)| p));
         all
+    }
+
+    /// Removes the warm kernels of every pool (a cluster node that stops: they are
+    /// nobody's, and a node that does not return would leave them running).
+    pub async fn remove_warm(&self) {
+        let warm: Vec<_> = self.lock().pool.drain().flat_map(|(_, p)| p).collect();
+        let removals = warm.iter().map(|live| self.discard(live));
+        for (live, result) in warm.iter().zip(futures::future::join_all(removals).await) {
+            if let Err(e) = result {
+                tracing::warn!(kernel = %live.id(), error = %e, "cannot remove a warm kernel at shutdown");
+            }
+        }
     }
 
     /// Lets go of every kernel without removing it (a cluster node that stops and will

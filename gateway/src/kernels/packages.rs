@@ -4,14 +4,16 @@
 //! (docs/packages.md).
 
 use super::{Kernels, LiveKernel};
-use crate::audit::{PackageRefusal, PackageVersion, Record};
-use crate::backend::BackendError;
+use crate::audit::{KernelReportedInstall, PackageRefusal, PackageVersion, Record};
+use crate::backend::{BackendError, ExecRequest};
 use crate::packages::allowlist;
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 
 /// The installer's output kept, at most.
 const MAX_OUTPUT: usize = 256 << 10;
+/// How long one install may run in the kernel's sandbox before it is killed.
+pub const INSTALL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(600);
 /// Requirements one call may name.
 pub const MAX_REQUIREMENTS: usize = 64;
 
@@ -81,15 +83,14 @@ pub async fn install(
             InstallError::Failed(format!("the hibernated kernel could not be resumed: {e}"))
         })?;
     }
-    let argv = ["python3", "-m", "pip", "install", "--report", "-"]
+    // `-P` from `/`: a `pip/` in the kernel's home is not the installer that runs.
+    let argv = ["python3", "-P", "-m", "pip", "install", "--report", "-"]
         .into_iter()
         .map(str::to_owned)
         .chain(requirements.iter().cloned())
         .collect();
-    let out = kernels
-        .backend()
-        .exec(&live.handle(), argv, bytes::Bytes::new(), MAX_OUTPUT)
-        .await?;
+    let request = ExecRequest::new(argv, bytes::Bytes::new(), MAX_OUTPUT, INSTALL_TIMEOUT);
+    let out = kernels.backend().exec(&live.handle(), request).await?;
     let stdout = String::from_utf8_lossy(&out.stdout);
     let report = stdout
         .lines()
@@ -109,15 +110,33 @@ pub async fn install(
             why
         }));
     };
+    // What the gateway knows: the allowlist's lines for the names asked for.
+    let asked: Vec<String> = requirements
+        .iter()
+        .filter_map(|r| allowlist::parse_requirement(r).ok())
+        .map(|e| e.name)
+        .collect();
+    let allowed = kernels
+        .packages()
+        .map(|p| p.allowed(&live.name))
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|e| asked.contains(&e.name))
+        .map(|e| e.requirement)
+        .collect();
     kernels
         .audit()
         .record(&Record::PackagesInstalled {
             key: key.to_owned(),
             kernel: live.id().to_owned(),
             requested: requirements.to_vec(),
-            installed: report.installed.clone(),
-            already: report.already.clone(),
-            refused: report.refused.clone(),
+            allowed,
+            kernel_reported: KernelReportedInstall {
+                installed: report.installed.clone(),
+                already: report.already.clone(),
+                refused: report.refused.clone(),
+                exit_code: out.exit_code,
+            },
         })
         .await;
     if report.refused.is_empty() && out.exit_code == 0 {

@@ -147,7 +147,20 @@ async fn execute<F>(
                 continue;
             }
         };
-        let Some(batch) = batch else { break };
+        let Some(batch) = batch else {
+            // The kernel's sessions were closed before its answer came (the answer of a
+            // deleted kernel's execution comes first): never an error without a reason.
+            let closed = ErrorContent {
+                ename: "KernelUnavailable".into(),
+                evalue: "the kernel's connection was closed before this code finished (the \
+                         kernel was deleted or the gateway is stopping); its variables are lost"
+                    .into(),
+                traceback: Vec::new(),
+                extra: Map::new(),
+            };
+            let _ = tx.send(Progress::Event(Event::Error(closed))).await;
+            break;
+        };
         for out in batch {
             let Some(event) = execution.feed(out.channel, &out.message) else {
                 continue;

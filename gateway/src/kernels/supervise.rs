@@ -1,6 +1,7 @@
 //! Supervision of running kernels: restarts (asked for, or automatic after a death),
-//! the death watch (process exit, or a heartbeat that stops answering), and culling of
-//! idle kernels.
+//! the death watch (process exit, an out-of-memory kill that leaves the process stuck, or
+//! a heartbeat that stops answering; a kernel brought back after it was declared dead is
+//! watched again), and culling of idle kernels.
 //!
 //! A restart moves the kernel into a warm kernel of its spec's pool when one fits (the
 //! configured limits, an environment a warm kernel can be given): same id, same clients,
@@ -21,6 +22,12 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tracing::Instrument;
+
+/// After an out-of-memory kill in a kernel's container, heartbeat probes that must all go
+/// unanswered before the kernel counts as dead of it: under 2 s in all.
+const OOM_PROBES: u32 = 3;
+const OOM_PROBE_GAP: Duration = Duration::from_millis(100);
+const OOM_PROBE_TIMEOUT: Duration = Duration::from_millis(500);
 
 /// Tries of one restart before the kernel is declared dead.
 pub(super) const RESTART_TRIES: u32 = 3;
@@ -126,6 +133,8 @@ impl Kernels {
             match self.restart_once(live).await {
                 Ok(way) => {
                     tracing::info!(kernel = %live.id(), way, tries, took = ?started.elapsed(), "kernel restarted");
+                    // A watcher waiting for a kernel that was dead watches it again.
+                    live.rearm.notify_one();
                     return Ok(());
                 }
                 Err(e) => {
@@ -285,8 +294,8 @@ impl Kernels {
 
     async fn watch_loop(self: &Arc<Self>, live: &Arc<LiveKernel>) {
         loop {
-            if live.is_hibernated() {
-                // No process to watch until it wakes in one.
+            if live.is_hibernated() || live.relay.is_dead() {
+                // No process to watch until it wakes in one, or a restart brings it back.
                 live.rearm.notified().await;
                 continue;
             }
@@ -298,13 +307,15 @@ impl Kernels {
                     Err(BackendError::Gone { .. }) => "the kernel's container was removed".to_owned(),
                     Err(e) => format!("the kernel cannot be watched ({e})"),
                 },
+                exit = self.stuck_after_oom(&handle, &connection) => exit.cause(),
                 () = self.heartbeat_lost(&connection) => "the kernel stopped answering its heartbeat".to_owned(),
-                // It moved into another process: watch that one.
+                // It moved into another process, or a restart brought it back: watch that.
                 () = live.rearm.notified() => continue,
             };
             let _ops = live.ops.lock().await;
-            if live.epoch.load(Ordering::SeqCst) != epoch {
-                continue; // the exit of an intentional restart
+            if live.epoch.load(Ordering::SeqCst) != epoch || live.relay.is_dead() {
+                // The exit of an intentional restart, or of one that gave up (and said so).
+                continue;
             }
             tracing::warn!(kernel = %live.id(), "{cause}");
             self.settings
@@ -324,15 +335,41 @@ impl Kernels {
                         live.id()
                     ))
                     .await;
-                return;
+                continue; // watched again once a restart brings it back
             }
             // Told `restarting` with the answers; the restart does not say it again.
             live.relay.lost_to_death(&cause).await;
             live.epoch.fetch_add(1, Ordering::SeqCst);
-            if self.restart_locked(live).await.is_err() {
-                return; // dead, and clients were told why
-            }
+            // A restart that gives up leaves it dead, and clients were told why: the loop
+            // waits for one that brings it back.
+            let _ = self.restart_locked(live).await;
         }
+    }
+
+    /// Resolves when the kernel's container ran out of memory and its process no longer
+    /// answers, with the memory limit. Under runc the killed process exits and
+    /// [`KernelBackend::wait_exit`](crate::backend::KernelBackend::wait_exit) says so first;
+    /// under gVisor the host may kill the stub process the kernel's memory was mapped in,
+    /// which leaves the kernel stuck in a sandbox that never exits (seen with runsc 2024,
+    /// systrap): only its heartbeat tells. A process the kernel started may be the one
+    /// killed: a kernel that still answers is left alone.
+    async fn stuck_after_oom(
+        &self,
+        handle: &str,
+        connection: &ConnectionInfo,
+    ) -> crate::backend::Exit {
+        use futures::StreamExt;
+        let mut ooms = self.backend.out_of_memory(handle);
+        'events: while let Some(exit) = ooms.next().await {
+            for _ in 0..OOM_PROBES {
+                tokio::time::sleep(OOM_PROBE_GAP).await;
+                if heartbeat::probe(connection, OOM_PROBE_TIMEOUT).await {
+                    continue 'events;
+                }
+            }
+            return exit;
+        }
+        std::future::pending().await
     }
 
     async fn heartbeat_lost(&self, connection: &ConnectionInfo) {

@@ -6,7 +6,7 @@ use super::*;
 use futures::FutureExt;
 use std::future::Future;
 
-fn specs(extra: &[&str], pools: &[&str]) -> Arc<KernelSpecs> {
+pub(super) fn specs(extra: &[&str], pools: &[&str]) -> Arc<KernelSpecs> {
     let strings = |v: &[&str]| v.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
     Arc::new(KernelSpecs::parse("kernel:1", &strings(extra), &strings(pools)).expect("valid"))
 }
@@ -78,7 +78,7 @@ fn env(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
 }
 
 impl Kernels {
-    fn pooled(&self) -> usize {
+    pub(super) fn pooled(&self) -> usize {
         self.lock().pool.values().map(VecDeque::len).sum()
     }
 
@@ -525,12 +525,59 @@ async fn a_restart_that_keeps_failing_gives_up_fast_and_says_what_to_do() {
         .as_str()
         .is_some_and(|w| w.contains("ran out of memory")));
 
-    // What the message says works.
+    // What the message says works, and the kernel is watched again: its next death is
+    // seen and it comes back.
     kernels
         .restart(&live, "alice")
         .await
         .expect("restarted by hand");
     assert_eq!(run_code(&live, "1").await.0, "ok");
+    fake.oom(&handle);
+    eventually("restarted after its next death", || async {
+        fake.records()[&handle].restarts == 5
+            && live.relay.execution_state() == ExecutionState::Idle
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_kernel_left_stuck_by_running_out_of_memory_is_named_so_before_its_heartbeat() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let log = dir.path().join("audit.log");
+    let (kernels, fake) = table(Settings {
+        audit: crate::audit::Audit::open(&log, false).expect("audit log"),
+        ..settings()
+    })
+    .await;
+    let (live, handle) = one_kernel(&kernels, &fake).await;
+    // A process the kernel started is the one killed: the kernel answers on, left alone.
+    fake.oom_of_a_child(&handle);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(fake.records()[&handle].restarts, 0);
+    assert_eq!(run_code(&live, "1").await.0, "ok");
+
+    // The kernel itself is stuck (gVisor): named as out of memory, with the limit, within
+    // `eventually`'s 10 s, where the heartbeat would take 15 s.
+    fake.oom_stuck(&handle);
+    eventually("restarted", || async {
+        fake.records()[&handle].restarts == 1
+            && live.relay.execution_state() == ExecutionState::Idle
+    })
+    .await;
+    let trail = std::fs::read_to_string(&log).expect("audit");
+    let died: Vec<serde_json::Value> = trail
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .filter(|r: &serde_json::Value| r["event"] == "kernel_died")
+        .collect();
+    assert_eq!(died.len(), 1, "{trail}");
+    assert_eq!(
+        died[0]["why"],
+        format!(
+            "the kernel ran out of memory (limit {} MiB)",
+            fake::MEMORY_MB
+        )
+    );
 }
 
 #[tokio::test]

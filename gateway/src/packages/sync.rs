@@ -1217,13 +1217,19 @@ fn is_root_pth(path: &str) -> bool {
     !path.contains('/') && path.to_ascii_lowercase().ends_with(".pth")
 }
 
+/// Most bytes one wheel may unpack to: past it (as it declares, or as it turns out while
+/// unpacking) it is refused.
+const MAX_UNPACKED: u64 = 2 << 30;
+
 /// What unpacking a wheel writes: (zip index, path in the tree, is a directory,
-/// executable), checked before anything is written.
-fn plan_unpack<R: Read + std::io::Seek>(
-    archive: &mut zip::ZipArchive<R>,
-) -> Result<Vec<(usize, String, bool, bool)>, String> {
+/// executable, bytes it declares), checked before anything is written.
+type Plan = Vec<(usize, String, bool, bool, u64)>;
+
+/// Checks what a wheel would unpack to before anything is written.
+fn plan_unpack<R: Read + std::io::Seek>(archive: &mut zip::ZipArchive<R>) -> Result<Plan, String> {
     let mut plan = Vec::new();
     let mut seen = BTreeSet::new();
+    let mut declared = 0u64;
     for index in 0..archive.len() {
         let file = archive
             .by_index(index)
@@ -1245,7 +1251,14 @@ fn plan_unpack<R: Read + std::io::Seek>(
             return Err(format!("it has two entries for {path}"));
         }
         let executable = file.unix_mode().is_some_and(|mode| mode & 0o111 != 0);
-        plan.push((index, path, is_dir, executable));
+        declared = declared.saturating_add(file.size());
+        if declared > MAX_UNPACKED {
+            return Err(format!(
+                "it unpacks to more than the {} MiB a wheel may take",
+                MAX_UNPACKED >> 20
+            ));
+        }
+        plan.push((index, path, is_dir, executable, file.size()));
     }
     Ok(plan)
 }
@@ -1292,7 +1305,7 @@ fn install_wheel(wheel: &Path, sha256: &str, dest: &Path) -> Result<bool, String
 
 fn unpack<R: Read + std::io::Seek>(
     archive: &mut zip::ZipArchive<R>,
-    plan: &[(usize, String, bool, bool)],
+    plan: &[(usize, String, bool, bool, u64)],
     root: &Path,
 ) -> std::io::Result<()> {
     let make_dir = |dir: &Path| -> std::io::Result<()> {
@@ -1307,7 +1320,7 @@ fn unpack<R: Read + std::io::Seek>(
         Ok(())
     };
     make_dir(Path::new(""))?;
-    for (index, path, is_dir, executable) in plan {
+    for (index, path, is_dir, executable, declared) in plan {
         let path = Path::new(path);
         if *is_dir {
             make_dir(path)?;
@@ -1321,8 +1334,16 @@ fn unpack<R: Read + std::io::Seek>(
             .create_new(true)
             .mode(mode)
             .open(&target)?;
-        let mut entry = archive.by_index(*index).map_err(std::io::Error::other)?;
-        std::io::copy(&mut entry, &mut out)?;
+        let entry = archive.by_index(*index).map_err(std::io::Error::other)?;
+        // A zip's sizes are its own word: an entry that inflates past its declared size (a
+        // zip bomb) is refused, not written out.
+        let copied = std::io::copy(&mut entry.take(declared.saturating_add(1)), &mut out)?;
+        if copied > *declared {
+            return Err(std::io::Error::other(format!(
+                "{} unpacks to more than the {declared} bytes it declares",
+                path.display()
+            )));
+        }
         std::fs::set_permissions(&target, std::fs::Permissions::from_mode(mode))?;
     }
     Ok(())

@@ -108,6 +108,10 @@ pub struct Clients {
     origins: HashMap<String, String>,
     origin_order: VecDeque<String>,
     next_generation: u64,
+    /// Sessions of connections still open when [`Self::close_all`] ended them, with what
+    /// was queued for them then (the answer of a cell the kernel's deletion cut short):
+    /// their next take gets it, the one after learns they are closed.
+    closed: HashMap<String, Queue>,
 }
 
 impl Clients {
@@ -118,6 +122,7 @@ impl Clients {
             origins: HashMap::new(),
             origin_order: VecDeque::new(),
             next_generation: 1,
+            closed: HashMap::new(),
         }
     }
 
@@ -127,6 +132,7 @@ impl Clients {
     pub fn attach(&mut self, session: &str, internal: bool) -> Ticket {
         let generation = self.next_generation;
         self.next_generation += 1;
+        self.closed.remove(session);
         let notify = Arc::new(Notify::new());
         let queue = self
             .sessions
@@ -160,6 +166,7 @@ impl Clients {
     /// The connection holding `ticket` went away. Its session's messages are kept for
     /// `replay_for` unless it was internal or already taken over.
     pub fn detach(&mut self, ticket: &Ticket) {
+        self.closed.remove(&ticket.session);
         let Some(queue) = self.sessions.get_mut(&ticket.session) else {
             return;
         };
@@ -177,7 +184,12 @@ impl Clients {
     /// Takes everything queued for the holder of `ticket`.
     pub fn take(&mut self, ticket: &Ticket) -> Take {
         let Some(queue) = self.sessions.get_mut(&ticket.session) else {
-            return Take::Superseded;
+            return match self.closed.remove(&ticket.session) {
+                Some(last) if last.generation == ticket.generation && !last.items.is_empty() => {
+                    Take::Messages(last.items.into())
+                }
+                _ => Take::Superseded,
+            };
         };
         if queue.generation != ticket.generation {
             return Take::Superseded;
@@ -251,8 +263,11 @@ impl Clients {
 
     /// Ends all sessions; their connections read [`Take::Superseded`] and close.
     pub fn close_all(&mut self) {
-        for (_, q) in self.sessions.drain() {
+        for (session, q) in self.sessions.drain() {
             q.notify.notify_one();
+            if q.connected && !q.items.is_empty() {
+                self.closed.insert(session, q);
+            }
         }
         self.origins.clear();
         self.origin_order.clear();
@@ -383,6 +398,23 @@ mod tests {
         assert_eq!(types(c.take(&a)), ["execute_reply", "status"]);
         assert_eq!(types(c.take(&b)), ["status"]);
         assert_eq!(c.connections(), 2);
+    }
+
+    #[test]
+    fn closing_all_sessions_hands_what_was_queued_to_their_next_take() {
+        let mut c = Clients::new(limits(1 << 20));
+        let open = c.attach("open", true);
+        let away = c.attach("away", false);
+        c.detach(&away);
+        c.note_request("req1", "open");
+        c.route(msg(Channel::IoPub, "error", Some("req1"), ""));
+        c.route(msg(Channel::Shell, "execute_reply", Some("req1"), ""));
+        c.close_all();
+        // The answer of a cell cut short reaches the connection that waits for it, once.
+        assert_eq!(types(c.take(&open)), ["error", "execute_reply"]);
+        assert_eq!(types(c.take(&open)), ["superseded"]);
+        assert_eq!(types(c.take(&away)), ["superseded"]);
+        assert_eq!(c.connections(), 0);
     }
 
     #[test]

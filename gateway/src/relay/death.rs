@@ -97,6 +97,11 @@ impl Relay {
         (fx, link)
     }
 
+    /// Whether the kernel is dead for good (until a restart brings it back).
+    pub fn is_dead(&self) -> bool {
+        self.lock().dead.is_some()
+    }
+
     /// The kernel is dead for good; `why` says why and what brings it back. Clients are told
     /// `dead`, execute requests held for the restart are answered with `why`, and so is
     /// every later one, until a restart brings the kernel back.

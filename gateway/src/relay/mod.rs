@@ -77,6 +77,9 @@ struct State {
     /// The kernel hibernates: its state is on disk, its process gone or going. Client
     /// messages wait in the backlog and wake it.
     hibernated: bool,
+    /// A resumed kernel's state is loading into its new process: client messages wait in
+    /// the backlog (without waking anything) until the load answers.
+    loading: bool,
     /// Messages clients (not the gateway itself) sent so far.
     client_sends: u64,
 }
@@ -130,6 +133,7 @@ impl Relay {
                 dead: None,
                 installs: None,
                 hibernated: false,
+                loading: false,
                 client_sends: 0,
             }),
             wake: tokio::sync::Notify::new(),
@@ -204,7 +208,12 @@ impl Relay {
                 .map(installs::Reports::at);
             // Whatever the previous process was asked is answered or lost by now.
             st.in_flight.clear();
-            take_backlog(&mut st)
+            if st.loading {
+                // The backlog waits for the state to load (`Relay::loaded`).
+                Vec::new()
+            } else {
+                take_backlog(&mut st)
+            }
         };
         self.send_backlog(&link, backlog).await?;
         let reply = self.wait_ready(deadline, timeout).await?;
@@ -416,9 +425,11 @@ impl Relay {
                 st.execution_state,
                 ExecutionState::Starting | ExecutionState::Restarting
             );
-        let queue = (st.hibernated || starting) && st.backlog.len() < MAX_BACKLOG;
+        // While a resumed kernel's state loads, only the gateway's own messages pass.
+        let waits = st.hibernated || (st.loading && key != GATEWAY_KEY);
+        let queue = (waits || starting) && st.backlog.len() < MAX_BACKLOG;
         fx.wake |= st.hibernated && queue;
-        if (st.link.is_none() || st.hibernated) && !queue {
+        if (st.link.is_none() || waits) && !queue {
             return match st.dead.clone() {
                 // A cell sent to a dead kernel fails at once, saying what brings it back.
                 Some(why) if execute => {
@@ -437,7 +448,7 @@ impl Relay {
             st.executions
                 .started(&message.header, key, code_sha256.unwrap_or_default());
         }
-        match st.link.clone().filter(|_| !st.hibernated) {
+        match st.link.clone().filter(|_| !waits) {
             Some(link) => {
                 if execute {
                     track(&mut st.in_flight, &message.header);

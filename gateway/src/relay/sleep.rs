@@ -90,6 +90,38 @@ impl Relay {
         st.backlog.insert(0, (channel, message));
     }
 
+    /// A resumed kernel's state is about to load: from the next connect until
+    /// [`Relay::loaded`] or [`Relay::load_failed`], client messages wait in the backlog.
+    pub fn hold_for_load(&self) {
+        self.lock().loading = true;
+    }
+
+    /// The state loaded: what clients sent meanwhile goes to the kernel, in order.
+    pub async fn loaded(&self) -> Result<(), KernelError> {
+        let (link, backlog) = {
+            let mut st = self.lock();
+            st.loading = false;
+            (st.link.clone(), take_backlog(&mut st))
+        };
+        match link {
+            Some(link) => self.send_backlog(&link, backlog).await,
+            None => Err(KernelError::KernelGone),
+        }
+    }
+
+    /// The state did not load: the kernel hibernates again (its state kept) and the
+    /// executions that waited are answered with `why`.
+    pub async fn load_failed(&self, why: String) {
+        {
+            let mut st = self.lock();
+            st.loading = false;
+            st.hibernated = true;
+            st.execution_state = ExecutionState::Restarting;
+        }
+        self.disconnect();
+        self.refuse_waiting(why).await;
+    }
+
     /// A resume failed: executions that waited for it are answered in the kernel's
     /// place with `why`; the kernel stays hibernated for the next try.
     pub async fn refuse_waiting(&self, why: String) {

@@ -138,11 +138,7 @@ impl ContainerSpec<'_> {
             ipc_mode: Some("private".to_owned()),
             // Its own view of the cgroup tree, not the host's paths.
             cgroupns_mode: Some(HostConfigCgroupnsModeEnum::PRIVATE),
-            ulimits: Some(vec![
-                // A crash must not write a core file the size of its memory.
-                limit("core", 0),
-                limit("nofile", NOFILE),
-            ]),
+            ulimits: Some(self.ulimits()),
             // The image's entrypoint is tini.
             init: Some(false),
             auto_remove: Some(false),
@@ -174,6 +170,32 @@ impl ContainerSpec<'_> {
 
 /// Open files per kernel process: ample for analyses, bounded for everything else.
 pub const NOFILE: i64 = 4096;
+
+impl ContainerSpec<'_> {
+    fn ulimits(&self) -> Vec<ResourcesUlimits> {
+        let mut limits = vec![
+            // A crash must not write a core file the size of its memory.
+            limit("core", 0),
+            limit("nofile", NOFILE),
+        ];
+        if self.runtime_label.starts_with("runsc") {
+            limits.push(limit("nproc", gvisor_tasks(self.pids)));
+        }
+        limits
+    }
+}
+
+/// The processes and threads a kernel may have under gVisor, where the pids limit counts
+/// the sandbox's own host processes and threads (the Sentry's, a stub per address space)
+/// rather than the kernel's: a fork loop that reached it would kill the Sentry (exit 2)
+/// and with it the kernel. gVisor enforces RLIMIT_NPROC per sandbox (threads included),
+/// so that is the kernel's limit there: a quarter of the pids limit, which the sandbox's
+/// host side always fits in (measured with runsc 2024, systrap: 96 tasks fit 256 pids,
+/// 128 did not). Never under runc, where RLIMIT_NPROC counts every process of the
+/// kernel's uid on the host, other kernels' too.
+pub fn gvisor_tasks(pids: i64) -> i64 {
+    (pids / 4).max(16)
+}
 
 fn limit(name: &str, value: i64) -> ResourcesUlimits {
     ResourcesUlimits {
@@ -238,7 +260,26 @@ mod tests {
             Some(HostConfigCgroupnsModeEnum::PRIVATE)
         );
         let ulimits = host.ulimits.clone().expect("ulimits");
-        assert_eq!(ulimits, vec![limit("core", 0), limit("nofile", NOFILE)]);
+        // Under gVisor the kernel's tasks are bounded by RLIMIT_NPROC, below what the
+        // sandbox's host side needs of the pids limit; never under runc.
+        assert_eq!(
+            ulimits,
+            vec![
+                limit("core", 0),
+                limit("nofile", NOFILE),
+                limit("nproc", 64)
+            ]
+        );
+        let runc = ContainerSpec {
+            runtime: "runc",
+            runtime_label: "runc",
+            ..spec(&env, None)
+        };
+        let runc_limits = runc.to_body().host_config.and_then(|h| h.ulimits);
+        assert_eq!(
+            runc_limits,
+            Some(vec![limit("core", 0), limit("nofile", NOFILE)])
+        );
         assert_eq!(host.init, Some(false));
         assert_eq!(host.auto_remove, Some(false));
         assert_eq!(host.group_add, None);

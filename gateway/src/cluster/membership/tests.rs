@@ -115,8 +115,8 @@ async fn a_kernel_claimed_by_another_node_meanwhile_stays_theirs() {
         .expect("create"));
     let lost = Arc::new(Mutex::new(Vec::new()));
     let heard = lost.clone();
-    tokio::spawn(a.clone().keep(cancel.clone(), move |ids| {
-        heard.lock().expect("lock").extend(ids)
+    tokio::spawn(a.clone().keep(cancel.clone(), move |lost| {
+        heard.lock().expect("lock").extend(lost.taken)
     }));
     settle().await;
     assert_eq!(*lost.lock().expect("lock"), vec!["k1".to_owned()]);
@@ -145,8 +145,8 @@ async fn a_node_back_before_its_old_lease_ran_out_takes_its_records_back() {
     a.adopt("k1", &adopted);
     let lost = Arc::new(Mutex::new(Vec::new()));
     let heard = lost.clone();
-    tokio::spawn(a.clone().keep(cancel.clone(), move |ids| {
-        heard.lock().expect("lock").extend(ids)
+    tokio::spawn(a.clone().keep(cancel.clone(), move |lost| {
+        heard.lock().expect("lock").extend(lost.taken)
     }));
     settle().await;
     assert!(a.registered());
@@ -178,7 +178,8 @@ async fn the_reconcile_removes_stale_records_and_registers_what_is_missing() {
         fixed,
         Reconciled {
             stale_records: 1,
-            unregistered_kernels: 1
+            unregistered_kernels: 1,
+            ..Reconciled::default()
         }
     );
     let keys: Vec<String> = store
@@ -231,6 +232,279 @@ async fn a_node_that_steps_away_keeps_its_kernels_registered_past_its_ttl() {
     assert!(
         view.kernels.is_empty() && !view.nodes.contains_key("a"),
         "{view:?}"
+    );
+    cancel.cancel();
+}
+
+/// A kernel of `tenant` claimed by `m` the way a create claims it: its slot reserved
+/// first, then the record and the slot together.
+async fn create_for(
+    m: &Membership<Memory>,
+    id: &str,
+    tenant: &str,
+    max: usize,
+) -> Result<(), ClaimRefused> {
+    let reservation = Ledger::reserve(m, tenant, Some(max)).await?;
+    Ledger::claim(m, id, tenant, "python3", reservation).await
+}
+
+/// The kernel ids `tenant`'s quota slots name, by slot.
+async fn slots_of(store: &Memory, tenant: &str) -> Vec<(String, String)> {
+    store
+        .list(&format!("{PREFIX}quota/{tenant}/"))
+        .await
+        .expect("list")
+        .entries
+        .into_iter()
+        .map(|e| (e.key, String::from_utf8_lossy(&e.value).into_owned()))
+        .collect()
+}
+
+/// The kernels a node's registration refused for their key's quota, with the key.
+type Refused = Arc<Mutex<Vec<(String, String)>>>;
+
+/// Node "a" run again on the same runtime directory: a new incarnation that re-adopts
+/// `kernels` (running, alice may hold `max`), and keeps its lease; what it lost.
+fn restarted(
+    store: &Memory,
+    kernels: &[&str],
+    max: Option<usize>,
+    cancel: &CancellationToken,
+) -> (Arc<Membership<Memory>>, Refused) {
+    let mut again = node("http://a");
+    again.incarnation = "i2".into();
+    let a = Membership::new(store.clone(), "a", again, Duration::from_secs(3));
+    a.set_quotas(Box::new(move |name| {
+        (name == "alice").then_some(max).flatten()
+    }));
+    for id in kernels {
+        Ledger::adopt(&*a, id, "alice", "python3", true);
+    }
+    let refused = Arc::new(Mutex::new(Vec::new()));
+    let heard = refused.clone();
+    tokio::spawn(a.clone().keep(cancel.clone(), move |lost| {
+        heard.lock().expect("lock").extend(lost.over_quota)
+    }));
+    (a, refused)
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_kernel_taken_back_after_a_crash_takes_its_quota_slot_back_in_the_same_step() {
+    let store = Memory::new();
+    let cancel = CancellationToken::new();
+    let a_dies = CancellationToken::new();
+    let ttl = Duration::from_secs(3);
+    let a = Membership::new(store.clone(), "a", node("http://a"), ttl);
+    let b = Membership::new(store.clone(), "b", node("http://b"), ttl);
+    tokio::spawn(a.clone().keep(a_dies.clone(), |_| {}));
+    tokio::spawn(b.clone().keep(cancel.clone(), |_| {}));
+    settle().await;
+    create_for(&a, "k1", "alice", 2).await.expect("k1");
+    create_for(&a, "k2", "alice", 2).await.expect("k2");
+    // kill -9 of a, back before its lease ran out: its kernels and their slots are its own.
+    a_dies.cancel();
+    let (a2, refused) = restarted(&store, &["k1", "k2"], Some(2), &cancel);
+    settle().await;
+    assert!(a2.registered());
+    assert!(refused.lock().expect("lock").is_empty());
+    let held = |store: Memory| async move {
+        let mut ids: Vec<String> = slots_of(&store, "alice")
+            .await
+            .into_iter()
+            .map(|(_, id)| id)
+            .collect();
+        ids.sort();
+        ids
+    };
+    assert_eq!(held(store.clone()).await, ["k1", "k2"]);
+    // The quota is exact: a third create through the other node is refused.
+    assert!(matches!(
+        create_for(&b, "k3", "alice", 2).await,
+        Err(ClaimRefused::Quota { max: 2, .. })
+    ));
+    // The old run's lease ends: the records and slots are the new run's, and stay.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    settle().await;
+    assert_eq!(held(store.clone()).await, ["k1", "k2"]);
+    assert_eq!(
+        store
+            .list(&format!("{PREFIX}kernels/"))
+            .await
+            .expect("list")
+            .entries
+            .len(),
+        2
+    );
+    cancel.cancel();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_kernel_taken_back_after_its_slot_was_taken_is_refused_naming_the_key() {
+    let store = Memory::new();
+    let cancel = CancellationToken::new();
+    let a_dies = CancellationToken::new();
+    let ttl = Duration::from_secs(3);
+    let a = Membership::new(store.clone(), "a", node("http://a"), ttl);
+    let b = Membership::new(store.clone(), "b", node("http://b"), ttl);
+    tokio::spawn(a.clone().keep(a_dies.clone(), |_| {}));
+    tokio::spawn(b.clone().keep(cancel.clone(), |_| {}));
+    settle().await;
+    create_for(&a, "k1", "alice", 1).await.expect("k1");
+    // kill -9 of a: its lease runs out, and with it k1's record and slot; alice creates
+    // another kernel through b meanwhile.
+    a_dies.cancel();
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    settle().await;
+    assert!(
+        slots_of(&store, "alice").await.is_empty(),
+        "gone with a's lease"
+    );
+    create_for(&b, "k2", "alice", 1).await.expect("k2");
+    // a is back with k1: the key is at its limit, k1 is refused, naming the key.
+    let (a2, refused) = restarted(&store, &["k1"], Some(1), &cancel);
+    settle().await;
+    assert!(a2.registered());
+    assert_eq!(
+        *refused.lock().expect("lock"),
+        vec![("k1".to_owned(), "alice".to_owned())]
+    );
+    assert!(store
+        .list(&kernel_key("k1"))
+        .await
+        .expect("list")
+        .entries
+        .is_empty());
+    assert_eq!(
+        slots_of(&store, "alice").await,
+        [(quota_key("alice", 0), "k2".to_owned())]
+    );
+    cancel.cancel();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_delete_after_a_stop_and_restart_frees_the_slot_at_once() {
+    for knows_the_quota in [true, false] {
+        let store = Memory::new();
+        let cancel = CancellationToken::new();
+        let (a_stops, b) = (
+            CancellationToken::new(),
+            Membership::new(store.clone(), "b", node("http://b"), Duration::from_secs(3)),
+        );
+        let a = Membership::new(store.clone(), "a", node("http://a"), Duration::from_secs(3));
+        tokio::spawn(a.clone().keep(a_stops.clone(), |_| {}));
+        tokio::spawn(b.clone().keep(cancel.clone(), |_| {}));
+        settle().await;
+        create_for(&a, "k1", "alice", 1).await.expect("k1");
+        // SIGTERM: a steps away for 120 s with k1 and its slot, and comes back.
+        a_stops.cancel();
+        a.step_away(Duration::from_secs(120)).await.expect("away");
+        let max = knows_the_quota.then_some(1);
+        let (a2, _) = restarted(&store, &["k1"], max, &cancel);
+        settle().await;
+        assert!(a2.registered());
+        Membership::release(&a2, "k1").await.expect("released");
+        assert!(
+            slots_of(&store, "alice").await.is_empty(),
+            "the slot is free at once (the quota known: {knows_the_quota})"
+        );
+        create_for(&b, "k2", "alice", 1)
+            .await
+            .expect("a slot is free");
+        cancel.cancel();
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_create_the_quota_refuses_holds_nothing_and_a_cancelled_one_gives_its_slot_back() {
+    let store = Memory::new();
+    let cancel = CancellationToken::new();
+    let (a, b) = two_nodes(&store, &cancel);
+    settle().await;
+    let held = Ledger::reserve(&*a, "alice", Some(1))
+        .await
+        .expect("reserved");
+    assert!(matches!(
+        Ledger::reserve(&*b, "alice", Some(1)).await,
+        Err(ClaimRefused::Quota { max: 1, .. })
+    ));
+    Ledger::cancel(&*a, held).await;
+    assert!(slots_of(&store, "alice").await.is_empty());
+    create_for(&b, "k1", "alice", 1)
+        .await
+        .expect("the slot is free again");
+    cancel.cancel();
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_reconcile_repairs_quota_slots_both_ways() {
+    let store = Memory::new();
+    let cancel = CancellationToken::new();
+    let (a, b) = two_nodes(&store, &cancel);
+    settle().await;
+    create_for(&a, "k1", "alice", 2).await.expect("k1");
+    let local = |ids: &[&str]| -> Vec<(String, String, String)> {
+        ids.iter()
+            .map(|id| (id.to_string(), "alice".to_owned(), "python3".to_owned()))
+            .collect()
+    };
+    // k1's slot lost; a slot naming a kernel no node has.
+    assert!(store
+        .delete_if(&quota_key("alice", 0), b"k1")
+        .await
+        .expect("delete"));
+    let lease = store.grant(Duration::from_secs(60)).await.expect("grant");
+    assert!(store
+        .create(&quota_key("alice", 1), b"ghost", lease)
+        .await
+        .expect("create"));
+    let fixed = a.reconcile(&local(&["k1"])).await.expect("reconcile");
+    assert_eq!(
+        fixed,
+        Reconciled {
+            missing_slots: 1,
+            stale_slots: 1,
+            ..Reconciled::default()
+        }
+    );
+    assert_eq!(
+        slots_of(&store, "alice")
+            .await
+            .into_iter()
+            .map(|(_, id)| id)
+            .collect::<Vec<_>>(),
+        ["k1"]
+    );
+    assert_eq!(
+        a.reconcile(&local(&["k1"])).await.expect("again"),
+        Reconciled::default()
+    );
+    // Both slots held by b's kernels when a's k1 lost its own: reported, not removed.
+    create_for(&b, "k2", "alice", 2).await.expect("k2");
+    assert!(store
+        .delete_if(&quota_key("alice", 0), b"k1")
+        .await
+        .expect("delete"));
+    create_for(&b, "k3", "alice", 2).await.expect("k3");
+    let fixed = a.reconcile(&local(&["k1"])).await.expect("reconcile");
+    assert_eq!(
+        fixed,
+        Reconciled {
+            over_quota: 1,
+            ..Reconciled::default()
+        }
+    );
+    // A kernel gone from a's table: its record and its slot go.
+    Membership::release(&b, "k3").await.expect("released");
+    a.reconcile(&local(&["k1"])).await.expect("slot back");
+    let fixed = a.reconcile(&local(&[])).await.expect("reconcile");
+    assert_eq!(fixed.stale_records, 1);
+    assert_eq!(
+        slots_of(&store, "alice")
+            .await
+            .into_iter()
+            .map(|(_, id)| id)
+            .collect::<Vec<_>>(),
+        ["k2"]
     );
     cancel.cancel();
 }

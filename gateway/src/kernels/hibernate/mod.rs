@@ -17,6 +17,7 @@
 
 use super::{CreateError, Kernels, Limits, LiveKernel, Process, Removal};
 use crate::audit::Record;
+use crate::backend::{BackendError, ExecRequest, ExecStdin};
 use crate::metrics;
 use crate::relay::GATEWAY_KEY;
 use chrono::{DateTime, Utc};
@@ -24,7 +25,6 @@ use kernelgate_protocol::content::{ExecuteRequest, ExecutionState};
 use kernelgate_protocol::{Channel, ConnectionInfo, Execution, RawJson};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
-use std::io::Write;
 use std::path::{Component, Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -38,10 +38,21 @@ const STATE_IN: &str = include_str!("../../../assets/state_in.py");
 const STATE_DIR: &str = "/home/kernel/.kernelgate-state";
 /// Its description of the saved variables, as the home's tar names it.
 const MANIFEST: &str = ".kernelgate-state/manifest.json";
-/// The kernel's Python, which runs the helper scripts.
+/// The kernel's Python, which runs the helper scripts: `-P` and the directory `/` (the
+/// backend's) keep the kernel's own files (a `tarfile.py` in its home) from shadowing
+/// what they import; `-I` would also drop the `PYTHONPATH` the packages shim needs.
 const PYTHON: &str = "/opt/kernel/venv/bin/python";
-/// How long saving or loading a state may take inside the kernel.
+/// How long loading a state may take inside the kernel.
 const KERNEL_TIMEOUT: Duration = Duration::from_secs(300);
+/// How long an interrupted save has to answer before the gateway stops waiting.
+const INTERRUPT_WAIT: Duration = Duration::from_secs(10);
+/// Idle kernels hibernating at once (each streams through one [`STREAM_CHUNKS`] buffer).
+pub const CONCURRENT_HIBERNATIONS: usize = 4;
+/// Chunks of a state in flight between the kernel's container and the file on disk, per
+/// hibernation or resume; a chunk is at most what one Docker stream frame carries.
+pub const STREAM_CHUNKS: usize = 8;
+/// The longest a kernel whose hibernation failed waits before the next automatic try.
+const MAX_BACKOFF: Duration = Duration::from_secs(3600);
 /// The files of a committed state.
 const TAR: &str = "state.tar";
 const META: &str = "kernel.json";
@@ -57,6 +68,16 @@ pub struct Policy {
     /// Delete hibernated kernels after this long; `None` keeps them.
     pub retention: Option<Duration>,
     pub lossy: bool,
+    /// How long pickling the variables may take inside the kernel before it is
+    /// interrupted (`--hibernate-save-timeout`).
+    pub save_timeout: Duration,
+    /// How long a command the gateway runs in a kernel's sandbox may take
+    /// (`--sandbox-command-timeout`): taking a state out, putting it back, the files API.
+    pub command_timeout: Duration,
+    /// Kernels one key may keep hibernated, unless its keys-file entry says otherwise.
+    pub per_key: usize,
+    /// Bytes of state one key's hibernated kernels may take together.
+    pub key_max_bytes: u64,
     /// The gateway's runtime directory: a state names it, and a gateway lists again only
     /// the hibernated kernels of its own runtime directory (as it re-adopts containers).
     pub runtime_dir: String,
@@ -71,6 +92,10 @@ impl Default for Policy {
             max_hibernated: 256,
             retention: None,
             lossy: false,
+            save_timeout: Duration::from_secs(60),
+            command_timeout: Duration::from_secs(120),
+            per_key: 64,
+            key_max_bytes: 4 << 30,
             runtime_dir: String::new(),
         }
     }
@@ -86,6 +111,11 @@ pub(super) struct Sleep {
     /// The client messages sent when the block was found: an automatic try waits for
     /// new work.
     blocked_at: Option<u64>,
+    /// An automatic hibernation of it is under way.
+    trying: bool,
+    /// Failed automatic tries in a row, and when the next may start.
+    failures: u32,
+    retry_at: Option<Instant>,
 }
 
 /// Why a kernel did not hibernate.
@@ -174,10 +204,24 @@ impl Kernels {
                 };
                 metrics::hibernation(outcome, started.elapsed());
                 match &result {
-                    Ok(()) => {}
+                    Ok(()) => {
+                        let mut sleep = live.sleep();
+                        sleep.failures = 0;
+                        sleep.retry_at = None;
+                    }
                     Err(e @ (HibernateError::Blocked(_) | HibernateError::Full(_))) => {
                         tracing::info!(kernel = %live.id(), reason = %e, "the kernel cannot hibernate; it keeps running");
                         live.block(&e.to_string());
+                    }
+                    Err(e @ HibernateError::Failed(_)) => {
+                        // Tried again later, less often each time, not on every pass.
+                        let mut sleep = live.sleep();
+                        sleep.failures = sleep.failures.saturating_add(1);
+                        let wait = Duration::from_secs(30)
+                            .saturating_mul(1 << sleep.failures.min(7))
+                            .min(MAX_BACKOFF);
+                        sleep.retry_at = Some(Instant::now() + wait);
+                        tracing::info!(kernel = %live.id(), reason = %e, ?wait, "the kernel did not hibernate; tried again later");
                     }
                     Err(e) => tracing::info!(kernel = %live.id(), reason = %e, "the kernel did not hibernate"),
                 }
@@ -206,7 +250,11 @@ impl Kernels {
                 "{hibernated} kernels hibernate, the most --max-hibernated allows; the kernel keeps running"
             )));
         }
-        if let Some(&max) = live.max_hibernated.get() {
+        {
+            let (max, whence) = match live.max_hibernated.get() {
+                Some(&max) => (max, "max_hibernated in the keys file"),
+                None => (policy.per_key, "--max-hibernated-per-key"),
+            };
             let owner = live.owner();
             let theirs = self
                 .lock()
@@ -216,7 +264,7 @@ impl Kernels {
                 .count();
             if theirs >= max {
                 return Err(HibernateError::Full(format!(
-                    "key {owner:?} may keep at most {max} kernels hibernated (max_hibernated in the keys file); the kernel keeps running"
+                    "key {owner:?} may keep at most {max} kernels hibernated ({whence}); the kernel keeps running"
                 )));
             }
         }
@@ -231,7 +279,7 @@ impl Kernels {
             if policy.lossy { "True" } else { "False" },
             policy.max_bytes
         );
-        match self.run_silently(live, &code).await? {
+        match self.run_silently(live, &code, policy.save_timeout).await? {
             None => {}
             Some((ename, evalue)) if ename == "HibernateBlocked" => {
                 return Err(HibernateError::Blocked(evalue))
@@ -253,7 +301,7 @@ impl Kernels {
                 "__import__('shutil').rmtree({}, ignore_errors=True)",
                 py_str(STATE_DIR)
             );
-            if let Err(e) = self.run_silently(live, &code).await {
+            if let Err(e) = self.run_silently(live, &code, policy.save_timeout).await {
                 tracing::debug!(kernel = %live.id(), error = %e, "cannot remove the state a kernel saved");
             }
         }
@@ -270,25 +318,82 @@ impl Kernels {
     ) -> Result<(), HibernateError> {
         let policy = &self.settings.hibernate;
         let max = usize::try_from(policy.max_bytes).unwrap_or(usize::MAX);
-        let argv = [PYTHON, "-c", STATE_OUT].map(str::to_owned).to_vec();
-        let out = self
-            .backend
-            .exec(&live.handle(), argv, bytes::Bytes::new(), max)
+        let partial = Partial::new(&policy.dir, live.id())
+            .map_err(|e| HibernateError::Failed(format!("writing into --hibernate-dir: {e}")))?;
+        // The home streams through the filter into a file: the gateway holds a few chunks
+        // of it at a time, never the whole state.
+        let (chunks, received) = tokio::sync::mpsc::channel(STREAM_CHUNKS);
+        let filter = {
+            let (file, lossy) = (partial.file(), policy.lossy);
+            tokio::task::spawn_blocking(move || {
+                let file = file.map_err(|e| {
+                    HibernateError::Failed(format!("writing into --hibernate-dir: {e}"))
+                })?;
+                let mut out = std::io::BufWriter::with_capacity(64 << 10, file);
+                let mut reader = ChunkReader::new(received);
+                let kept = keep_files(&mut reader, &mut out, lossy)?;
+                // What follows the archive's end (tar's record padding) is read too, so
+                // the command is never cut short.
+                std::io::copy(&mut reader, &mut std::io::sink()).map_err(|e| {
+                    HibernateError::Failed(format!("reading the kernel's files: {e}"))
+                })?;
+                let file = out.into_inner().map_err(|e| {
+                    HibernateError::Failed(format!("writing into --hibernate-dir: {e}"))
+                })?;
+                file.sync_all().map_err(|e| {
+                    HibernateError::Failed(format!("writing into --hibernate-dir: {e}"))
+                })?;
+                Ok(kept)
+            })
+        };
+        let request = ExecRequest {
+            argv: [PYTHON, "-P", "-c", STATE_OUT].map(str::to_owned).to_vec(),
+            stdin: ExecStdin::Bytes(bytes::Bytes::new()),
+            stdout: Some(chunks),
+            max_stdout: max,
+            timeout: policy.command_timeout,
+        };
+        let out = self.backend.exec(&live.handle(), request).await;
+        let kept = filter
             .await
-            .map_err(|e| HibernateError::Failed(format!("taking the state out: {e}")))?;
+            .map_err(|e| HibernateError::Failed(e.to_string()))
+            .and_then(|r| r);
+        let out = out.map_err(|e| match e {
+            e @ BackendError::TimedOut { .. } => {
+                HibernateError::Blocked(format!("taking the kernel's files out: {e}"))
+            }
+            e => HibernateError::Failed(format!("taking the state out: {e}")),
+        })?;
+        // Cut at the cap, the archive ends early: the cap is the reason.
         if out.truncated {
             return Err(HibernateError::Blocked(format!(
                 "the kernel's variables and files pass the {} MiB allowed (--hibernate-max-mb); delete some, or raise it",
                 policy.max_bytes >> 20
             )));
         }
+        let kept = kept?;
         if out.exit_code != 0 {
             return Err(HibernateError::Failed(format!(
                 "taking the state out: {}",
                 out.stderr.trim()
             )));
         }
-        let kept = keep_files(&out.stdout, policy.lossy)?;
+        let owner = live.owner();
+        let keys_bytes: u64 = self
+            .lock()
+            .live
+            .values()
+            .filter(|l| l.owner() == owner && l.id() != live.id())
+            .filter_map(|l| l.sleep().since.map(|(_, bytes)| bytes))
+            .sum();
+        if keys_bytes + kept.bytes > policy.key_max_bytes {
+            return Err(HibernateError::Full(format!(
+                "key {owner:?} has {} MiB of hibernated state; this kernel's {} MiB would pass the {} MiB a key may keep (--hibernate-key-max-mb); the kernel keeps running",
+                keys_bytes >> 20,
+                kept.bytes.div_ceil(1 << 20),
+                policy.key_max_bytes >> 20
+            )));
+        }
         let limits = live.origin.get().cloned().unwrap_or_default();
         let meta = Meta {
             id: live.id().to_owned(),
@@ -301,7 +406,7 @@ impl Kernels {
             max_hibernated: live.max_hibernated.get().copied(),
             hibernated_at: Utc::now(),
             last_activity: live.relay.last_activity(),
-            bytes: kept.tar.len() as u64,
+            bytes: kept.bytes,
         };
         if !live.relay.seal(since) {
             return Err(HibernateError::Busy(
@@ -310,7 +415,7 @@ impl Kernels {
         }
         let dir = self.state_dir(live.id());
         let committed = {
-            let (root, meta_ref, tar) = (policy.dir.clone(), &meta, kept.tar);
+            let (root, meta_ref, tar) = (policy.dir.clone(), &meta, partial.keep());
             let dir = dir.clone();
             let meta = serde_json::to_vec_pretty(meta_ref).map_err(|e| e.to_string());
             tokio::task::spawn_blocking(move || commit(&root, &dir, &meta?, &tar))
@@ -360,11 +465,14 @@ impl Kernels {
     }
 
     /// Runs `code` in the kernel as the gateway (silent: no execution count, no history);
-    /// `Some((ename, evalue))` when it raised.
+    /// `Some((ename, evalue))` when it raised. Past `timeout` the kernel is interrupted
+    /// and the save counts as blocked: a variable that pickles forever (a slow
+    /// `__reduce__`) must not hold the kernel, nor the gateway.
     async fn run_silently(
         &self,
         live: &LiveKernel,
         code: &str,
+        timeout: Duration,
     ) -> Result<Option<(String, String)>, HibernateError> {
         let session = format!("kernelgate-state-{}", uuid::Uuid::new_v4());
         let me = live.relay.attach(&session, true, GATEWAY_KEY);
@@ -375,7 +483,27 @@ impl Kernels {
         me.send(Channel::Shell, message)
             .await
             .map_err(|e| HibernateError::Failed(e.to_string()))?;
-        collect(&me, &mut execution).await
+        match collect(&me, &mut execution, timeout).await {
+            Ok(answer) => return Ok(answer),
+            Err(Waited::Gone) => return Err(HibernateError::Failed("the kernel went away".into())),
+            Err(Waited::TimedOut) => {}
+        }
+        if let Err(e) = self.backend.interrupt(&live.handle()).await {
+            tracing::warn!(kernel = %live.id(), error = %e, "cannot interrupt a save that took too long");
+        }
+        let flag = "--hibernate-save-timeout";
+        let secs = timeout.as_secs();
+        match collect(&me, &mut execution, INTERRUPT_WAIT).await {
+            Ok(Some((ename, evalue))) if ename == "HibernateBlocked" => Err(HibernateError::Blocked(
+                format!("{evalue} (after {secs} s, {flag})"),
+            )),
+            Ok(_) => Err(HibernateError::Blocked(format!(
+                "saving the kernel's variables took longer than {secs} s ({flag}) and was interrupted; the kernel keeps running"
+            ))),
+            Err(_) => Err(HibernateError::Blocked(format!(
+                "saving the kernel's variables took longer than {secs} s ({flag}) and did not stop when interrupted; the kernel keeps running, busy"
+            ))),
+        }
     }
 
     /// Deletes a hibernated kernel's state (the kernel is deleted, or restarted fresh).
@@ -393,6 +521,9 @@ impl Kernels {
             .min()
             .unwrap_or(Duration::from_secs(60));
         let every = (shortest / 4).clamp(Duration::from_secs(1), Duration::from_secs(30));
+        // Each kernel hibernates on its own task: one whose save or files hang until their
+        // timeouts delays no other.
+        let slots = Arc::new(tokio::sync::Semaphore::new(CONCURRENT_HIBERNATIONS));
         loop {
             tokio::select! {
                 _ = self.cancel.cancelled() => return,
@@ -416,11 +547,29 @@ impl Kernels {
                     }
                     continue;
                 }
-                let tried = live.sleep().blocked_at == Some(live.relay.client_sends());
                 let idle = live.relay.execution_state() == ExecutionState::Idle;
-                if policy.after.is_some_and(|a| quiet >= a) && idle && !tried {
-                    let _ = self.hibernate(&live).await;
+                if !(policy.after.is_some_and(|a| quiet >= a) && idle) {
+                    continue;
                 }
+                {
+                    let mut sleep = live.sleep();
+                    let blocked = sleep.blocked_at == Some(live.relay.client_sends());
+                    let waiting = sleep.retry_at.is_some_and(|at| Instant::now() < at);
+                    if sleep.trying || blocked || waiting {
+                        continue;
+                    }
+                    sleep.trying = true;
+                }
+                let (me, slots) = (self.clone(), slots.clone());
+                self.tracker.spawn(
+                    async move {
+                        if let Ok(_slot) = slots.acquire_owned().await {
+                            let _ = me.hibernate(&live).await;
+                        }
+                        live.sleep().trying = false;
+                    }
+                    .in_current_span(),
+                );
             }
         }
     }
@@ -443,21 +592,25 @@ fn silent(code: &str) -> ExecuteRequest {
     request
 }
 
-/// Waits for the reply of `execution`; `Some((ename, evalue))` when the code raised.
+/// Why [`collect`] has no answer.
+enum Waited {
+    TimedOut,
+    Gone,
+}
+
+/// Waits up to `timeout` for the reply of `execution`; `Some((ename, evalue))` when the
+/// code raised.
 async fn collect(
     me: &crate::relay::Attachment,
     execution: &mut Execution,
-) -> Result<Option<(String, String)>, HibernateError> {
-    let deadline = tokio::time::Instant::now() + KERNEL_TIMEOUT;
+    timeout: Duration,
+) -> Result<Option<(String, String)>, Waited> {
+    let deadline = tokio::time::Instant::now() + timeout;
     while !execution.is_done() {
         let batch = tokio::time::timeout_at(deadline, me.recv())
             .await
-            .map_err(|_| {
-                HibernateError::Failed(format!(
-                    "the kernel did not answer within {KERNEL_TIMEOUT:?}"
-                ))
-            })?
-            .ok_or_else(|| HibernateError::Failed("the kernel went away".into()))?;
+            .map_err(|_| Waited::TimedOut)?
+            .ok_or(Waited::Gone)?;
         for out in batch {
             execution.feed(out.channel, &out.message);
         }
@@ -465,7 +618,7 @@ async fn collect(
     match execution.reply() {
         Some(r) if r.status == "ok" => Ok(None),
         Some(r) => Ok(Some((r.ename.clone(), r.evalue.clone()))),
-        None => Err(HibernateError::Failed("the kernel went away".into())),
+        None => Err(Waited::Gone),
     }
 }
 
@@ -476,4 +629,4 @@ fn py_str(s: &str) -> String {
 
 mod resume;
 mod store;
-use store::{commit, forget, keep_files};
+use store::{commit, forget, keep_files, ChunkReader, Partial};

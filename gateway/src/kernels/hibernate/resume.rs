@@ -4,6 +4,17 @@
 
 use super::*;
 
+/// What of a hibernated kernel's state a new process gets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(in crate::kernels) enum Wake {
+    /// Files and variables (a resume).
+    Everything,
+    /// Files only: the saved variables are discarded.
+    FilesOnly,
+    /// Nothing (a restart).
+    Fresh,
+}
+
 impl Kernels {
     /// Starts the task that resumes `live` on the first client message.
     pub(super) fn wake_on_request(self: &Arc<Self>, live: &Arc<LiveKernel>) {
@@ -18,6 +29,8 @@ impl Kernels {
                     }
                     match me.resume(&live).await {
                         Ok(()) => return,
+                        // Its waiting executions were answered already, saying so.
+                        Err(CreateError::StateNotLoaded { .. }) => {}
                         Err(e) => {
                             let why = format!("the hibernated kernel could not be resumed ({e}); try again, or delete it");
                             tracing::warn!(kernel = %live.id(), "{why}");
@@ -43,7 +56,37 @@ impl Kernels {
                 if !live.is_hibernated() {
                     return Ok(());
                 }
-                me.wake(&live, true).await
+                me.wake(&live, Wake::Everything).await
+            }
+            .in_current_span(),
+        );
+        task.await.unwrap_or(Err(CreateError::ShuttingDown))
+    }
+
+    /// Discards a hibernated kernel's saved variables (for a state that does not load):
+    /// it wakes as a fresh process with its saved files, for the key `key`. `Ok(false)`
+    /// when it does not hibernate.
+    pub async fn discard_state(
+        self: &Arc<Self>,
+        live: &Arc<LiveKernel>,
+        key: &str,
+    ) -> Result<bool, CreateError> {
+        let (me, live, key) = (self.clone(), live.clone(), key.to_owned());
+        let task = self.tracker.spawn(
+            async move {
+                let _ops = live.ops.lock().await;
+                if !live.is_hibernated() {
+                    return Ok(false);
+                }
+                me.settings
+                    .audit
+                    .record(&Record::KernelStateDiscarded {
+                        kernel: live.id().to_owned(),
+                        owner: live.owner().to_owned(),
+                        key,
+                    })
+                    .await;
+                me.wake(&live, Wake::FilesOnly).await.map(|()| true)
             }
             .in_current_span(),
         );
@@ -55,28 +98,24 @@ impl Kernels {
         self: &Arc<Self>,
         live: &Arc<LiveKernel>,
     ) -> Result<(), CreateError> {
-        self.wake(live, false).await
+        self.wake(live, Wake::Fresh).await
     }
 
-    /// With `live.ops` held: a process for `live`, with its state (`with_state`) or fresh.
-    async fn wake(
-        self: &Arc<Self>,
-        live: &Arc<LiveKernel>,
-        with_state: bool,
-    ) -> Result<(), CreateError> {
+    /// With `live.ops` held: a process for `live`, with what `mode` says of its state.
+    async fn wake(self: &Arc<Self>, live: &Arc<LiveKernel>, mode: Wake) -> Result<(), CreateError> {
         let started = Instant::now();
         self.make_room_for(live).await?;
         let (env, limits) = live.origin.get().cloned().unwrap_or_default();
         let dir = self.state_dir(live.id());
-        let tar =
-            if with_state {
-                let path = dir.join(TAR);
-                Some(tokio::fs::read(&path).await.map_err(|e| {
-                    CreateError::Resume(format!("cannot read {}: {e}", path.display()))
-                })?)
-            } else {
-                None
-            };
+        let tar = dir.join(TAR);
+        if mode != Wake::Fresh {
+            if let Err(e) = tokio::fs::metadata(&tar).await {
+                return Err(CreateError::Resume(format!(
+                    "cannot read {}: {e}",
+                    tar.display()
+                )));
+            }
+        }
         let (warm, _) = self.obtain(&live.name, env, live.owner(), limits).await?;
         // The fresh kernel's own watcher and link go; its process serves `live` now.
         warm.cancel.cancel();
@@ -87,44 +126,61 @@ impl Kernels {
             self.drop_process(&new.handle).await;
             return Err(CreateError::ShuttingDown);
         }
-        let loaded = match tar {
-            Some(tar) => Some(self.unpack(live, &new.handle, tar).await),
-            None => None,
-        };
-        let load = match loaded {
-            Some(Err(e)) => {
+        if mode != Wake::Fresh {
+            if let Err(e) = self.unpack(live, &new.handle, &tar, mode).await {
                 self.drop_process(&new.handle).await;
                 return Err(e);
             }
-            Some(Ok(())) => {
-                let session = format!("kernelgate-state-{}", uuid::Uuid::new_v4());
-                let me = live.relay.attach(&session, true, GATEWAY_KEY);
-                let code = format!("__import__('kernelgate_state').load({})", py_str(STATE_DIR));
-                let message = live
-                    .relay
-                    .request("execute_request", RawJson::from_value(&silent(&code)));
-                let execution = Execution::new(message.msg_id());
-                live.relay.send_first(&session, Channel::Shell, message);
-                Some((me, execution))
-            }
-            None => None,
-        };
+        }
+        let loading = mode == Wake::Everything;
+        if loading {
+            // What clients sent waits until the variables are back (or are known not to be).
+            live.relay.hold_for_load();
+        }
         // It runs from here: what clients sent meanwhile may be answered before the
-        // connect returns.
+        // connect returns (after the load, when there is one).
         let slept = live.sleep().since.take();
         let connected = self.connect_into(live, &new).await;
         if let Err(e) = connected {
             // What the failed process was sent is answered; the state stays on disk.
-            live.relay
-                .lost_executions(
-                    "KernelUnavailable",
-                    "the hibernated kernel could not be resumed",
-                )
-                .await;
-            live.relay.set_hibernated();
+            let why = format!("the hibernated kernel could not be resumed ({e}); its state is kept: run the cell again to retry");
             live.sleep().since = slept;
+            if loading {
+                live.relay.load_failed(why).await;
+            } else {
+                live.relay.lost_executions("KernelUnavailable", &why).await;
+                live.relay.set_hibernated();
+            }
             self.drop_process(&new.handle).await;
             return Err(e);
+        }
+        live.rearm.notify_one();
+        if loading {
+            if let Err(why) = self.load(live, &new.handle).await {
+                tracing::warn!(kernel = %live.id(), reason = %why, "the kernel's saved state did not load; it is kept");
+                let failed = CreateError::StateNotLoaded {
+                    id: live.id().to_owned(),
+                    why: why.clone(),
+                };
+                // In the audit trail before the waiting cells hear it.
+                self.settings
+                    .audit
+                    .record(&Record::KernelResumeFailed {
+                        kernel: live.id().to_owned(),
+                        owner: live.owner().to_owned(),
+                        reason: why.clone(),
+                    })
+                    .await;
+                // The exit this causes is not a death.
+                live.epoch.fetch_add(1, Ordering::SeqCst);
+                live.sleep().since = slept;
+                live.relay.load_failed(failed.to_string()).await;
+                self.drop_process(&new.handle).await;
+                return Err(failed);
+            }
+            if let Err(e) = live.relay.loaded().await {
+                tracing::warn!(kernel = %live.id(), error = %e, "cannot hand waiting messages to the resumed kernel");
+            }
         }
         let recorded = async {
             self.backend.set_kernel_id(warm.id(), live.id()).await?;
@@ -134,24 +190,12 @@ impl Kernels {
         if let Err(e) = recorded.await {
             tracing::warn!(kernel = %live.id(), error = %e, "cannot record the kernel's new container");
         }
-        live.rearm.notify_one();
         if let Some(ledger) = &self.settings.ledger {
             ledger.hibernated(live.id(), false).await;
         }
-        if let Some((me, mut execution)) = load {
-            match collect(&me, &mut execution).await {
-                Ok(None) => {}
-                Ok(Some((ename, evalue))) => {
-                    tracing::warn!(kernel = %live.id(), %ename, %evalue, "the kernel's saved state did not load")
-                }
-                Err(e) => {
-                    tracing::warn!(kernel = %live.id(), error = %e, "the kernel's saved state did not load")
-                }
-            }
-        }
         forget(&dir).await;
         let took = started.elapsed();
-        if with_state {
+        if loading {
             metrics::resumed(took);
             self.settings
                 .audit
@@ -162,8 +206,35 @@ impl Kernels {
                 })
                 .await;
         }
-        tracing::info!(kernel = %live.id(), ?took, with_state, "hibernated kernel runs again");
+        tracing::info!(kernel = %live.id(), ?took, ?mode, "hibernated kernel runs again");
         Ok(())
+    }
+
+    /// Loads the saved variables into the kernel's new process `handle` (its files are
+    /// there already): `Err` says why they did not load.
+    async fn load(&self, live: &Arc<LiveKernel>, handle: &str) -> Result<(), String> {
+        let session = format!("kernelgate-state-{}", uuid::Uuid::new_v4());
+        let me = live.relay.attach(&session, true, GATEWAY_KEY);
+        let code = format!("__import__('kernelgate_state').load({})", py_str(STATE_DIR));
+        let message = live
+            .relay
+            .request("execute_request", RawJson::from_value(&silent(&code)));
+        let mut execution = Execution::new(message.msg_id());
+        me.send(Channel::Shell, message)
+            .await
+            .map_err(|e| format!("the new process took no request: {e}"))?;
+        tokio::select! {
+            answer = collect(&me, &mut execution, KERNEL_TIMEOUT) => match answer {
+                Ok(None) => Ok(()),
+                Ok(Some((ename, evalue))) => Err(format!("{ename}: {evalue}")),
+                Err(Waited::TimedOut) => Err(format!("no answer within {} s", KERNEL_TIMEOUT.as_secs())),
+                Err(Waited::Gone) => Err("the new process went away".to_owned()),
+            },
+            exit = self.backend.wait_exit(handle) => Err(match exit {
+                Ok(exit) => format!("the new process stopped while loading it: {}", exit.cause()),
+                Err(e) => format!("the new process stopped while loading it: {e}"),
+            }),
+        }
     }
 
     /// A resume at the running limit hibernates another idle kernel of the same owner
@@ -194,15 +265,27 @@ impl Kernels {
         })
     }
 
-    /// Unpacks a hibernated kernel's files into the home of the process `handle`.
+    /// Unpacks a hibernated kernel's files (and, unless `mode` is [`Wake::FilesOnly`], its
+    /// saved variables) from `tar` into the home of the process `handle`, streamed.
     async fn unpack(
         &self,
         live: &LiveKernel,
         handle: &str,
-        tar: Vec<u8>,
+        tar: &Path,
+        mode: Wake,
     ) -> Result<(), CreateError> {
-        let argv = [PYTHON, "-c", STATE_IN].map(str::to_owned).to_vec();
-        let out = self.backend.exec(handle, argv, tar.into(), 4096).await?;
+        let mut argv: Vec<String> = [PYTHON, "-P", "-c", STATE_IN].map(str::to_owned).to_vec();
+        if mode == Wake::FilesOnly {
+            argv.push("--files-only".to_owned());
+        }
+        let request = ExecRequest {
+            argv,
+            stdin: ExecStdin::File(tar.to_owned()),
+            stdout: None,
+            max_stdout: 4096,
+            timeout: self.settings.hibernate.command_timeout,
+        };
+        let out = self.backend.exec(handle, request).await?;
         if out.exit_code != 0 {
             return Err(CreateError::Resume(format!(
                 "cannot put the state of kernel {} into its new process: {}",
@@ -272,7 +355,7 @@ impl Kernels {
             let live = self.hibernated_kernel(&meta);
             self.lock().live.insert(meta.id.clone(), live.clone());
             if let Some(ledger) = &self.settings.ledger {
-                ledger.adopt(&meta.id, &meta.owner, &meta.spec);
+                ledger.adopt(&meta.id, &meta.owner, &meta.spec, false);
                 ledger.hibernated(&meta.id, true).await;
             }
             tracing::info!(kernel = %meta.id, "hibernated kernel of an earlier run listed again");

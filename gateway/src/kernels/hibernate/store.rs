@@ -3,21 +3,120 @@
 
 use super::*;
 
-/// What of a kernel's home is kept: its tar rewritten with only directories and regular
-/// files under relative paths, and what was left out.
+/// What of a kernel's home was kept: the bytes of its tar, rewritten with only directories
+/// and regular files under relative paths, and what was left out.
+#[derive(Debug)]
 pub(super) struct Kept {
-    pub(super) tar: Vec<u8>,
+    pub(super) bytes: u64,
     pub(super) dropped: Vec<String>,
+}
+
+/// A state being written: a private temporary directory in `--hibernate-dir` holding the
+/// tar, which [`commit`] completes and renames. Deleted when dropped unless kept.
+pub(super) struct Partial {
+    dir: PathBuf,
+    kept: bool,
+}
+
+impl Partial {
+    pub(super) fn new(root: &Path, id: &str) -> std::io::Result<Self> {
+        use std::os::unix::fs::DirBuilderExt;
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(root)?;
+        let dir = root.join(format!(".{id}.{}", uuid::Uuid::new_v4().simple()));
+        std::fs::DirBuilder::new().mode(0o700).create(&dir)?;
+        Ok(Partial { dir, kept: false })
+    }
+
+    /// The tar's file, created (0600).
+    pub(super) fn file(&self) -> std::io::Result<std::fs::File> {
+        use std::os::unix::fs::OpenOptionsExt;
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(self.dir.join(TAR))
+    }
+
+    /// Hands the directory to [`commit`], which deletes it if it fails.
+    pub(super) fn keep(mut self) -> PathBuf {
+        self.kept = true;
+        self.dir.clone()
+    }
+}
+
+impl Drop for Partial {
+    fn drop(&mut self) {
+        if !self.kept {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+}
+
+/// Reads the chunks a command's stdout sends, from a blocking thread.
+pub(super) struct ChunkReader {
+    chunks: tokio::sync::mpsc::Receiver<bytes::Bytes>,
+    current: bytes::Bytes,
+}
+
+impl ChunkReader {
+    pub(super) fn new(chunks: tokio::sync::mpsc::Receiver<bytes::Bytes>) -> Self {
+        ChunkReader {
+            chunks,
+            current: bytes::Bytes::new(),
+        }
+    }
+}
+
+impl std::io::Read for ChunkReader {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        while self.current.is_empty() {
+            match self.chunks.blocking_recv() {
+                Some(chunk) => self.current = chunk,
+                None => return Ok(0),
+            }
+        }
+        let n = buf.len().min(self.current.len());
+        buf[..n].copy_from_slice(&self.current.split_to(n));
+        Ok(n)
+    }
+}
+
+/// Counts what passes through to `inner`.
+struct Counted<W> {
+    inner: W,
+    bytes: u64,
+}
+
+impl<W: std::io::Write> std::io::Write for Counted<W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let n = self.inner.write(buf)?;
+        self.bytes += n as u64;
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
 }
 
 /// Rewrites the tar the kernel's sandbox produced. Links, devices and pipes are refused
 /// (their names given) unless `lossy`, which drops them; absolute paths and `..` are
 /// refused always: the sandbox's own script never writes them.
-pub(super) fn keep_files(raw: &[u8], lossy: bool) -> Result<Kept, HibernateError> {
+pub(super) fn keep_files(
+    raw: impl std::io::Read,
+    out: impl std::io::Write,
+    lossy: bool,
+) -> Result<Kept, HibernateError> {
     let failed =
         |e: std::io::Error| HibernateError::Failed(format!("reading the kernel's files: {e}"));
     let mut archive = tar::Archive::new(raw);
-    let mut out = tar::Builder::new(Vec::new());
+    let mut out = tar::Builder::new(Counted {
+        inner: out,
+        bytes: 0,
+    });
     let mut dropped = Vec::new();
     let mut variables = Vec::new();
     for entry in archive.entries().map_err(failed)? {
@@ -76,8 +175,12 @@ pub(super) fn keep_files(raw: &[u8], lossy: bool) -> Result<Kept, HibernateError
         )));
     }
     dropped.extend(variables);
-    let tar = out.into_inner().map_err(failed)?;
-    Ok(Kept { tar, dropped })
+    let mut counted = out.into_inner().map_err(failed)?;
+    std::io::Write::flush(&mut counted).map_err(failed)?;
+    Ok(Kept {
+        bytes: counted.bytes,
+        dropped,
+    })
 }
 
 /// The variables a lossy save left out, as the helper's manifest lists them:
@@ -104,46 +207,31 @@ fn dropped_variables(manifest: &[u8]) -> Vec<String> {
         .unwrap_or_default()
 }
 
-/// Commits a state: written into a temporary directory beside `dir`, synced, renamed to
-/// `dir`; directories 0700, files 0600.
-pub(super) fn commit(root: &Path, dir: &Path, meta: &[u8], tar: &[u8]) -> Result<(), String> {
-    use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+/// Commits a state: its description written into the temporary directory `temporary`
+/// (a [`Partial`], which holds the tar already), synced, renamed to `dir`; directories
+/// 0700, files 0600. `temporary` is gone afterwards either way.
+pub(super) fn commit(root: &Path, dir: &Path, meta: &[u8], temporary: &Path) -> Result<(), String> {
+    use std::os::unix::fs::OpenOptionsExt;
     let fail = |what: &str, e: std::io::Error| format!("{what}: {e}");
-    std::fs::DirBuilder::new()
-        .recursive(true)
-        .mode(0o700)
-        .create(root)
-        .map_err(|e| fail("cannot create --hibernate-dir", e))?;
-    let name = dir
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let temporary = root.join(format!(".{name}.{}", uuid::Uuid::new_v4().simple()));
-    std::fs::DirBuilder::new()
-        .mode(0o700)
-        .create(&temporary)
-        .map_err(|e| fail("cannot create the state directory", e))?;
     let write = |file: &str, bytes: &[u8]| -> std::io::Result<()> {
         let mut f = std::fs::OpenOptions::new()
             .write(true)
             .create_new(true)
             .mode(0o600)
             .open(temporary.join(file))?;
-        f.write_all(bytes)?;
+        std::io::Write::write_all(&mut f, bytes)?;
         f.sync_all()
     };
-    let written = write(TAR, tar)
-        .and_then(|()| write(META, meta))
-        .and_then(|()| std::fs::File::open(&temporary)?.sync_all());
+    let written = write(META, meta).and_then(|()| std::fs::File::open(temporary)?.sync_all());
     if let Err(e) = written {
-        let _ = std::fs::remove_dir_all(&temporary);
+        let _ = std::fs::remove_dir_all(temporary);
         return Err(fail("cannot write the state", e));
     }
     if dir.exists() {
         let _ = std::fs::remove_dir_all(dir);
     }
-    std::fs::rename(&temporary, dir).map_err(|e| {
-        let _ = std::fs::remove_dir_all(&temporary);
+    std::fs::rename(temporary, dir).map_err(|e| {
+        let _ = std::fs::remove_dir_all(temporary);
         fail("cannot commit the state", e)
     })?;
     std::fs::File::open(root)
@@ -189,13 +277,15 @@ mod tests {
             ("./data/a.csv", tar::EntryType::Regular, b"x,y\n1,2\n"),
             ("./escape", tar::EntryType::Symlink, b""),
         ]);
-        match keep_files(&raw, false) {
+        match keep_files(&raw[..], Vec::new(), false) {
             Err(HibernateError::Blocked(why)) => assert!(why.contains("escape"), "{why}"),
             other => panic!("a link was accepted: {:?}", other.map(|k| k.dropped)),
         }
-        let kept = keep_files(&raw, true).expect("lossy keeps the rest");
+        let mut tar = Vec::new();
+        let kept = keep_files(&raw[..], &mut tar, true).expect("lossy keeps the rest");
         assert_eq!(kept.dropped, ["escape"]);
-        let mut archive = tar::Archive::new(&kept.tar[..]);
+        assert_eq!(kept.bytes, tar.len() as u64);
+        let mut archive = tar::Archive::new(&tar[..]);
         let names: Vec<String> = archive
             .entries()
             .expect("entries")
@@ -215,8 +305,15 @@ mod tests {
         use std::os::unix::fs::PermissionsExt;
         let root = tempfile::tempdir().expect("tempdir");
         let dir = root.path().join("k1");
-        commit(root.path(), &dir, b"{}", b"one").expect("commit");
-        commit(root.path(), &dir, b"{}", b"two").expect("commit again");
+        let state = |bytes: &[u8]| {
+            let partial = Partial::new(root.path(), "k1").expect("partial");
+            std::io::Write::write_all(&mut partial.file().expect("file"), bytes).expect("write");
+            partial.keep()
+        };
+        commit(root.path(), &dir, b"{}", &state(b"one")).expect("commit");
+        commit(root.path(), &dir, b"{}", &state(b"two")).expect("commit again");
+        let dropped = Partial::new(root.path(), "k2").expect("partial");
+        drop(dropped);
         assert_eq!(std::fs::read(dir.join(TAR)).expect("tar"), b"two");
         let mode = std::fs::metadata(&dir).expect("dir").permissions().mode() & 0o777;
         assert_eq!(mode, 0o700);
