@@ -3,6 +3,7 @@
 //! activity, connections). Knows nothing about containers or HTTP.
 
 pub mod clients;
+mod comms;
 mod death;
 mod dispatch;
 pub mod executions;
@@ -79,6 +80,8 @@ struct State {
     hibernated: bool,
     /// Messages clients (not the gateway itself) sent so far.
     client_sends: u64,
+    /// Comms open on the current process: closed for clients when it is replaced.
+    comms: comms::Comms,
 }
 
 /// Most client messages held while a kernel restarts; past this, sends fail.
@@ -131,6 +134,7 @@ impl Relay {
                 installs: None,
                 hibernated: false,
                 client_sends: 0,
+                comms: comms::Comms::default(),
             }),
             wake: tokio::sync::Notify::new(),
         })
@@ -204,6 +208,14 @@ impl Relay {
                 .map(installs::Reports::at);
             // Whatever the previous process was asked is answered or lost by now.
             st.in_flight.clear();
+            // Its comms ended with it: clients (a widget manager) are told, as the kernel
+            // would have, before anything of the new process.
+            for comm_id in st.comms.take() {
+                let content =
+                    RawJson::from_value(&serde_json::json!({"comm_id": comm_id, "data": {}}));
+                let close = Message::new(self.header("comm_close"), None, content);
+                st.clients.broadcast(Outbound::new(Channel::IoPub, close));
+            }
             take_backlog(&mut st)
         };
         self.send_backlog(&link, backlog).await?;
@@ -337,6 +349,9 @@ impl Relay {
             }
             if matches!(channel, Channel::Shell | Channel::Control) {
                 st.clients.note_request(message.msg_id(), session);
+            }
+            if channel == Channel::Shell {
+                st.comms.observe(&message);
             }
             // In the file before the code can reach the kernel.
             let (code_sha256, requested) = self.audit_request(key, &message);
