@@ -18,7 +18,6 @@ from conftest import loopback_only
 from test_jupyterlab import CELL_TIMEOUT_MS, DISPLAY_NAME, Lab, log_frames
 
 NOTEBOOK = "widgets.ipynb"
-WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 
 
 def test_jupyterlab_widgets(gateway, jupyter_factory, chromium, artifacts):
@@ -43,7 +42,7 @@ def test_jupyterlab_widgets(gateway, jupyter_factory, chromium, artifacts):
 
         # A slider renders, showing its value.
         cell = lab.run("import ipywidgets as w\ns = w.IntSlider(value=5, description='x')\ns")
-        view = lab.outputs(cell, WIDGET_MIME)
+        view = cell.locator(".jp-Cell-outputArea")
         readout = view.locator(".widget-readout")
         expect(view.locator(".widget-slider")).to_be_visible(timeout=CELL_TIMEOUT_MS)
         expect(view.locator(".widget-label")).to_have_text("x")
@@ -70,7 +69,7 @@ def test_jupyterlab_widgets(gateway, jupyter_factory, chromium, artifacts):
             "def square(n=3):\n"
             "    print('square', n * n)"
         )
-        view = lab.outputs(cell, WIDGET_MIME)
+        view = cell.locator(".jp-Cell-outputArea")
         expect(view).to_contain_text("square 9", timeout=CELL_TIMEOUT_MS)
         view.locator(".noUi-handle").focus()
         page.keyboard.press("ArrowRight")
@@ -88,7 +87,7 @@ def test_jupyterlab_widgets(gateway, jupyter_factory, chromium, artifacts):
         page.reload()
         expect(lab.panel).to_be_visible(timeout=90_000)
         lab.wait_kernel_idle()
-        first = lab.outputs(lab.cells.nth(0), WIDGET_MIME)
+        first = lab.cells.nth(0).locator(".jp-Cell-outputArea")
         expect(first.locator(".widget-readout")).to_have_text("8", timeout=CELL_TIMEOUT_MS)
         lab.shot("reloaded")
         assert len(gateway.kernels()) == 1
