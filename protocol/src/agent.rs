@@ -70,8 +70,13 @@ pub struct ResultOutput {
     pub is_main_result: bool,
 }
 
+/// A widget display's `text/plain` becomes its text form ([`crate::widget::describe`]):
+/// what the widget is, its value, and that it is interactive in JupyterLab.
 impl From<Display> for ResultOutput {
-    fn from(d: Display) -> Self {
+    fn from(mut d: Display) -> Self {
+        if let Some(text) = crate::widget::describe(&d.data) {
+            d.data.insert("text/plain".into(), Value::String(text));
+        }
         ResultOutput {
             data: d.data,
             metadata: d.metadata,
@@ -298,6 +303,31 @@ mod tests {
         assert!(refused_path("../../etc/passwd").is_some());
         assert!(refused_path("/etc/x").is_some());
         assert_eq!(refused_path("a/..b/c"), None);
+    }
+
+    #[test]
+    fn a_widget_result_says_what_it_is_and_keeps_its_view() {
+        let display = Display {
+            data: json!({
+                "text/plain": "IntSlider(value=5, description='x')",
+                "application/vnd.jupyter.widget-view+json": {"model_id": "m1", "version_major": 2},
+            })
+            .as_object()
+            .cloned()
+            .unwrap_or_default(),
+            ..Display::default()
+        };
+        let out = ResultOutput::from(display);
+        let text = out.data["text/plain"].as_str().unwrap_or_default();
+        assert!(
+            text.contains("IntSlider(value=5, description='x')"),
+            "{text}"
+        );
+        assert!(text.contains("interactive in JupyterLab"), "{text}");
+        assert_eq!(
+            out.data["application/vnd.jupyter.widget-view+json"]["model_id"],
+            "m1"
+        );
     }
 
     #[test]

@@ -6,7 +6,7 @@
 //! few messages a gateway acts on ([`content`]). Everything else is relayed as raw JSON,
 //! so fields this crate does not know about are never dropped or reordered. Outputs are
 //! followed to a request's end ([`execution`]) and turned into plain text for readers that
-//! are not terminals ([`terminal`]).
+//! are not terminals ([`terminal`]); widget displays become text ([`widget`]).
 //!
 //! The agent API's request, answer and NDJSON lines are typed once for the gateway and
 //! its clients ([`agent`]).
@@ -22,6 +22,7 @@ pub mod message;
 pub mod signature;
 pub mod terminal;
 pub mod websocket;
+pub mod widget;
 pub mod wire;
 
 pub use channel::Channel;

@@ -509,3 +509,55 @@ async fn files_go_in_and_out_and_stay_confined() -> Result<()> {
     assert_eq!(r.status().as_u16(), 404);
     Ok(())
 }
+
+/// A widget output is text for a model: the agent API (JSON and NDJSON) and MCP name the
+/// widget and its value and say it is interactive in JupyterLab; the agent API keeps the
+/// widget view's MIME type for clients that render widgets.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_widget_is_text_that_names_it_and_its_value() -> Result<()> {
+    let gw = Gateway::start(&[]).await?;
+    let id = kernel(&gw).await?;
+    let code = "import ipywidgets as w\ns = w.IntSlider(value=5, description='x')\ns";
+    let named = |text: &str| {
+        text.contains("IntSlider(value=5, description='x')")
+            && text.contains("interactive in JupyterLab")
+    };
+
+    let r = execute(&gw, &id, code, None).await?;
+    let result = &r["results"][0];
+    assert!(
+        named(result["data"]["text/plain"].as_str().unwrap_or_default()),
+        "{r}"
+    );
+    assert!(
+        result["data"]["application/vnd.jupyter.widget-view+json"]["model_id"].is_string(),
+        "{r}"
+    );
+
+    let lines = stream_lines(&gw, &id, json!({"code": "s.value = 6\ns", "plain": true})).await?;
+    let text = lines
+        .iter()
+        .find(|l| l["type"] == "result")
+        .map(|l| {
+            l["data"]["text/plain"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned()
+        })
+        .unwrap_or_default();
+    assert!(
+        text.contains("IntSlider(value=6, description='x')") && text.contains("JupyterLab"),
+        "{lines:?}"
+    );
+
+    let mut mcp = kernelgate_client::mcp::McpCalls::new(gw.client());
+    let text = mcp
+        .run_python(&id, "w.FloatSlider(value=2.5, description='y')")
+        .await?;
+    assert!(
+        text.contains("FloatSlider(value=2.5, description='y')")
+            && text.contains("interactive in JupyterLab"),
+        "{text}"
+    );
+    Ok(())
+}

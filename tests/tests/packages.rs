@@ -243,6 +243,20 @@ async fn allowed_packages_install_offline_and_import_in_the_same_kernel() -> Res
     );
     ws.close().await?;
 
+    // What one kernel installed is its own: another kernel of the same gateway, with the same
+    // wheelhouse mounted, cannot import it until it installs it itself.
+    let other = gw.create_kernel().await?;
+    let other_id = other["id"].as_str().context("id")?;
+    let mut other_ws = gw.channels(other_id, "packages-other").await?;
+    let out = other_ws.execute("import kgfix_app").await?;
+    assert_eq!(out.status, "error", "{out:?}");
+    assert_eq!(
+        out.error.clone().unwrap_or_default()["ename"],
+        "ModuleNotFoundError",
+        "{out:?}"
+    );
+    other_ws.close().await?;
+
     // The audit trail: each install the kernel reported, before its cell's record, untrusted.
     let log: Vec<Value> = std::fs::read_to_string(&gw.audit_log)?
         .lines()

@@ -224,8 +224,26 @@
     return img;
   }
 
+  // A widget display (ipywidgets) as text, the same the agent API and MCP give
+  // (protocol/src/widget.rs, docs/widgets.md): the console has no widget manager.
+  const WIDGET_MIME = 'application/vnd.jupyter.widget-view+json';
+  function widgetText(data) {
+    const view = data[WIDGET_MIME];
+    if (!view || typeof view !== 'object' || Array.isArray(view)) return null;
+    const repr = data['text/plain'] === undefined ? '' : joinText(data['text/plain']).trim();
+    const what = repr || `model ${view.model_id || ''}`;
+    return `[interactive widget ${what} — interactive in JupyterLab; here it is shown as text]`;
+  }
+
   // One output block for a display_data / execute_result bundle.
   function renderBundle(data, metadata) {
+    const widget = widgetText(data);
+    if (widget !== null) {
+      const box = el('div', 'output-rich');
+      box.dataset.mime = WIDGET_MIME;
+      box.appendChild(el('pre', 'text-output', widget));
+      return box;
+    }
     const mime = MIME_ORDER.find((m) => data[m] !== undefined) || Object.keys(data)[0];
     const meta = (metadata && metadata[mime]) || {};
     const box = el('div', 'output-rich');

@@ -74,12 +74,16 @@ pub fn run_result(outcome: &Outcome, ending: Ending) -> CallToolResult {
 /// Raster image types, which models take as images.
 const RASTER: [&str; 4] = ["image/png", "image/jpeg", "image/gif", "image/webp"];
 
-/// The one MIME type of a display a model gets, in this order: a raster image; SVG as its
+/// The one MIME type of a display a model gets, in this order: a widget's text form
+/// (docs/widgets.md); a raster image; SVG as its
 /// XML text (model APIs take raster images only, so an SVG image block would be refused
 /// or dropped by the host); Markdown; `text/plain` unless it is only an object's default
 /// repr (`<IPython.core.display.HTML object>`); HTML, LaTeX, JSON as text; else the
 /// `text/plain` anyway, or a note naming the type.
 pub fn display(data: &Map<String, Value>) -> ContentBlock {
+    if let Some(widget) = kernelgate_protocol::widget::describe(data) {
+        return ContentBlock::text(widget);
+    }
     for mime in RASTER {
         if let Some(b64) = data.get(mime).and_then(text_of) {
             let b64: String = b64.chars().filter(|c| !c.is_whitespace()).collect();

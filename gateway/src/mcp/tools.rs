@@ -400,10 +400,16 @@ mod tests {
             display(&coloured).as_text().map(|t| t.text.as_str()),
             Some("bold")
         );
-        let widget = bundle(&[("application/vnd.jupyter.widget-view+json", json!({}))]);
-        assert!(display(&widget)
-            .as_text()
-            .is_some_and(|t| t.text.contains("widget-view")));
+        let widget = bundle(&[
+            (
+                "application/vnd.jupyter.widget-view+json",
+                json!({"model_id": "m1"}),
+            ),
+            ("text/plain", json!("IntSlider(value=5)")),
+        ]);
+        assert!(display(&widget).as_text().is_some_and(|t| t
+            .text
+            .contains("interactive widget IntSlider(value=5) — interactive in JupyterLab")));
     }
 
     #[test]

@@ -9,6 +9,9 @@ impl Dispatch for Relay {
         let mut st = self.lock();
         let mut finished_record = Written::default();
         st.last_activity = Utc::now();
+        if channel == Channel::IoPub {
+            st.comms.observe(&message);
+        }
         if channel == Channel::IoPub && message.kind() == MsgKind::Status {
             if let Ok(s) = message.content_as::<kernelgate_protocol::content::Status>() {
                 st.execution_state = s.execution_state;

@@ -3,6 +3,7 @@
 //! activity, connections). Knows nothing about containers or HTTP.
 
 pub mod clients;
+mod comms;
 mod death;
 mod dispatch;
 pub mod executions;
@@ -82,6 +83,8 @@ struct State {
     loading: bool,
     /// Messages clients (not the gateway itself) sent so far.
     client_sends: u64,
+    /// Comms open on the current process: closed for clients when it is replaced.
+    comms: comms::Comms,
 }
 
 /// Most client messages held while a kernel restarts; past this, sends fail.
@@ -135,6 +138,7 @@ impl Relay {
                 hibernated: false,
                 loading: false,
                 client_sends: 0,
+                comms: comms::Comms::default(),
             }),
             wake: tokio::sync::Notify::new(),
         })
@@ -208,6 +212,14 @@ impl Relay {
                 .map(installs::Reports::at);
             // Whatever the previous process was asked is answered or lost by now.
             st.in_flight.clear();
+            // Its comms ended with it: clients (a widget manager) are told, as the kernel
+            // would have, before anything of the new process.
+            for comm_id in st.comms.take() {
+                let content =
+                    RawJson::from_value(&serde_json::json!({"comm_id": comm_id, "data": {}}));
+                let close = Message::new(self.header("comm_close"), None, content);
+                st.clients.broadcast(Outbound::new(Channel::IoPub, close));
+            }
             if st.loading {
                 // The backlog waits for the state to load (`Relay::loaded`).
                 Vec::new()
@@ -346,6 +358,9 @@ impl Relay {
             }
             if matches!(channel, Channel::Shell | Channel::Control) {
                 st.clients.note_request(message.msg_id(), session);
+            }
+            if channel == Channel::Shell {
+                st.comms.observe(&message);
             }
             // In the file before the code can reach the kernel.
             let (code_sha256, requested) = self.audit_request(key, &message);
