@@ -28,11 +28,13 @@ run: image build
 
 ## Everything CI checks: format, lints, unit tests, fuzzing, end-to-end tests (the Rust
 ## suite once under runc and once under gVisor, side by side; `make gvisor` sets gVisor up
-## first), then the Python suite, then a check that no test left work behind.
+## first), then the Python suite (its widget tests once more under gVisor), then a check
+## that no test left work behind.
 TEST_STAMP := target/.test-started
 test: test-stamp lint unit fuzz-smoke
 	$(MAKE) --no-print-directory -j2 --output-sync=target E2E_THREADS=2 e2e-runc e2e-gvisor
 	$(MAKE) --no-print-directory python-tests
+	$(MAKE) --no-print-directory python-tests-gvisor
 	$(MAKE) --no-print-directory leftovers
 
 ## Fails when a test left a container, runtime directory, log or network namespace behind.
@@ -102,3 +104,4 @@ test-tools:
 
 # The Python suite drives the debug binary too.
 python-tests: image debug-build fixture-image test-tools
+python-tests-gvisor: gvisor image debug-build fixture-image test-tools

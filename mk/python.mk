@@ -18,7 +18,7 @@ PY_STAMP := $(PY_VENV)/.requirements.stamp
 PYTEST_TIMEOUT ?= 900
 PYTEST_ARGS ?=
 
-.PHONY: python-venv python-tests
+.PHONY: python-venv python-tests python-tests-gvisor
 
 python-venv: $(PY_STAMP)
 	@if [ ! -x /usr/bin/chromium ]; then \
@@ -36,3 +36,11 @@ python-tests: python-venv
 	cd '$(PYTHON_ROOT)' && KERNELGATE_RUNTIME=$${KERNELGATE_RUNTIME:-runc} KERNELGATE_IMAGE='$(or $(KERNEL_IMAGE),kernelgate-kernel:latest)' KERNELGATE_FIXTURE_IMAGE='$(FIXTURE_IMAGE)' \
 		'$(PY_VENV)/bin/python' -m pytest tests/python -v \
 		--timeout=$(PYTEST_TIMEOUT) -p no:cacheprovider $(PYTEST_ARGS)
+
+# The widget tests once more with every kernel under gVisor (the rest of the Python suite
+# runs under runc): JupyterLab's widget manager and the comm round trips under both runtimes.
+PY_GVISOR_TESTS := tests/python/test_widgets.py tests/python/test_jupyterlab_widgets.py
+python-tests-gvisor: python-venv
+	cd '$(PYTHON_ROOT)' && KERNELGATE_RUNTIME=runsc KERNELGATE_IMAGE='$(or $(KERNEL_IMAGE),kernelgate-kernel:latest)' KERNELGATE_FIXTURE_IMAGE='$(FIXTURE_IMAGE)' \
+		'$(PY_VENV)/bin/python' -m pytest $(PY_GVISOR_TESTS) -v \
+		--timeout=$(PYTEST_TIMEOUT) -p no:cacheprovider
