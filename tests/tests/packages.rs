@@ -730,13 +730,14 @@ async fn sync_fetches_a_real_package_from_the_package_index() -> Result<()> {
             .arg(&allowlist)
             .output()
     };
-    // The operator's commands edit the allowlist.
-    assert!(cli(&["add", "tqdm", "kgfix-gone==1"])?.status.success());
+    // The operator's commands edit the allowlist. The package is one the image lacks, so the
+    // sync must fetch it.
+    assert!(cli(&["add", "six", "kgfix-gone==1"])?.status.success());
     assert!(cli(&["remove", "kgfix-gone"])?.status.success());
-    let dup = cli(&["add", "TQDM>=4"])?;
+    let dup = cli(&["add", "SIX>=1"])?;
     assert!(!dup.status.success());
     assert!(String::from_utf8_lossy(&dup.stderr).contains("allowed already"));
-    assert_eq!(std::fs::read_to_string(&allowlist)?, "tqdm\n");
+    assert_eq!(std::fs::read_to_string(&allowlist)?, "six\n");
 
     let out = std::process::Command::new(kernelgate_tests::binary())
         .args(["packages", "sync", "--packages"])
@@ -750,13 +751,13 @@ async fn sync_fetches_a_real_package_from_the_package_index() -> Result<()> {
         .env("PIP_DEFAULT_TIMEOUT", "20")
         .output()?;
     let stderr = String::from_utf8_lossy(&out.stderr);
-    if !out.status.success() || String::from_utf8_lossy(&out.stdout).contains("refused tqdm") {
+    if !out.status.success() || String::from_utf8_lossy(&out.stdout).contains("refused six") {
         // The sync keeps only pip's errors; pip's own warnings say whether any index
         // answered: ask it once more, directly.
         let probe = std::process::Command::new(host_python())
             .args(["-m", "pip", "download", "--no-deps", "--dest"])
             .arg(dir.path().join("probe"))
-            .arg("tqdm")
+            .arg("six")
             .env("PIP_RETRIES", "0")
             .env("PIP_DEFAULT_TIMEOUT", "20")
             .output()?;
@@ -770,7 +771,7 @@ async fn sync_fetches_a_real_package_from_the_package_index() -> Result<()> {
             String::from_utf8_lossy(&out.stdout)
         );
     }
-    assert!(stderr.contains("Resolving tqdm"), "{stderr}");
+    assert!(stderr.contains("Resolving six"), "{stderr}");
     assert!(stderr.contains("Fetched 1 wheel"), "{stderr}");
     let listed = cli(&[
         "list",
@@ -782,14 +783,14 @@ async fn sync_fetches_a_real_package_from_the_package_index() -> Result<()> {
     let listed = String::from_utf8_lossy(&listed.stdout);
     let line = listed
         .lines()
-        .find(|l| l.starts_with("tqdm"))
-        .context("tqdm listed")?;
+        .find(|l| l.starts_with("six"))
+        .context("six listed")?;
     let version = line
         .split_whitespace()
         .nth(1)
         .context("version")?
         .to_owned();
-    assert!(version.starts_with('4'), "{listed}");
+    assert!(version.starts_with('1'), "{listed}");
 
     let gw = Gateway::start(&[
         "--packages",
@@ -802,10 +803,10 @@ async fn sync_fetches_a_real_package_from_the_package_index() -> Result<()> {
     let id = kernel["id"].as_str().context("id")?;
     let mut ws = gw.channels(id, "index").await?;
     let out = ws
-        .execute("%pip install tqdm\nimport tqdm\nprint(tqdm.__version__)")
+        .execute("%pip install six\nimport six\nprint(six.__version__)")
         .await?;
     assert!(
-        printed(&out).contains(&format!("Successfully installed tqdm-{version}")),
+        printed(&out).contains(&format!("Successfully installed six-{version}")),
         "{out:?}"
     );
     assert!(out.stdout.trim().ends_with(&version), "{out:?}");
