@@ -63,6 +63,7 @@ OPERATIONS = sorted(
         "POST /api/kernels/{id}/interrupt",
         "POST /api/kernels/{id}/restart",
         "POST /api/kernels/{id}/hibernate",
+        "POST /api/kernels/{id}/discard-state",
         "POST /api/kernels/{id}/execute",
         "POST /api/kernels/{id}/packages",
         "GET /api/kernels/{id}/files",
