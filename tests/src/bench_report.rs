@@ -121,6 +121,19 @@ const ROWS: &[Row] = &[
 ];
 
 /// The results table plus the run's settings and machine, as markdown.
+/// The stages of one execute the bench times, in the order a cell meets them, then the way
+/// back (`bench --stages-only`, and the README's share of the round trip).
+pub const STAGES: [&str; 8] = [
+    "ws_decode",
+    "auth_tenant",
+    "policy",
+    "audit",
+    "routing",
+    "signing",
+    "zmq_hop",
+    "back",
+];
+
 pub fn markdown(doc: &Value) -> String {
     let m = &doc["metrics"];
     if doc["settings"]["mcp_only"] == Value::Bool(true) {
@@ -759,19 +772,10 @@ pub fn readme(doc: &Value) -> Option<Readme> {
     };
     let pip = at(&["packages", "pure", "pip_install_ms", "p50"])?;
     let python = at(&["packages", "pure", "python_start_ms", "p50"])?;
-    let stages: f64 = [
-        "ws_decode",
-        "auth_tenant",
-        "policy",
-        "audit",
-        "routing",
-        "signing",
-        "zmq_hop",
-        "back",
-    ]
-    .iter()
-    .map(|s| at(&["stages_us", s, "median"]))
-    .sum::<Option<f64>>()?;
+    let stages: f64 = STAGES
+        .iter()
+        .map(|s| at(&["stages_us", s, "median"]))
+        .sum::<Option<f64>>()?;
     let bare_us = at(&["features_rt_ms", "bare", "p50"])? * 1000.0;
     let mib_printed = doc["settings"]["stream_mib"].as_u64()?;
     let kernels = doc["settings"]["parallel_kernels"].as_u64()?;

@@ -522,13 +522,7 @@ impl Forwarder {
             head.push_str(&format!("{name}: {value}\r\n"));
         }
         head.push_str("\r\n");
-        owner
-            .write_all(head.as_bytes())
-            .await
-            .map_err(|e| unreachable(e.to_string()))?;
-        // Over TLS, what is written may wait in the session until flushed.
-        owner
-            .flush()
+        send_now(&mut owner, head.as_bytes())
             .await
             .map_err(|e| unreachable(e.to_string()))?;
 
@@ -598,12 +592,7 @@ impl Forwarder {
             return Err(bad_answer());
         };
         let proof = self.signer.upgrade_proof(&who.nonce, challenge);
-        owner
-            .write_all(&masked_text_frame(proof.as_bytes()))
-            .await
-            .map_err(|e| unreachable(e.to_string()))?;
-        owner
-            .flush()
+        send_now(&mut owner, &masked_text_frame(proof.as_bytes()))
             .await
             .map_err(|e| unreachable(e.to_string()))?;
         let cancel = self.cancel.clone();
@@ -650,6 +639,13 @@ fn masked_text_frame(payload: &[u8]) -> Vec<u8> {
 /// The close frame the entry node sends when the owner's side ends without one (the owner
 /// died, or this node stops): 1001, going away, so that clients reconnect.
 const GOING_AWAY: [u8; 4] = [0x88, 0x02, 0x03, 0xE9];
+
+/// Writes `bytes` to `to` and flushes them: over TLS, what is written may wait in the
+/// session until flushed.
+async fn send_now<S: AsyncWrite + Unpin>(to: &mut S, bytes: &[u8]) -> std::io::Result<()> {
+    to.write_all(bytes).await?;
+    to.flush().await
+}
 
 /// Copies bytes both ways until either side ends. The owner's bytes are only watched (frame
 /// boundaries and opcodes, never changed): when they end without a close frame, between

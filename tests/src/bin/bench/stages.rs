@@ -30,16 +30,7 @@ use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 const POLICY: &str = include_str!("../../../fixtures/policy.toml");
 
 /// Stages in the order a cell meets them, then the way back.
-pub const STAGES: [&str; 8] = [
-    "ws_decode",
-    "auth_tenant",
-    "policy",
-    "audit",
-    "routing",
-    "signing",
-    "zmq_hop",
-    "back",
-];
+pub use kernelgate_tests::bench_report::STAGES;
 
 /// The end-to-end modes: every optional feature off, then each one on alone, then the
 /// default configuration (audit trail written, token only).
