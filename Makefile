@@ -10,7 +10,7 @@ include mk/bench.mk
 include mk/python.mk
 include mk/gateway-image.mk
 
-.PHONY: all build run test lint unit e2e e2e-runc e2e-gvisor e2e-gvisor-ptrace gvisor debug-build test-tools leftovers test-stamp
+.PHONY: all build run test lint unit e2e e2e-runc e2e-gvisor e2e-engine e2e-gvisor-ptrace gvisor debug-build test-tools leftovers test-stamp
 
 all: build
 
@@ -27,12 +27,13 @@ run: image build
 	./target/release/kernelgate serve $(strip $(RUN_FLAGS) $(ARGS))
 
 ## Everything CI checks: format, lints, unit tests, fuzzing, end-to-end tests (the Rust
-## suite once under runc and once under gVisor, side by side; `make gvisor` sets gVisor up
-## first), then the Python suite (its widget tests once more under gVisor), then a check
-## that no test left work behind.
+## suite once under runc and once under gVisor, side by side, and the suites of the gVisor
+## engine as soon as one of them is done; `make gvisor` sets gVisor up first), then the
+## Python suite (its widget tests once more under gVisor), then a check that no test left
+## work behind.
 TEST_STAMP := target/.test-started
 test: test-stamp lint unit fuzz-smoke
-	$(MAKE) --no-print-directory -j2 --output-sync=target E2E_THREADS=2 e2e-runc e2e-gvisor
+	$(MAKE) --no-print-directory -j2 --output-sync=target E2E_THREADS=2 e2e-runc e2e-gvisor e2e-engine
 	$(MAKE) --no-print-directory python-tests
 	$(MAKE) --no-print-directory python-tests-gvisor
 	$(MAKE) --no-print-directory leftovers
@@ -56,9 +57,14 @@ debug-build:
 	$(CARGO) build -p kernelgate
 
 # The same suite under each runtime: KERNELGATE_RUNTIME picks it for every gateway the
-# tests start (tests/src/lib.rs).
+# tests start (tests/src/lib.rs). First the backend's contract against the Docker engine
+# under that runtime (the fake engine passes the same checks among the unit tests); under
+# gVisor, the gVisor engine's (runsc driven directly, no Docker) before it, and the engine's
+# own end-to-end suite (tests/tests/gvisor_engine.rs) runs with that suite.
 E2E_THREADS ?= 3
-E2E = KERNELGATE_IMAGE=$(KERNEL_IMAGE) KERNELGATE_FIXTURE_IMAGE=$(FIXTURE_IMAGE) \
+E2E = KERNELGATE_IMAGE=$(KERNEL_IMAGE) KERNELGATE_RUNTIME=$(1) \
+	$(CARGO) test -p kernelgate --lib -- --ignored --exact backend::contract::docker_engine_passes_the_contract && \
+	KERNELGATE_IMAGE=$(KERNEL_IMAGE) KERNELGATE_FIXTURE_IMAGE=$(FIXTURE_IMAGE) \
 	KERNELGATE_RUNTIME=$(1) $(CARGO) test -p kernelgate-tests --no-fail-fast -- --test-threads=$(E2E_THREADS)
 
 e2e: e2e-runc e2e-gvisor
@@ -67,7 +73,22 @@ e2e-runc: image debug-build test-tools fixture-image
 	$(call E2E,runc)
 
 e2e-gvisor: gvisor image debug-build test-tools fixture-image
+	KERNELGATE_IMAGE=$(KERNEL_IMAGE) $(CARGO) test -p kernelgate --lib -- --ignored --exact \
+		backend::contract::gvisor_engine_passes_the_contract
 	$(call E2E,runsc)
+
+# The gVisor engine (`--engine gvisor`: no Docker, the gateway runs runsc itself) under the
+# suites that hold the sandbox to its promises: the second wall and the CPU quota read from
+# the host's cgroup (second_wall), hostile kernels and the gateway's memory budget against
+# them (hostile_kernels), the sandbox and isolation checks (gateway), deaths named with
+# their cause and recovery (recovery), files (agent), packages, and the execution policy.
+# KERNELGATE_ENGINE=gvisor makes every gateway the tests start run on the engine, with the
+# kernel image imported into the tests' image store (tests/src/engine.rs).
+ENGINE_SUITES := second_wall hostile_kernels gateway recovery agent packages policy
+e2e-engine: gvisor image debug-build test-tools fixture-image
+	KERNELGATE_IMAGE=$(KERNEL_IMAGE) KERNELGATE_FIXTURE_IMAGE=$(FIXTURE_IMAGE) \
+	KERNELGATE_RUNTIME=runsc KERNELGATE_ENGINE=gvisor $(CARGO) test -p kernelgate-tests \
+		--no-fail-fast $(addprefix --test ,$(ENGINE_SUITES)) -- --test-threads=$(E2E_THREADS)
 
 # Not part of `make test`: the same suite under Debian's runsc on ptrace, the slower wall
 # `make gvisor` keeps registered beside the new one.

@@ -4,7 +4,18 @@ Usage (the image's CMD):
 
     /opt/kernel/venv/bin/python /opt/kernel/launch.py [CONNECTION_FILE]
 
-CONNECTION_FILE defaults to /run/kernel/kernel.json. The gateway bind-mounts a per-kernel
+CONNECTION_FILE defaults to /run/kernel/kernel.json.
+
+Exec mode, for commands the gateway runs in a kernel's sandbox or in a throwaway one
+(`kernelgate packages sync`, shell commands):
+
+    /opt/kernel/venv/bin/python /opt/kernel/launch.py [CONNECTION_FILE] --exec PROGRAM [ARG...]
+
+installs the same syscall filter as for the kernel (below), then replaces itself with
+PROGRAM (searched on PATH), so the command and everything it starts run under the filter.
+The gateway appends `--exec PROGRAM ...` to the image's command; a CONNECTION_FILE before
+it is ignored. Exit status 3 when the filter cannot be installed, 127 when PROGRAM cannot
+be run. The gateway bind-mounts a per-kernel
 directory at /run/kernel (setgid, mode 2770, group = the gateway's group) holding a connection
 file with "transport": "ipc" and "ip": "/run/kernel/kernel"; ipykernel then binds the Unix
 sockets /run/kernel/kernel-<port> for shell, iopub, stdin, control and heartbeat.
@@ -293,7 +304,29 @@ def preload() -> None:
             _warn(f"preload of {name} failed: {err!r}")
 
 
+EXEC_FLAG = "--exec"
+
+
+def exec_filtered(command: list[str]) -> int:
+    """Installs the syscall filter, then runs `command` in this process's place."""
+    if not command:
+        _warn(f"usage: launch.py [CONNECTION_FILE] {EXEC_FLAG} PROGRAM [ARG...]")
+        return 2
+    try:
+        install_syscall_filter()
+    except OSError as err:
+        _warn(f"cannot install the syscall filter, refusing to run {command[0]}: {err}")
+        return 3
+    try:
+        os.execvp(command[0], command)
+    except OSError as err:
+        _warn(f"cannot run {command[0]}: {err}")
+    return 127
+
+
 def main(argv: list[str]) -> int:
+    if EXEC_FLAG in argv[1:]:
+        return exec_filtered(argv[argv.index(EXEC_FLAG, 1) + 1:])
     if len(argv) > 2 or (len(argv) == 2 and argv[1].startswith("-")):
         _warn(f"usage: {argv[0]} [CONNECTION_FILE]  (default {DEFAULT_CONNECTION_FILE})")
         return 2

@@ -6,8 +6,15 @@
 #   make bench BENCH_ARGS=--quick     a short run to try it out (numbers mean little)
 #   make bench BENCH_ARGS=--walls-only  only direct, runc and both gVisor runtimes in
 #                                     alternating rounds (needs `make gvisor`)
+#   make bench BENCH_ARGS=--engines-only  Docker+runc, Docker+gVisor and the gVisor engine
+#                                     (--engine gvisor) in alternating rounds (needs
+#                                     `make gvisor`; samples in docs/bench-engines.json)
 #   make bench BENCH_ARGS=--stages-only only the per-stage breakdown of one execute and each
 #                                     optional feature on and off
+#   make bench-versions BASELINE=REV  this tree's gateway against REV's (a release build of
+#                                     `git archive REV`), both under runc in alternating
+#                                     rounds: creates, round trip, stream; writes
+#                                     bench-versions.json and bench-versions.md
 #   ./target/release/bench --render docs/bench-results.json
 #                                     measures nothing: prints the tables and the README's
 #                                     figures of that run's samples (a full run's samples in
@@ -30,13 +37,40 @@ $(BENCH_VENV)/.stamp: $(KERNELGATE_ROOT)/kernel-image/requirements.txt $(KERNELG
 		'jupyter_kernel_gateway>=3,<4'
 	touch '$@'
 
-.PHONY: bench bench-venv
+.PHONY: bench bench-venv bench-versions
 bench-venv: $(BENCH_VENV)/.stamp
 
-bench: image bench-venv test-tools
+bench: image bench-venv python-venv test-tools
 	cd '$(KERNELGATE_ROOT)' && $(CARGO) build --release -p kernelgate -p kernelgate-tests
 	cd '$(KERNELGATE_ROOT)' && KERNELGATE_IMAGE='$(KERNEL_IMAGE)' \
 		KERNELGATE_BIN='$(KERNELGATE_ROOT)/target/release/kernelgate' \
 		BENCH_COMMAND='$(strip make bench $(BENCH_ARGS))' \
 		./target/release/bench --venv '$(BENCH_VENV)' \
 		--out bench-results.json --md bench-results.md $(BENCH_ARGS)
+
+# The baseline is built from `git archive $(BASELINE)` in target/bench-baseline/src with the
+# same target directory (its dependencies are compiled once); its binary is copied out and
+# the uplifted one removed, so the build of this tree that follows puts its own back.
+# Cargo names a path crate's artifacts the same from either tree and judges them by file
+# times (the archive's are the commit's), so the workspace's own crates are cleaned before
+# each of the two builds: neither may take the other's.
+BASELINE ?= HEAD
+BASELINE_DIR := $(KERNELGATE_ROOT)/target/bench-baseline
+OWN_CRATES := -p kernelgate-protocol -p kernelgate-policy -p kernelgate-client -p kernelgate \
+	-p kernelgate-tests -p zeromq
+bench-versions: image test-tools
+	rm -rf '$(BASELINE_DIR)' && mkdir -p '$(BASELINE_DIR)/src'
+	cd '$(KERNELGATE_ROOT)' && git archive '$(BASELINE)' | tar -x -C '$(BASELINE_DIR)/src'
+	cd '$(KERNELGATE_ROOT)' && $(CARGO) clean --release $(OWN_CRATES)
+	cd '$(BASELINE_DIR)/src' && CARGO_TARGET_DIR='$(KERNELGATE_ROOT)/target' $(CARGO) build --release -p kernelgate
+	cp '$(KERNELGATE_ROOT)/target/release/kernelgate' '$(BASELINE_DIR)/kernelgate'
+	rm -f '$(KERNELGATE_ROOT)/target/release/kernelgate'
+	cd '$(KERNELGATE_ROOT)' && $(CARGO) clean --release $(OWN_CRATES)
+	cd '$(KERNELGATE_ROOT)' && $(CARGO) build --release -p kernelgate -p kernelgate-tests
+	cd '$(KERNELGATE_ROOT)' && KERNELGATE_IMAGE='$(KERNEL_IMAGE)' \
+		KERNELGATE_BIN='$(KERNELGATE_ROOT)/target/release/kernelgate' \
+		BENCH_COMMAND='make bench-versions BASELINE=$(BASELINE)' \
+		BENCH_BASELINE_REV="$$(git rev-parse --short '$(BASELINE)')" \
+		BENCH_CURRENT_REV="$$(git rev-parse --short HEAD)$$(git diff --quiet HEAD || echo ' (with uncommitted changes)')" \
+		./target/release/bench --versions-only --baseline-bin '$(BASELINE_DIR)/kernelgate' \
+		--out bench-versions.json --md bench-versions.md $(BENCH_ARGS)

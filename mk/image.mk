@@ -4,6 +4,10 @@
 #   make image                      offline build (kernel-image/build-offline.sh): Debian
 #                                   packages + PyPI, no container registry needed (default)
 #   make image IMAGE_BUILD=docker   `docker build` of kernel-image/Dockerfile (needs a registry)
+#   make image-archive              the image as `docker save` writes it, in
+#                                   $(KERNEL_IMAGE_ARCHIVE), for `kernelgate image import`
+#                                   (the image store of engines without Docker,
+#                                   docs/image-store.md)
 #
 # The tag is the first 12 hex digits of a sha256 over the names and contents of all files in
 # kernel-image/ (sorted; build output, __pycache__, editor files, *.md and the derived-image
@@ -20,6 +24,7 @@ KERNEL_IMAGE_TAG := $(shell cd '$(KERNELGATE_ROOT)' && \
 KERNEL_IMAGE := $(KERNEL_IMAGE_NAME):$(KERNEL_IMAGE_TAG)
 KERNEL_IMAGE_LATEST := $(KERNEL_IMAGE_NAME):latest
 IMAGE_BUILD ?= offline
+KERNEL_IMAGE_ARCHIVE := $(KERNELGATE_ROOT)/target/images/$(KERNEL_IMAGE_NAME)-$(KERNEL_IMAGE_TAG).tar
 
 .PHONY: image
 image:
@@ -38,6 +43,20 @@ image:
 		offline) '$(KERNELGATE_ROOT)/kernel-image/build-offline.sh' '$(KERNEL_IMAGE)' '$(KERNEL_IMAGE_LATEST)' ;; \
 		docker) docker build --label org.kernelgate.build=docker -t '$(KERNEL_IMAGE)' -t '$(KERNEL_IMAGE_LATEST)' '$(KERNELGATE_ROOT)/kernel-image' ;; \
 		esac; \
+	fi
+
+# The image's root filesystem and config, for hosts (or containers) without Docker: copy the
+# file there and run `kernelgate image import FILE`. Both tags go in; written once per tag,
+# through a temporary file so that an interrupted save leaves nothing under the name.
+.PHONY: image-archive
+image-archive: image
+	@if [ -f '$(KERNEL_IMAGE_ARCHIVE)' ]; then \
+		echo '$(KERNEL_IMAGE_ARCHIVE) is up to date'; \
+	else \
+		mkdir -p '$(dir $(KERNEL_IMAGE_ARCHIVE))' && \
+		docker save -o '$(KERNEL_IMAGE_ARCHIVE).tmp' '$(KERNEL_IMAGE)' '$(KERNEL_IMAGE_LATEST)' && \
+		mv '$(KERNEL_IMAGE_ARCHIVE).tmp' '$(KERNEL_IMAGE_ARCHIVE)' && \
+		echo 'wrote $(KERNEL_IMAGE_ARCHIVE): `kernelgate image import` it'; \
 	fi
 
 # The derived image the custom-image tests use: ours plus the fixture package of

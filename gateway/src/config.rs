@@ -28,6 +28,8 @@ pub enum Command {
     /// Manage the package allowlist (`--packages`) and fill the wheelhouse kernels
     /// install from (docs/packages.md).
     Packages(PackagesArgs),
+    /// Manage the image store kernels are run from without Docker (docs/image-store.md).
+    Image(ImageArgs),
     /// Serve MCP (Model Context Protocol) over stdin/stdout, for hosts that launch a
     /// command: kernels run on the local Docker engine (every `serve` flag that applies
     /// works here), or on a running gateway with `--url` (and its token).
@@ -109,6 +111,28 @@ pub struct PackagesArgs {
     /// FILE, so the gateway's KERNELGATE_PACKAGES works here).
     #[arg(long, global = true, env = "KERNELGATE_PACKAGES", value_name = "FILE")]
     pub packages: Option<String>,
+    /// What runs the sync's throwaway sandboxes and reads the image: `docker` or `gvisor`
+    /// (runsc directly, images from --image-store; no Docker), as `serve --engine`.
+    #[arg(
+        long,
+        global = true,
+        env = "KERNELGATE_ENGINE",
+        value_enum,
+        default_value = "docker"
+    )]
+    pub engine: EngineChoice,
+    /// The image store of `--engine gvisor`.
+    #[arg(
+        long,
+        global = true,
+        env = "KERNELGATE_IMAGE_STORE",
+        value_name = "DIR",
+        default_value = crate::images::DEFAULT_IMAGE_STORE
+    )]
+    pub image_store: PathBuf,
+    /// The runsc binary of `--engine gvisor`.
+    #[arg(long, global = true, env = "KERNELGATE_RUNSC")]
+    pub runsc: Option<PathBuf>,
     #[command(subcommand)]
     pub action: PackagesAction,
 }
@@ -160,6 +184,11 @@ pub enum PackagesAction {
         /// A host Python that has pip (`python3 -m pip` must work).
         #[arg(long, default_value = "python3", value_name = "PATH")]
         python: PathBuf,
+        /// Container runtime of the sync's throwaway containers (the image's Python
+        /// facts, compiling what was unpacked), as `serve --runtime`: `runsc`, `runc`, or
+        /// `auto` (gVisor when set up).
+        #[arg(long, env = "KERNELGATE_RUNTIME", value_enum, default_value = "auto")]
+        runtime: RuntimeChoice,
     },
 }
 
@@ -176,6 +205,34 @@ impl PackagesArgs {
         }
         Ok(PathBuf::from(file))
     }
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct ImageArgs {
+    /// The image store: one unpacked root filesystem per image id, and the tags.
+    #[arg(
+        long,
+        global = true,
+        env = "KERNELGATE_IMAGE_STORE",
+        value_name = "DIR",
+        default_value = crate::images::DEFAULT_IMAGE_STORE
+    )]
+    pub image_store: PathBuf,
+    #[command(subcommand)]
+    pub action: ImageAction,
+}
+
+#[derive(Debug, Clone, Subcommand)]
+pub enum ImageAction {
+    /// Imports the images of an archive as `docker save` writes it (`docker save IMAGE -o
+    /// FILE`, or `make image-archive`) or an OCI image layout tar; gzip'd is fine. An image
+    /// already stored only gets the archive's tags.
+    Import {
+        #[arg(value_name = "FILE")]
+        file: PathBuf,
+    },
+    /// Lists the stored images: id, size, tags.
+    List,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -285,6 +342,15 @@ pub enum LogFormat {
     Json,
 }
 
+/// Which engine runs kernels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum EngineChoice {
+    /// Containers through the local Docker daemon (`--runtime` picks runc or gVisor).
+    Docker,
+    /// gVisor sandboxes run by runsc directly, from OCI bundles the gateway writes.
+    Gvisor,
+}
+
 /// Which OCI runtime runs kernel containers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum RuntimeChoice {
@@ -351,6 +417,38 @@ pub struct Config {
         default_value = "kernelgate-kernel:latest"
     )]
     pub image: String,
+
+    /// What runs kernels: `docker` (containers through the Docker daemon; membership of
+    /// the docker group suffices) or `gvisor` (runsc sandboxes directly, no Docker; needs
+    /// root).
+    #[arg(long, env = "KERNELGATE_ENGINE", value_enum, default_value = "docker")]
+    pub engine: EngineChoice,
+
+    /// The runsc binary of `--engine gvisor` (default: the one `make gvisor` unpacked,
+    /// else /usr/bin/runsc).
+    #[arg(long, env = "KERNELGATE_RUNSC")]
+    pub runsc: Option<PathBuf>,
+
+    /// Where `--engine gvisor` finds images: the image store `kernelgate image import`
+    /// fills (docs/image-store.md).
+    #[arg(
+        long,
+        env = "KERNELGATE_IMAGE_STORE",
+        value_name = "DIR",
+        default_value = crate::images::DEFAULT_IMAGE_STORE
+    )]
+    pub image_store: PathBuf,
+
+    /// The cgroup `--engine gvisor` places its sandboxes under: an absolute path of each
+    /// hierarchy, or `sibling`: beside the gateway's own cgroup (`/proc/self/cgroup`), for
+    /// a gateway in a container (docs/engines.md, "Kubernetes without Docker").
+    #[arg(
+        long,
+        env = "KERNELGATE_CGROUP_PARENT",
+        value_name = "PATH|sibling",
+        default_value = "/kernelgate"
+    )]
+    pub cgroup_parent: String,
 
     /// Container runtime of kernels: `runsc` (gVisor, a second wall; `make gvisor` sets it
     /// up), `runc`, or `auto` (gVisor when set up).

@@ -274,6 +274,7 @@ mod tests {
                 CONTAINER_CONNECTION_FILE,
             ]),
             id: "sha256:0123456789ab".to_owned(),
+            entrypoint: Vec::new(),
         });
         assert_eq!(spec.display_name, "Python 3 + fixture");
         assert!(spec.logo_png.starts_with(b"\x89PNG"));

@@ -9,9 +9,12 @@ use kernelgate::api::{self, auth::Auth, AppState};
 use kernelgate::audit::Audit;
 use kernelgate::backend::docker::lock::{LockError, RuntimeDirLock};
 use kernelgate::backend::docker::{DockerBackend, DockerSettings};
+use kernelgate::backend::gvisor::{GvisorEngine, GvisorSettings, ImageResolver};
 use kernelgate::backend::KernelBackend;
 use kernelgate::cluster::node::{ClusterNode, Offer, AWAY_FOR};
-use kernelgate::config::{Cli, Command, Config, KeysAction, KeysArgs, LogFormat, McpArgs};
+use kernelgate::config::{
+    Cli, Command, Config, EngineChoice, KeysAction, KeysArgs, LogFormat, McpArgs,
+};
 use kernelgate::kernels::{HeartbeatCheck, Kernels, Settings};
 use kernelgate::kernelspecs::KernelSpecs;
 use kernelgate::packages::Packages;
@@ -31,9 +34,11 @@ async fn main() -> anyhow::Result<()> {
     let format = match &cli.command {
         Command::Serve(config) => config.log_format,
         Command::Mcp(args) => args.config.log_format,
-        Command::Run(_) | Command::Keys(_) | Command::Audit(_) | Command::Packages(_) => {
-            LogFormat::Text
-        }
+        Command::Run(_)
+        | Command::Keys(_)
+        | Command::Audit(_)
+        | Command::Packages(_)
+        | Command::Image(_) => LogFormat::Text,
     };
     init_logging(format);
     match cli.command {
@@ -43,6 +48,7 @@ async fn main() -> anyhow::Result<()> {
         Command::Keys(args) => keys_command(args),
         Command::Audit(args) => kernelgate::audit::read_back(&args),
         Command::Packages(args) => kernelgate::packages::cli::run(args).await,
+        Command::Image(args) => kernelgate::images::cli::run(args),
     }
 }
 
@@ -161,7 +167,35 @@ fn prepare(
     })
 }
 
-/// The kernel table a configuration asks for, on the local Docker engine.
+/// The gVisor engine `config` asks for: refused unless root, or without runsc.
+fn gvisor_engine(config: &Config, packages: Option<&Packages>) -> anyhow::Result<GvisorEngine> {
+    kernelgate::backend::gvisor::check_privileges().map_err(anyhow::Error::msg)?;
+    kernelgate::backend::gvisor::cgroup_parent::choose(
+        &config.cgroup_parent,
+        kernelgate::backend::gvisor::Cgroups::detect(),
+    )
+    .map_err(anyhow::Error::msg)?;
+    let settings = GvisorSettings {
+        runsc: config
+            .runsc
+            .clone()
+            .unwrap_or_else(kernelgate::backend::gvisor::default_runsc),
+        image: config.image.clone(),
+        runtime_dir: config.runtime_dir.clone(),
+        memory_mb: config.kernel_memory_mb,
+        cpus: config.kernel_cpus,
+        pids: config.kernel_pids,
+        disk_mb: config.kernel_disk_mb,
+        packages: packages.map(|p| p.mounts().clone()),
+    };
+    let store = kernelgate::images::ImageStore::open(config.image_store.clone())
+        .context("cannot open the image store (--image-store)")?;
+    let resolve: ImageResolver =
+        Arc::new(move |r| kernelgate::backend::gvisor::images::resolve(&store, r));
+    GvisorEngine::new(settings, resolve).context("cannot start kernels")
+}
+
+/// The kernel table a configuration asks for, on the engine it names.
 struct Table {
     kernels: Arc<Kernels>,
     runtime: &'static str,
@@ -186,15 +220,23 @@ async fn kernel_table(
         cluster,
         packages,
     } = prepared;
-    let mut docker_settings = DockerSettings::from(config);
-    docker_settings.packages = packages.as_ref().map(|p| p.mounts().clone());
-    let backend = DockerBackend::connect(docker_settings)
-        .await
-        .context("cannot start kernels")?;
+    let (backend, runtime): (Arc<dyn KernelBackend>, &'static str) = match config.engine {
+        EngineChoice::Docker => {
+            let mut docker_settings = DockerSettings::from(config);
+            docker_settings.packages = packages.as_ref().map(|p| p.mounts().clone());
+            let backend = DockerBackend::connect(docker_settings)
+                .await
+                .context("cannot start kernels")?;
+            let runtime = backend.runtime().name();
+            (Arc::new(backend), runtime)
+        }
+        EngineChoice::Gvisor => (
+            Arc::new(gvisor_engine(config, packages.as_deref())?),
+            "gvisor",
+        ),
+    };
     backend.check().await.context("cannot start kernels")?;
-    let runtime = backend.runtime().name();
-    specs.describe(&backend).await;
-    let backend: Arc<dyn KernelBackend> = Arc::new(backend);
+    specs.describe(backend.as_ref()).await;
     let settings = Settings {
         audit,
         guard: guard.clone(),
@@ -249,6 +291,10 @@ async fn kernel_table(
 /// starts, so a mistake costs nothing; then the table starts and the API serves until
 /// SIGTERM or Ctrl-C, after which every kernel is removed.
 async fn serve(config: Config) -> anyhow::Result<()> {
+    if config.engine == EngineChoice::Gvisor {
+        // Before anything of the gateway's is created.
+        kernelgate::backend::gvisor::check_privileges().map_err(anyhow::Error::msg)?;
+    }
     let (keys, generated) = auth_from(&config)?;
     let keys = Arc::new(keys);
     let metrics_access = metrics_access(&config)?;
@@ -280,6 +326,17 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         cluster,
     } = kernel_table(&config, prepared, &tracker, &cancel).await?;
     let node = cluster.clone();
+    // Sandbox access tokens: the same on every node of a cluster (derived from its secret),
+    // else this gateway's own key in its runtime directory; either way the same after a
+    // restart, with the sandboxes' records kept there too.
+    let e2b_token_key = match &cluster {
+        Some(node) => node.signer.e2b_token_key(),
+        None => api::e2b::store::token_key(&config.runtime_dir)?,
+    };
+    let e2b = Arc::new(api::e2b::Sandboxes::open(
+        e2b_token_key,
+        &config.runtime_dir,
+    )?);
     if let Some(node) = &cluster {
         node.start(&kernels, &tracker, &cancel);
         tracing::info!(node = %node.node_id, etcd = ?config.cluster.etcd, "cluster mode");
@@ -311,7 +368,9 @@ async fn serve(config: Config) -> anyhow::Result<()> {
             config.max_message_mb * 1024 * 1024,
         )),
         cluster,
+        e2b,
     };
+    api::e2b::watch_all(&state);
     if let Some((listener, tls)) = cluster_listener {
         let state = state.clone();
         tracker.spawn(async move {
@@ -326,6 +385,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         None => println!("Kernelgate is serving at {url}"),
     }
     match runtime {
+        "gvisor" => println!("Kernels run in gVisor sandboxes under runsc (no Docker)"),
         "runsc" | "runsc-ptrace" => {
             println!("Kernels run in Docker under gVisor (runtime {runtime})")
         }
@@ -346,7 +406,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
     .await?;
     if let Some(node) = node {
         // Warm kernels are nobody's: removed, whether the node returns or not.
-        kernels.remove_warm().await;
+        kernels.pool().remove_warm().await;
         if kernels.list().is_empty() {
             // Nothing to come back for (a node being retired): it leaves the cluster now.
             if let Err(e) = node.membership.leave().await {
@@ -364,6 +424,9 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         }
     } else {
         kernels.shutdown().await;
+        if kernels.list().is_empty() {
+            api::e2b::store::forget(&config.runtime_dir);
+        }
         // No container mounts the installer any more (a cluster node's keep running).
         if let Some(packages) = kernels.packages() {
             packages.remove_installer();

@@ -17,6 +17,7 @@ pub mod agent;
 pub mod channel;
 pub mod connection;
 pub mod content;
+pub mod e2b;
 pub mod execution;
 pub mod message;
 pub mod signature;

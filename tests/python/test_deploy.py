@@ -136,6 +136,43 @@ def test_the_kubernetes_gateways_are_cluster_nodes_on_every_docker_node() -> Non
     assert kind(docs, "StatefulSet", "etcd")["spec"]["serviceName"] == "etcd"
 
 
+def test_the_gvisor_gateways_run_kernels_without_docker_and_keep_them_on_the_host() -> None:
+    docs = manifests()
+    ds = kind(docs, "DaemonSet", "kernelgate-gvisor")
+    pod = ds["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    args = container["args"]
+    assert args[0] == "serve"
+    known = gateway_flags()
+    for arg in args[1:]:
+        assert arg.split("=", 1)[0] in known, f"{arg} is not a flag of kernelgate serve"
+    flag = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in args if "=" in a}
+    assert flag["--engine"] == "gvisor"
+    assert flag["--cgroup-parent"] == "sibling"
+    assert container["image"] == "kernelgate-gateway-gvisor:latest"
+    # Privileged, in the host's PID namespace, on nodes without a Docker label or socket.
+    assert container["securityContext"]["privileged"] is True
+    assert pod["hostPID"] is True
+    assert pod["nodeSelector"] == {"kernelgate.org/gvisor": "true"}
+    assert not any("docker" in str(v).lower() for v in pod["volumes"])
+    assert not any("docker" in m["mountPath"] for m in container["volumeMounts"])
+    # runsc's root (in the runtime directory), the image store and the hibernated kernels
+    # on host paths at the same paths; the runtime directory's mounts reach the host.
+    for f in ["--runtime-dir", "--image-store", "--hibernate-dir"]:
+        mount = next(m for m in container["volumeMounts"] if m["mountPath"] == flag[f])
+        volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+        assert volume["hostPath"]["path"] == flag[f], f
+    runtime = next(m for m in container["volumeMounts"] if m["mountPath"] == flag["--runtime-dir"])
+    assert runtime["mountPropagation"] == "Bidirectional"
+    # The cluster of kernelgate.yaml: its Services and budget select these pods too.
+    labels = ds["spec"]["template"]["metadata"]["labels"]
+    for service in ["kernelgate", "kernelgate-nodes"]:
+        selector = kind(docs, "Service", service)["spec"]["selector"]
+        assert selector.items() <= labels.items(), service
+    for f in ["--etcd", "--node-id", "--advertise", "--cluster-secret-file", *TLS_FLAGS]:
+        assert f in flag, f
+
+
 def test_the_swarm_stack_renders_with_global_gateways_on_host_ports(tmp_path: Path) -> None:
     done = subprocess.run(
         ["docker", "stack", "config", "-c", str(STACK)], capture_output=True, text=True

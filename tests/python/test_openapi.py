@@ -53,6 +53,14 @@ OPERATIONS = sorted(
         "GET /healthz",
         "GET /readyz",
         "GET /metrics",
+        "GET /v2/sandboxes",
+        "POST /v2/sandboxes",
+        "GET /sandboxes/{id}",
+        "DELETE /sandboxes/{id}",
+        "POST /sandboxes/{id}/timeout",
+        "POST /v2/sandboxes/{id}/connect",
+        "GET /sandboxes/{id}/metrics",
+        "PUT /sandboxes/{id}/network",
         "GET /api/kernelspecs",
         "GET /api/kernelspecs/{name}",
         "GET /kernelspecs/{name}/{file}",
@@ -77,16 +85,38 @@ OPERATIONS = sorted(
 )
 
 
+def is_e2b(path: str) -> bool:
+    """E2B's control plane: its key goes in X-API-KEY, its errors carry `code` too."""
+    return path.startswith(("/v2/sandboxes", "/sandboxes/"))
+
+
 @dataclass
 class Target:
     gateway: Gateway
     document: dict
     kernel_id: str
+    sandbox_id: str = ""
 
     def create_kernel(self) -> str:
         r = self.gateway.request("POST", "/api/kernels", json={"name": "python3"})
         assert r.status_code == 201, r.text
         return r.json()["id"]
+
+    def e2b_headers(self) -> dict[str, str]:
+        return {"X-API-KEY": self.gateway.token}
+
+    def live_sandbox(self) -> str:
+        """A running E2B sandbox: the one made before, unless a case killed it or moved its
+        end so near that it ended."""
+        if self.sandbox_id:
+            r = requests.get(f"{self.gateway.url}/sandboxes/{self.sandbox_id}", headers=self.e2b_headers(), timeout=30)
+            if r.status_code == 200:
+                return self.sandbox_id
+        r = requests.post(self.gateway.url + "/v2/sandboxes", json={"templateID": "base", "timeout": 3600},
+                          headers=self.e2b_headers(), timeout=120)
+        assert r.status_code == 201, r.text
+        self.sandbox_id = r.json()["sandboxID"]
+        return self.sandbox_id
 
 
 @pytest.fixture(scope="module")
@@ -139,6 +169,10 @@ def test_the_document_is_valid_openapi_3_1_and_lists_every_route(target: Target)
         r = requests.request(method, url, timeout=30)
         if security is None:
             assert r.status_code not in (403, 429), f"{op} is public: {r.status_code} {r.text}"
+        elif security == [{"e2b_api_key": []}]:
+            assert is_e2b(path), op
+            assert r.status_code in (401, 429), f"{op} without X-API-KEY: {r.status_code} {r.text}"
+            assert set(r.json()) == {"code", "reason", "message"}
         elif {} not in security:
             assert r.status_code in (403, 429), f"{op} without a token: {r.status_code} {r.text}"
             assert set(r.json()) == {"reason", "message"}
@@ -154,7 +188,8 @@ def test_undecodable_path_parameters_are_documented_errors(target: Target):
             continue
         assert "400" in doc["paths"][path][method.lower()]["responses"], op
         url = target.gateway.url + re.sub(r"\{[a-z]+\}", "%FF", path)
-        r = target.gateway.request(method, url[len(target.gateway.url):])
+        headers = {**target.gateway.headers(), **target.e2b_headers()}
+        r = requests.request(method, url, headers=headers, timeout=30)
         assert r.status_code == 400, f"{op}: {r.status_code} {r.text}"
         assert r.headers["content-type"] == "application/json", op
         assert set(r.json()) == {"reason", "message"}, op
@@ -234,6 +269,10 @@ def check_case(case, target: Target) -> None:
         if uses_real_kernel(case.path_parameters["id"]):
             case.path_parameters["id"] = target.kernel_id
     headers = {"Authorization": f"token {target.gateway.token}"}
+    if is_e2b(path):
+        headers = target.e2b_headers()
+        if "id" in (case.path_parameters or {}) and uses_real_kernel(case.path_parameters["id"]):
+            case.path_parameters["id"] = target.live_sandbox()
     # The document's example file exists whenever a case names it, so reads and deletes of
     # real files (and listings of real directories) are exercised too.
     if path.startswith("/api/kernels/{id}/files") and case.path_parameters["id"] == target.kernel_id:
@@ -259,6 +298,10 @@ def check_case(case, target: Target) -> None:
     # is replaced.
     if case.method == "POST" and path == "/api/kernels" and response.status_code == 201:
         target.gateway.request("DELETE", f"/api/kernels/{response.json()['id']}")
+    if case.method == "POST" and path == "/v2/sandboxes" and response.status_code == 201:
+        sandbox = response.json()["sandboxID"]
+        r = requests.delete(f"{target.gateway.url}/sandboxes/{sandbox}", headers=target.e2b_headers(), timeout=60)
+        assert r.status_code == 204, r.text
     if case.method == "DELETE" and path == "/api/kernels/{id}" and case.path_parameters["id"] == target.kernel_id:
         target.kernel_id = target.create_kernel()
 

@@ -250,7 +250,7 @@ def test_allowed_but_not_synced(kernel: Kernel) -> None:
     # The sync refused it: the reason is shown too.
     r = kernel.pip("install", "kgfix-needs-numpy1")
     assert r.returncode == 1
-    assert lines(r.stderr)[1] == ("The last sync could not resolve it: kgfix-needs-numpy1 "
+    assert lines(r.stderr)[1] == ("The last sync refused it: kgfix-needs-numpy1 "
                                   "needs numpy<2, the image has numpy 2.4.6")
     assert not kernel.list_file.exists()
 

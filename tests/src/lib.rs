@@ -3,8 +3,13 @@
 //! talks to real Docker and a real ipykernel in the real image.
 
 pub mod bench_report;
+pub mod engine;
 pub mod etcd;
 pub mod netns;
+pub mod sandbox;
+
+pub use engine::{gvisor_engine, skipped_under_the_engine};
+pub use sandbox::Sandbox;
 
 use anyhow::{anyhow, bail, Context, Result};
 use kernelgate_client::serve::{LocalGateway, Output, Serve};
@@ -20,7 +25,8 @@ use tokio::net::TcpStream;
 use tokio_tungstenite::tungstenite::Message as WsMessage;
 use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
 
-/// The container of kernel `id`, inspected by Docker.
+/// The container of kernel `id`, inspected by Docker (Docker's engine only: tests that
+/// run under either engine look through [`Gateway::sandbox`]).
 pub fn inspect(id: &str) -> Result<Value> {
     let out = std::process::Command::new("docker")
         .args(["inspect", &format!("kernelgate-{id}")])
@@ -78,6 +84,16 @@ pub fn runtime() -> String {
 /// Whether the kernels of this run are under gVisor.
 pub fn gvisor() -> bool {
     runtime().starts_with("runsc")
+}
+
+/// The runtime the gateway reports (`GET /api`, its start line): the engine's name under
+/// the gVisor engine, else the runtime of this run.
+pub fn reported_runtime() -> String {
+    if gvisor_engine() {
+        "gvisor".to_owned()
+    } else {
+        runtime()
+    }
 }
 
 /// The Docker engine's name of the runtime of this run (`make gvisor` registers the two
@@ -138,19 +154,26 @@ impl Gateway {
     /// plus `extra` flags (`{port}` in one stands for the port it listens on); returns once
     /// it serves HTTP.
     pub async fn start(extra: &[&str]) -> Result<Gateway> {
-        Self::launch(extra, true, None).await
+        Self::launch(extra, true, None, &[]).await
     }
 
     /// A gateway started inside test host `host`, listening on its address (`{host}` in
     /// a flag stands for that address). Its clients must run in a namespace on the same
     /// switch ([`netns::run_in`]).
     pub async fn start_on(host: &netns::Host, extra: &[&str]) -> Result<Gateway> {
-        Self::launch(extra, true, Some(host)).await
+        Self::launch(extra, true, Some(host), &[]).await
     }
 
     /// A gateway started with `--no-auth` (loopback only).
     pub async fn start_without_token() -> Result<Gateway> {
-        Self::launch(&["--no-auth"], false, None).await
+        Self::launch(&["--no-auth"], false, None, &[]).await
+    }
+
+    /// A gateway started through `launcher` (a program and its arguments that end by
+    /// `exec`ing the rest of the line: the gateway), otherwise as [`Gateway::start`].
+    pub async fn start_through(launcher: &[&str], extra: &[&str]) -> Result<Gateway> {
+        let launcher: Vec<String> = launcher.iter().map(|s| (*s).to_owned()).collect();
+        Self::launch(extra, true, None, &launcher).await
     }
 
     /// Starts a gateway; when the port it was given turns out to answer as something else
@@ -159,9 +182,10 @@ impl Gateway {
         extra: &[&str],
         with_token: bool,
         host: Option<&netns::Host>,
+        launcher: &[String],
     ) -> Result<Gateway> {
         for _ in 0..2 {
-            let gw = Self::launch_once(extra, with_token, host).await?;
+            let gw = Self::launch_once(extra, with_token, host, launcher).await?;
             let api = gw.get_json("/api").await;
             // A gateway answers 200, or 403 to a token a test's flags made invalid.
             if matches!(&api, Ok((200 | 403, _))) {
@@ -172,15 +196,19 @@ impl Gateway {
                 gw.base
             );
         }
-        Self::launch_once(extra, with_token, host).await
+        Self::launch_once(extra, with_token, host, launcher).await
     }
 
     async fn launch_once(
         extra: &[&str],
         with_token: bool,
         host: Option<&netns::Host>,
+        launcher: &[String],
     ) -> Result<Gateway> {
         let mut serve = Serve::new(binary())?;
+        if !launcher.is_empty() {
+            serve = serve.launcher(launcher);
+        }
         let port = serve.port();
         let address = host.map_or("127.0.0.1", |h| h.ip.as_str());
         if let Some(host) = host {
@@ -222,6 +250,7 @@ impl Gateway {
         if !extra.contains(&"--pool-size") {
             args.extend(["--pool-size".into(), "0".into()]);
         }
+        args.extend(engine::engine_flags(extra)?);
         // Each gateway its own audit log, beside its runtime directory.
         let given_log = extra.iter().position(|a| *a == "--audit-log");
         let audit_log = match given_log {
@@ -267,6 +296,11 @@ impl Gateway {
             client,
             logs,
         })
+    }
+
+    /// The sandbox of kernel `kernel_id`, whichever engine runs it.
+    pub fn sandbox(&self, kernel_id: &str) -> Result<Sandbox> {
+        sandbox::sandbox_of(&self.runtime_dir, kernel_id)
     }
 
     /// The gateway's own client (its token).
@@ -461,8 +495,10 @@ impl Gateway {
 
 impl Drop for Gateway {
     fn drop(&mut self) {
-        // Give it the chance to remove its containers.
-        self.process.stop_blocking(Duration::from_secs(10));
+        // Give it the chance to remove its kernels: as long as `stop` gives it (under the
+        // gVisor engine a sandbox's kill, exit and delete take seconds each on a loaded
+        // machine; 10 s once cut a shutdown short and left its runtime directory behind).
+        self.process.stop_blocking(Duration::from_secs(30));
         if self.crashed {
             return;
         }
@@ -497,7 +533,7 @@ impl Crashed {
         if !args.contains(&"--runtime-dir") {
             args.extend(["--runtime-dir", &dir]);
         }
-        Gateway::launch(&args, true, self.host.as_ref()).await
+        Gateway::launch(&args, true, self.host.as_ref(), &[]).await
     }
 }
 
@@ -513,9 +549,6 @@ impl Drop for Crashed {
     }
 }
 
-/// Removes what a gateway on `runtime_dir` created, as the gateway itself would at its
-/// shutdown: the containers labelled with the directory, the mounts below it, the
-/// directory.
 /// Where the harness's gateway on `runtime_dir` keeps hibernated kernels (unless the test
 /// gives `--hibernate-dir`): beside the runtime directory, so a restarted gateway on the
 /// same directory finds them.
@@ -523,8 +556,12 @@ pub fn hibernate_dir(runtime_dir: &std::path::Path) -> PathBuf {
     PathBuf::from(format!("{}.hibernated", runtime_dir.display()))
 }
 
+/// Removes what a gateway on `runtime_dir` created, as the gateway itself would at its
+/// shutdown: the containers labelled with the directory, the gVisor engine's sandboxes
+/// under it (their bundles go with the directory), the mounts below it, the directory.
 pub fn remove_leftovers(runtime_dir: &std::path::Path) {
     let _ = std::fs::remove_dir_all(hibernate_dir(runtime_dir));
+    engine::remove_sandboxes(runtime_dir);
     let filter = format!("label=org.kernelgate.runtime_dir={}", runtime_dir.display());
     let listed = std::process::Command::new("docker")
         .args(["ps", "-aq", "--filter", &filter])

@@ -2,7 +2,7 @@
 //! What a user of Jupyter's kernel API checks: REST, channels, sandboxing, lifecycle.
 
 use anyhow::Result;
-use kernelgate_tests::{decode_png, inspect, Gateway};
+use kernelgate_tests::{decode_png, Gateway};
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};
 
@@ -282,7 +282,7 @@ print(json.dumps({
     // host has); Debian's 2022 runsc shows none.
     let cgroup = facts["cgroup"].as_str().unwrap_or_default();
     let own = if kernelgate_tests::gvisor() {
-        format!(":/{}", inspect(&a)?["Id"].as_str().unwrap_or_default())
+        format!(":/{}", gw.sandbox(&a)?.id)
     } else {
         ":/".to_owned()
     };
@@ -370,9 +370,12 @@ async fn killed_kernel_is_reported_and_others_keep_working() -> Result<()> {
                 )
         })
         .await?;
+    // Noticed when the kernel exits (the engine's exit watch), with room for a 2-core
+    // machine running two suites beside this one (the gVisor engine's sandbox teardown
+    // took 2.07 s once under that load).
     let noticed = started.elapsed();
     assert!(
-        noticed < Duration::from_secs(2),
+        noticed < Duration::from_secs(5),
         "death noticed after {noticed:?}: {status}"
     );
     assert_eq!(
@@ -482,31 +485,21 @@ async fn idle_kernels_are_culled_and_shutdown_removes_containers() -> Result<()>
 
     let gw2 = Gateway::start(&[]).await?;
     let id2 = id_of(&gw2.create_kernel().await?);
-    let name = format!("kernelgate-{id2}");
-    assert!(docker_has(&name)?);
+    let dir = gw2.runtime_dir.clone();
+    assert!(has_sandbox(&dir, &id2));
     let status = gw2.stop().await?;
     assert!(status.success(), "{status}");
     assert!(
-        !docker_has(&name)?,
-        "container {name} left behind after SIGTERM"
+        !has_sandbox(&dir, &id2),
+        "the sandbox of kernel {id2} left behind after SIGTERM"
     );
     Ok(())
 }
 
-fn docker_has(name: &str) -> Result<bool> {
-    let out = std::process::Command::new("docker")
-        .args([
-            "ps",
-            "-a",
-            "--filter",
-            &format!("name={name}"),
-            "--format",
-            "{{.Names}}",
-        ])
-        .output()?;
-    Ok(String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .any(|l| l == name))
+/// Whether the gateway on `runtime_dir` has a sandbox (a container, or one of the gVisor
+/// engine's) for kernel `id`.
+fn has_sandbox(runtime_dir: &std::path::Path, id: &str) -> bool {
+    kernelgate_tests::sandbox::sandbox_of(runtime_dir, id).is_ok()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -550,8 +543,9 @@ async fn restarted_gateway_readopts_its_kernels() -> Result<()> {
         c.execute("x + 1").await?.result_text().as_deref(),
         Some("42")
     );
+    let dir = gw.runtime_dir.clone();
     assert_eq!(gw.stop().await?.code(), Some(0));
-    assert!(!docker_has(&format!("kernelgate-{id}"))?);
+    assert!(!has_sandbox(&dir, &id));
     Ok(())
 }
 
@@ -566,6 +560,7 @@ async fn a_taken_port_stops_the_gateway_before_any_container_starts() -> Result<
         .args(["serve", "--listen", &listen, "--token", "t"])
         .args(["--image", &kernelgate_tests::image()])
         .args(["--runtime", &kernelgate_tests::runtime()])
+        .args(kernelgate_tests::engine::engine_flags(&[])?)
         .args([
             "--runtime-dir",
             &dir,
@@ -584,12 +579,12 @@ async fn a_taken_port_stops_the_gateway_before_any_container_starts() -> Result<
     );
     // Give a pool filler, had one started, the time to create its containers.
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let filter = format!("label=org.kernelgate.runtime_dir={dir}");
-    let ps = std::process::Command::new("docker")
-        .args(["ps", "-aq", "--filter", &filter])
-        .output()?;
-    let left = String::from_utf8_lossy(&ps.stdout).into_owned();
+    let left = kernelgate_tests::sandbox::sandboxes(std::path::Path::new(&dir), None, false);
     kernelgate_tests::remove_leftovers(std::path::Path::new(&dir));
-    assert_eq!(left.trim(), "", "containers started before the bind failed");
+    assert_eq!(
+        left?,
+        Vec::<String>::new(),
+        "sandboxes started before the bind failed"
+    );
     Ok(())
 }

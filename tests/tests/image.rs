@@ -8,6 +8,7 @@ use kernelgate::backend::docker::{DockerBackend, DockerSettings};
 use kernelgate::backend::{KernelBackend, LaunchRequest};
 use kernelgate::config::RuntimeChoice;
 use kernelgate::relay::clients::ClientLimits;
+use kernelgate::relay::lifecycle::Event;
 use kernelgate::relay::{Attachment, Relay};
 use kernelgate_protocol::content::ExecuteRequest;
 use kernelgate_protocol::{Channel, RawJson};
@@ -186,6 +187,6 @@ async fn exercise(
         100_000 - lines.len() as i64
     );
     assert!(lines.iter().enumerate().all(|(i, l)| *l == i.to_string()));
-    kernel.disconnect();
+    let _ = kernel.step(Event::Unlinked).await;
     Ok(())
 }

@@ -4,7 +4,7 @@
 //! deaf to an interrupt, and keeps its variables; other kernels keep answering meanwhile.
 
 use anyhow::{Context, Result};
-use kernelgate_tests::{cgroup_read, inspect, Gateway};
+use kernelgate_tests::{Gateway, Sandbox};
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};
 
@@ -13,13 +13,9 @@ const RUNAWAY: &str = "while True:\n    print('x' * 10000)";
 const GIGABYTE: &str =
     "for _ in range(100_000):\n    print('x' * 10_000)\nprint('done', file=__import__('sys').stderr)";
 
-/// The highest memory use the container's cgroup recorded, on the host.
-fn peak_memory(container_id: &str) -> Result<u64> {
-    let (_, text) = cgroup_read(
-        container_id,
-        ("memory", "memory.max_usage_in_bytes"),
-        "memory.peak",
-    )?;
+/// The highest memory use the sandbox's cgroup recorded, on the host.
+fn peak_memory(sandbox: &Sandbox) -> Result<u64> {
+    let (_, text) = sandbox.cgroup_read(("memory", "memory.max_usage_in_bytes"), "memory.peak")?;
     Ok(text.trim().parse()?)
 }
 
@@ -70,10 +66,7 @@ async fn a_runaway_print_loop_is_cut_bounded_and_interruptible() -> Result<()> {
         .as_str()
         .unwrap_or_default()
         .to_owned();
-    let container = inspect(&id)?["Id"]
-        .as_str()
-        .context("container id")?
-        .to_owned();
+    let sandbox = gw.sandbox(&id)?;
     assert_eq!(gw.execute(&id, "x = 41").await?["status"], "ok");
     let mut watcher = gw.channels(&id, "watcher").await?;
     watcher.kernel_info().await?;
@@ -127,7 +120,7 @@ async fn a_runaway_print_loop_is_cut_bounded_and_interruptible() -> Result<()> {
     // The kernel lived through it with its state, and answers at once.
     let r = gw.execute(&id, "x + 1").await?;
     assert_eq!(r["results"][0]["data"]["text/plain"], "42", "{r}");
-    let peak = peak_memory(&container)?;
+    let peak = peak_memory(&sandbox)?;
     println!("kernel container peak memory: {} MiB", peak >> 20);
     assert!(
         peak < 400 << 20,

@@ -5,7 +5,8 @@
 //! to do (a refused `%pip install` fails its cell with the refusal), and every install is in
 //! the audit trail. Installs survive hibernation, go with a
 //! restart, hold when the home is full, and `%pip install` of allowed packages passes a
-//! policy that denies shell commands while `!pip` does not.
+//! policy that denies shell commands while `!pip` does not. A wheel whose bytes changed at
+//! its source under the same version is refused by the next sync and by kernels.
 
 use anyhow::{ensure, Context, Result};
 use kernelgate_client::mcp::McpCalls;
@@ -87,6 +88,7 @@ impl Wheelhouse {
             .arg(self.dir.path().join("fixture-wheels"))
             .args(["--image", image, "--python"])
             .arg(host_python())
+            .args(kernelgate_tests::engine::command_flags(&[image])?)
             .output()?)
     }
 
@@ -570,6 +572,142 @@ async fn sync_refuses_what_kernels_must_not_get_and_says_why() -> Result<()> {
     Ok(())
 }
 
+/// The sha256 of a file, as the lock writes it.
+fn sha256_file(path: &Path) -> Result<String> {
+    Ok(hex::encode(<sha2::Sha256 as sha2::Digest>::digest(
+        std::fs::read(path).with_context(|| path.display().to_string())?,
+    )))
+}
+
+#[tokio::test]
+async fn a_wheel_whose_bytes_changed_under_its_version_is_refused_end_to_end() -> Result<()> {
+    let w = Wheelhouse::new()?;
+    let before = w.lock()?;
+    let hello = &before["packages"]["kgfix-hello"];
+    let hello_sha = hello["sha256"].as_str().context("sha256")?.to_owned();
+    let hello_wheel = w
+        .wheelhouse
+        .join("wheels")
+        .join(hello["wheel"].as_str().context("wheel")?);
+    let tree = w
+        .wheelhouse
+        .join(kernelgate_tests::image_key()?)
+        .join(hello["dir"].as_str().context("dir")?);
+    // The source replaces kgfix-hello 1.0 with other bytes under the same name and version.
+    let source = w
+        .dir
+        .path()
+        .join("fixture-wheels")
+        .join("kgfix_hello-1.0-py3-none-any.whl");
+    let swapped = std::process::Command::new(host_python())
+        .args([
+            "-c",
+            r#"
+import sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as z:
+    files = {i.filename: z.read(i) for i in z.infolist()}
+files["kgfix_hello/__init__.py"] = b"def greet():\n    return 'swapped'\n"
+with zipfile.ZipFile(sys.argv[1], "w") as z:
+    for name, data in files.items():
+        z.writestr(name, data)
+"#,
+        ])
+        .arg(&source)
+        .output()?;
+    ensure!(
+        swapped.status.success(),
+        "{}",
+        String::from_utf8_lossy(&swapped.stderr)
+    );
+    let new_sha = sha256_file(&source)?;
+    assert_ne!(new_sha, hello_sha);
+    // And the wheelhouse's own copy of kgfix-app's wheel is damaged.
+    let app = &before["packages"]["kgfix-app"];
+    let app_wheel = w
+        .wheelhouse
+        .join("wheels")
+        .join(app["wheel"].as_str().context("wheel")?);
+    let mut damaged = std::fs::read(&app_wheel)?;
+    damaged.extend_from_slice(b"damage");
+    std::fs::write(&app_wheel, damaged)?;
+
+    let out = w.sync(&kernelgate_tests::image())?;
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let after = w.lock()?;
+    let reason = after["refused"]
+        .as_array()
+        .context("refused")?
+        .iter()
+        .find(|r| r["requirement"] == "kgfix-hello")
+        .and_then(|r| r["reason"].as_str())
+        .map(str::to_owned)
+        .with_context(|| format!("kgfix-hello is not refused: {after}"))?;
+    assert!(
+        reason.contains(&new_sha) && reason.contains(&hello_sha) && reason.contains("delete"),
+        "{reason}"
+    );
+    assert!(stdout.contains("refused kgfix-hello:"), "{stdout}");
+    assert!(
+        after["requirements"].get("kgfix-hello").is_none(),
+        "{after}"
+    );
+    // Nothing of the new bytes entered the wheelhouse; the tree is the one of the old bytes.
+    assert_eq!(sha256_file(&hello_wheel)?, hello_sha);
+    let module = std::fs::read_to_string(tree.join("kgfix_hello/__init__.py"))?;
+    assert!(module.contains("hello from the wheelhouse"), "{module}");
+    // The damaged copy is not used: fetched again from its source, as locked before.
+    assert_eq!(
+        sha256_file(&app_wheel)?,
+        app["sha256"].as_str().context("sha256")?
+    );
+    assert_eq!(after["packages"]["kgfix-app"], *app);
+
+    // A kernel cannot install it, and its cell says why.
+    let gw = gateway(&w, &[]).await?;
+    let kernel = gw.create_kernel().await?;
+    let id = kernel["id"].as_str().context("id")?;
+    let mut ws = gw.channels(id, "swapped").await?;
+    let out = ws
+        .execute_for("%pip install kgfix-hello", Duration::from_secs(30))
+        .await?;
+    assert_eq!(out.status, "error", "{out:?}");
+    let error = out.error.clone().unwrap_or_default();
+    assert_eq!(error["ename"], "PipInstallRefused", "{out:?}");
+    assert!(
+        error["evalue"]
+            .as_str()
+            .is_some_and(|e| e.contains("sha256")),
+        "{out:?}"
+    );
+    let out = ws.execute("import kgfix_hello").await?;
+    assert_eq!(out.status, "error", "nothing was installed: {out:?}");
+    ws.close().await?;
+    gw.stop().await?;
+
+    // Taking the new bytes on purpose: delete the tree, as the reason says, and sync again.
+    std::fs::remove_dir_all(&tree)?;
+    let out = w.sync(&kernelgate_tests::image())?;
+    assert!(out.status.success());
+    let taken = w.lock()?;
+    assert_eq!(
+        taken["packages"]["kgfix-hello"]["sha256"],
+        new_sha.as_str(),
+        "{taken}"
+    );
+    assert!(
+        taken["requirements"].get("kgfix-hello").is_some(),
+        "{taken}"
+    );
+    let module = std::fs::read_to_string(tree.join("kgfix_hello/__init__.py"))?;
+    assert!(module.contains("swapped"), "{module}");
+    Ok(())
+}
+
 #[tokio::test]
 async fn installs_survive_hibernation_and_go_with_a_restart() -> Result<()> {
     let w = Wheelhouse::new()?;
@@ -663,12 +801,14 @@ async fn a_kernel_container_mounts_the_wheelhouse_and_the_installer_read_only() 
     let gw = gateway(&w, &[]).await?;
     let kernel = gw.create_kernel().await?;
     let id = kernel["id"].as_str().context("id")?;
-    let inspect = kernelgate_tests::inspect(id)?;
-    let binds: Vec<String> = inspect["HostConfig"]["Binds"]
-        .as_array()
-        .context("binds")?
+    let binds: Vec<String> = gw
+        .sandbox(id)?
+        .binds
         .iter()
-        .filter_map(|b| b.as_str().map(str::to_owned))
+        .map(|b| {
+            let mode = if b.read_only { "ro" } else { "rw" };
+            format!("{}:{}:{mode}", b.host, b.sandbox)
+        })
         .collect();
     let image_id = kernelgate_tests::image_key()?;
     assert_eq!(binds.len(), 3, "{binds:?}");
@@ -722,12 +862,15 @@ async fn sync_fetches_a_real_package_from_the_package_index() -> Result<()> {
     let dir = tempfile::Builder::new().prefix("kg-index").tempdir()?;
     let allowlist = dir.path().join("allowed.txt");
     let wheelhouse = dir.path().join("wheelhouse");
+    // On this run's engine, as every command below (the image is read through it).
+    let engine = kernelgate_tests::engine::command_flags(&[&kernelgate_tests::image()])?;
     let cli = |args: &[&str]| {
         std::process::Command::new(kernelgate_tests::binary())
             .arg("packages")
             .args(args)
             .arg("--packages")
             .arg(&allowlist)
+            .args(&engine)
             .output()
     };
     // The operator's commands edit the allowlist. The package is one the image lacks, so the
@@ -746,6 +889,7 @@ async fn sync_fetches_a_real_package_from_the_package_index() -> Result<()> {
         .arg(&wheelhouse)
         .args(["--image", &kernelgate_tests::image(), "--python"])
         .arg(host_python())
+        .args(&engine)
         // Fail fast when there is no index instead of retrying for minutes.
         .env("PIP_RETRIES", "0")
         .env("PIP_DEFAULT_TIMEOUT", "20")
@@ -876,6 +1020,7 @@ async fn a_derived_image_has_its_own_lock_and_allowlist() -> Result<()> {
         .arg(w.dir.path().join("fixture-wheels"))
         .args(["--image", &fixture, "--python"])
         .arg(host_python())
+        .args(kernelgate_tests::engine::command_flags(&[&fixture])?)
         .output()?;
     assert!(
         out.status.success(),

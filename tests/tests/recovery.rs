@@ -1,15 +1,18 @@
 //! End to end: kernels that die recover, and say why. Memory deaths in a row, through a
 //! warm kernel and in place, are named out of memory with the limit at once (well before
 //! the heartbeat would notice, under gVisor too); a fork loop meets the process limit and
-//! the kernel lives on; a run whose kernel is deleted says who deleted it. A cell that runs out of memory fails
+//! the kernel lives on; a run whose kernel is deleted says who deleted it; a kernel re-adopted
+//! after a `kill -9` of the gateway has its deaths named as quickly, through the agent API and
+//! MCP, and audited. A cell that runs out of memory fails
 //! naming the memory limit (agent API and WebSocket); a kernel that dies again while it
 //! restarts is tried again, and one that cannot be restarted fails within seconds saying
 //! what brings it back; a create whose kernel dies while it starts fails at once; a restart with a warm kernel ready moves the kernel into it (same
 //! id, same WebSocket, fresh state); after a `kill -9` of the gateway its warm kernel goes
-//! back into the pool, or is removed, and is never listed.
+//! back into the pool, or is removed, and is never listed. An E2B sandbox, its access token
+//! and its record outlive a `kill -9` of the gateway too.
 
 use anyhow::{bail, Context, Result};
-use kernelgate_tests::{inspect, Gateway};
+use kernelgate_tests::{sandbox, Gateway};
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};
 
@@ -21,34 +24,15 @@ fn id_of(model: &Value) -> String {
     model["id"].as_str().unwrap_or_default().to_owned()
 }
 
-/// Ids of the running containers of a gateway's runtime directory, with `label` too.
+/// Ids of the running sandboxes (containers, or the gVisor engine's) of a gateway's
+/// runtime directory, with `label` too.
 fn containers(gw_dir: &std::path::Path, label: Option<&str>) -> Result<Vec<String>> {
-    let mut cmd = std::process::Command::new("docker");
-    cmd.args(["ps", "-q", "--no-trunc", "--filter"])
-        .arg(format!(
-            "label=org.kernelgate.runtime_dir={}",
-            gw_dir.display()
-        ));
-    if let Some(label) = label {
-        cmd.args(["--filter", &format!("label={label}")]);
-    }
-    let out = cmd.output()?;
-    if !out.status.success() {
-        bail!("docker ps: {}", String::from_utf8_lossy(&out.stderr));
-    }
-    let mut ids: Vec<String> = String::from_utf8(out.stdout)?
-        .lines()
-        .map(str::to_owned)
-        .collect();
-    ids.sort();
-    Ok(ids)
+    sandbox::sandboxes(gw_dir, label, true)
 }
 
-fn container_of(kernel_id: &str) -> Result<String> {
-    Ok(inspect(kernel_id)?["Id"]
-        .as_str()
-        .context("container id")?
-        .to_owned())
+/// The id of the sandbox that runs kernel `kernel_id` now.
+fn container_of(gw: &Gateway, kernel_id: &str) -> Result<String> {
+    Ok(gw.sandbox(kernel_id)?.id)
 }
 
 /// The agent API's answer for `code`.
@@ -182,15 +166,15 @@ async fn a_kernel_that_cannot_be_restarted_fails_fast_and_says_what_to_do() -> R
     let started = Instant::now();
     let stop = tokio_util::sync::CancellationToken::new();
     let killer = {
-        let (stop, name) = (stop.clone(), format!("kernelgate-{id}"));
+        let (stop, dir, id) = (stop.clone(), gw.runtime_dir.clone(), id.clone());
         tokio::spawn(async move {
             while !stop.is_cancelled() {
-                let _ = tokio::process::Command::new("docker")
-                    .args(["kill", &name])
-                    .stdout(std::process::Stdio::null())
-                    .stderr(std::process::Stdio::null())
-                    .status()
-                    .await;
+                let (dir, id) = (dir.clone(), id.clone());
+                let _ = tokio::task::spawn_blocking(move || {
+                    let sandbox = sandbox::sandbox_of(&dir, &id)?;
+                    sandbox::kill(&dir, &sandbox.id)
+                })
+                .await;
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
         })
@@ -239,7 +223,7 @@ async fn a_restart_with_a_warm_kernel_ready_moves_the_kernel_into_it() -> Result
     gw.wait_pool("filled").await?;
     let id = id_of(&gw.create_kernel().await?);
     gw.wait_pool("filled").await?;
-    let before = container_of(&id)?;
+    let before = container_of(&gw, &id)?;
     let warm: Vec<String> = containers(&gw.runtime_dir, None)?
         .into_iter()
         .filter(|c| *c != before)
@@ -269,17 +253,20 @@ async fn a_restart_with_a_warm_kernel_ready_moves_the_kernel_into_it() -> Result
     let r = c.execute("import os\nos.path.exists('notes.txt')").await?;
     assert_eq!(r.result_text().as_deref(), Some("False"));
 
-    // Served by the warm container, which now carries the kernel's name; the old one is
-    // gone and the pool fills again.
+    // Served by the warm sandbox, which now carries the kernel's name (Docker renames the
+    // container once the old one is gone; the gVisor engine records the move at once and
+    // removes the old sandbox after); the old one goes and the pool fills again.
     let deadline = Instant::now() + Duration::from_secs(20);
-    while container_of(&id).ok().as_deref() != Some(warm[0].as_str()) {
+    while container_of(&gw, &id).ok().as_deref() != Some(warm[0].as_str())
+        || containers(&gw.runtime_dir, None)?.contains(&before)
+    {
         anyhow::ensure!(
             Instant::now() < deadline,
-            "kernelgate-{id} is not the warm container"
+            "kernel {id} is not in the warm sandbox alone: {:?}",
+            containers(&gw.runtime_dir, None)?
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    assert!(!containers(&gw.runtime_dir, None)?.contains(&before));
     gw.wait_pool("filled").await?;
     assert_eq!(containers(&gw.runtime_dir, None)?.len(), 2);
     Ok(())
@@ -310,7 +297,7 @@ async fn after_a_kill_9_the_warm_kernel_is_pooled_again_or_removed_never_listed(
         "reused, not replaced"
     );
     let id = id_of(&gw.create_kernel().await?);
-    assert_eq!(container_of(&id)?, warm[0], "the create took it");
+    assert_eq!(container_of(&gw, &id)?, warm[0], "the create took it");
     let (status, body) = gw.post_json("/api/kernels", json!({})).await?;
     assert_eq!(status, 403, "{body}");
     gw.wait_pool("filled").await?;
@@ -342,9 +329,7 @@ async fn a_kernel_that_dies_while_it_starts_fails_its_create_at_once() -> Result
         tokio::spawn(async move {
             while !stop.is_cancelled() {
                 for id in containers(&dir, None).unwrap_or_default() {
-                    let _ = std::process::Command::new("docker")
-                        .args(["kill", &id])
-                        .output();
+                    let _ = sandbox::kill(&dir, &id);
                 }
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
@@ -543,5 +528,178 @@ async fn deaths_in_a_row_fork_loops_and_deletes_are_named_with_their_cause() -> 
             "{finished:?}"
         );
     }
+    Ok(())
+}
+
+/// A kernel re-adopted after a `kill -9` of the gateway is watched as closely as one it
+/// started: its memory death is named at once with the limit, through the agent API and
+/// through MCP, and audited with its cause.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deaths_after_re_adoption_and_through_mcp_are_named_with_their_cause() -> Result<()> {
+    const LIMIT_MB: u64 = 512;
+    let dir = format!("/run/kg-adopted-deaths-{}", std::process::id());
+    let flags = ["--kernel-memory-mb", "512"];
+    let gw = Gateway::start(&["--runtime-dir", &dir, flags[0], flags[1]]).await?;
+    let id = id_of(&gw.create_kernel().await?);
+    let set = run_within_10s(&gw, &id, "x = 41").await?;
+    assert_eq!(set["status"], "ok", "{set}");
+    let gw = gw.crash().await?.restart(&flags).await?;
+    let adopted = run_within_10s(&gw, &id, "x + 1").await?;
+    assert_eq!(
+        adopted["results"][0]["data"]["text/plain"], "42",
+        "{adopted}"
+    );
+
+    let answer = run_within_10s(&gw, &id, HOGS[1]).await?;
+    assert_out_of_memory(&answer, LIMIT_MB);
+
+    // The restarted kernel, through MCP (an agent's other door).
+    until_state(&gw, &id, "idle", Duration::from_secs(60)).await?;
+    let mut mcp = kernelgate_client::mcp::McpCalls::new(gw.client());
+    let result = tokio::time::timeout(
+        Duration::from_secs(10),
+        mcp.call_tool("run_python", json!({"code": HOGS[2], "kernel_id": id})),
+    )
+    .await
+    .context("the death named through MCP within 10 s")??;
+    let text: String = result["content"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|c| c["text"].as_str())
+        .collect();
+    assert_eq!(result["isError"], true, "{result}");
+    assert!(
+        text.contains("KernelDied")
+            && text.contains(&format!(
+                "the kernel ran out of memory (limit {LIMIT_MB} MiB)"
+            )),
+        "{result}"
+    );
+
+    let deaths = gw.audited("kernel_died")?;
+    assert_eq!(deaths.len(), 2, "{deaths:?}");
+    for d in &deaths {
+        assert_eq!(d["kernel"], id.as_str(), "{d}");
+        assert_eq!(
+            d["why"],
+            format!("the kernel ran out of memory (limit {LIMIT_MB} MiB)"),
+            "{d}"
+        );
+    }
+    gw.stop().await?;
+    Ok(())
+}
+
+/// Runs `code` on an E2B sandbox through the sandbox plane (the code interpreter's
+/// `/execute`, as E2B's SDK calls it with `E2B_SANDBOX_URL`): the status, and the NDJSON
+/// lines of the run.
+async fn e2b_run(gw: &Gateway, id: &str, token: &str, code: &str) -> Result<(u16, Vec<Value>)> {
+    let r = reqwest::Client::new()
+        .post(format!("{}/execute", gw.base.trim_end_matches('/')))
+        .header("E2b-Sandbox-Id", id)
+        .header("E2b-Sandbox-Port", "49999")
+        .header("X-Access-Token", token)
+        .json(&json!({"code": code}))
+        .timeout(Duration::from_secs(60))
+        .send()
+        .await?;
+    let status = r.status().as_u16();
+    let text = r.text().await?;
+    let lines = text
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
+    Ok((status, lines))
+}
+
+/// The `text` of a run's main result.
+fn e2b_result(lines: &[Value]) -> Option<&str> {
+    lines
+        .iter()
+        .find(|l| l["type"] == "result" && l["is_main_result"] == true)
+        .and_then(|l| l["text"].as_str())
+}
+
+/// An E2B sandbox's access token is the same on the gateway that starts again after a
+/// `kill -9` on the same runtime directory: the token its create answered still runs code
+/// in the re-adopted sandbox (its variables there), the sandbox is still listed with its
+/// metadata, a wrong token is still refused, and it still ends when its timeout passes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_e2b_sandbox_and_its_access_token_outlive_a_gateway_killed_with_sigkill() -> Result<()> {
+    let dir = format!("/run/kg-e2b-token-{}", std::process::id());
+    let gw = Gateway::start(&["--runtime-dir", &dir]).await?;
+    let http = reqwest::Client::new();
+    let base = gw.base.trim_end_matches('/').to_owned();
+    let created: Value = http
+        .post(format!("{base}/v2/sandboxes"))
+        .header("X-API-KEY", &gw.token)
+        .json(&json!({"templateID": "base", "timeout": 600, "metadata": {"run": "kill-9"}}))
+        .timeout(Duration::from_secs(120))
+        .send()
+        .await?
+        .error_for_status()?
+        .json()
+        .await?;
+    let id = created["sandboxID"]
+        .as_str()
+        .context("sandboxID")?
+        .to_owned();
+    let token = created["envdAccessToken"]
+        .as_str()
+        .context("envdAccessToken")?
+        .to_owned();
+    let (status, lines) = e2b_run(&gw, &id, &token, "x = 41").await?;
+    assert_eq!(status, 200, "{lines:?}");
+    let mode = std::fs::metadata(gw.runtime_dir.join("e2b-token-key"))
+        .map(|m| std::os::unix::fs::PermissionsExt::mode(&m.permissions()) & 0o777)?;
+    assert_eq!(mode, 0o600, "the token key is the gateway's alone");
+
+    let gw = gw.crash().await?.restart(&[]).await?;
+    let (status, lines) = e2b_run(&gw, &id, &token, "x + 1").await?;
+    assert_eq!(status, 200, "{lines:?}");
+    assert_eq!(e2b_result(&lines), Some("42"), "{lines:?}");
+    let base = gw.base.trim_end_matches('/').to_owned();
+    let info: Value = http
+        .get(format!("{base}/sandboxes/{id}"))
+        .header("X-API-KEY", &gw.token)
+        .send()
+        .await?
+        .error_for_status()?
+        .json()
+        .await?;
+    assert_eq!(info["envdAccessToken"], token.as_str(), "{info}");
+    assert_eq!(info["metadata"], json!({"run": "kill-9"}), "{info}");
+
+    let mut wrong = token.clone().into_bytes();
+    wrong[0] = if wrong[0] == b'0' { b'1' } else { b'0' };
+    let wrong = String::from_utf8(wrong)?;
+    let (status, _) = e2b_run(&gw, &id, &wrong, "x").await?;
+    assert_eq!(
+        status, 401,
+        "a wrong token is refused after the restart too"
+    );
+
+    // Its end is watched again: moved to a second from now, it ends then.
+    let moved = http
+        .post(format!("{base}/sandboxes/{id}/timeout"))
+        .header("X-API-KEY", &gw.token)
+        .json(&json!({"timeout": 1}))
+        .send()
+        .await?;
+    assert_eq!(moved.status(), 204);
+    let since = Instant::now();
+    loop {
+        let (status, _) = gw.get_json(&format!("/api/kernels/{id}")).await?;
+        if status == 404 {
+            break;
+        }
+        assert!(
+            since.elapsed() < Duration::from_secs(30),
+            "the re-adopted sandbox did not end when its timeout passed"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(gw.stop().await?.code(), Some(0));
     Ok(())
 }

@@ -1,9 +1,10 @@
-//! End to end, under the runtime of the run (`KERNELGATE_RUNTIME`, runc or runsc): the
-//! gateway says which runtime its kernels run under, the containers are made with it and
-//! say so on their labels, and the limits a kernel is given bind under either runtime.
+//! End to end, under the runtime of the run (`KERNELGATE_RUNTIME`, runc or runsc) or the
+//! gVisor engine (`KERNELGATE_ENGINE=gvisor`): the gateway says which runtime its kernels
+//! run under, the sandboxes are made with it and say so on their labels, and the limits a
+//! kernel is given bind under either runtime, read from the host's cgroup of the sandbox.
 
 use anyhow::{Context, Result};
-use kernelgate_tests::{cgroup_read, inspect, runtime, CgroupVersion, Gateway};
+use kernelgate_tests::{reported_runtime, runtime, CgroupVersion, Gateway, Sandbox};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -12,9 +13,9 @@ async fn kernels_run_under_the_chosen_runtime() -> Result<()> {
     let gw = Gateway::start(&[]).await?;
     let (status, api) = gw.get_json("/api").await?;
     assert_eq!(status, 200);
-    assert_eq!(api["kernelgate"]["runtime"], runtime(), "{api}");
+    assert_eq!(api["kernelgate"]["runtime"], reported_runtime(), "{api}");
     assert!(api["version"].is_string(), "Jupyter's field stays: {api}");
-    let said = format!("runtime=\"{}\"", runtime());
+    let said = format!("runtime=\"{}\"", reported_runtime());
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let logs = gw.logs.lock().map(|l| l.join("\n")).unwrap_or_default();
@@ -30,14 +31,16 @@ async fn kernels_run_under_the_chosen_runtime() -> Result<()> {
 
     let model = gw.create_kernel().await?;
     let id = model["id"].as_str().unwrap_or_default();
-    let container = inspect(id)?;
-    assert_eq!(
-        container["HostConfig"]["Runtime"],
+    let sandbox = gw.sandbox(id)?;
+    let expected = if kernelgate_tests::gvisor_engine() {
+        "runsc".to_owned()
+    } else {
         kernelgate_tests::engine_runtime()
-    );
+    };
+    assert_eq!(sandbox.runtime, expected);
     assert_eq!(
-        container["Config"]["Labels"]["org.kernelgate.runtime"],
-        runtime()
+        sandbox.labels.get("org.kernelgate.runtime"),
+        Some(&runtime())
     );
     // Which Linux kernel answers the kernel's system calls: the host's under runc, gVisor's
     // own under runsc.
@@ -54,9 +57,9 @@ async fn kernels_run_under_the_chosen_runtime() -> Result<()> {
     Ok(())
 }
 
-/// CPU time the container's cgroup used so far, read on the host (cgroup v1 or v2).
-fn cgroup_cpu_seconds(container_id: &str) -> Result<f64> {
-    match cgroup_read(container_id, ("cpuacct", "cpuacct.usage"), "cpu.stat")? {
+/// CPU time the sandbox's cgroup used so far, read on the host (cgroup v1 or v2).
+fn cgroup_cpu_seconds(sandbox: &Sandbox) -> Result<f64> {
+    match sandbox.cgroup_read(("cpuacct", "cpuacct.usage"), "cpu.stat")? {
         (CgroupVersion::V1, ns) => Ok(ns.trim().parse::<f64>()? / 1e9),
         (CgroupVersion::V2, stat) => {
             let usec = stat
@@ -69,16 +72,14 @@ fn cgroup_cpu_seconds(container_id: &str) -> Result<f64> {
 }
 
 /// Two processes spin in a kernel limited to one CPU; the host's own accounting of the
-/// container says how much they got.
+/// sandbox says how much they got.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_cpu_quota_binds() -> Result<()> {
     let gw = Gateway::start(&["--kernel-cpus", "1"]).await?;
     let model = gw.create_kernel().await?;
     let id = model["id"].as_str().unwrap_or_default();
-    let container = inspect(id)?["Id"]
-        .as_str()
-        .context("container id")?
-        .to_owned();
+    let sandbox = gw.sandbox(id)?;
+    assert_eq!(sandbox.cpus, 1.0, "{sandbox:?}");
     let spin = r#"
 import multiprocessing as mp, time
 def spin(seconds):
@@ -90,11 +91,11 @@ procs = [mp.Process(target=spin, args=(4,)) for _ in range(2)]
 [p.join() for p in procs]
 print('done')
 "#;
-    let before = cgroup_cpu_seconds(&container)?;
+    let before = cgroup_cpu_seconds(&sandbox)?;
     let started = Instant::now();
     let r = gw.execute(id, spin).await?;
     let wall = started.elapsed().as_secs_f64();
-    let used = cgroup_cpu_seconds(&container)? - before;
+    let used = cgroup_cpu_seconds(&sandbox)? - before;
     assert_eq!(r["stdout"], "done\n", "{r}");
     let cpus = used / wall;
     println!("runtime {}: {cpus:.2} CPUs used by two busy processes under a 1-CPU limit ({used:.2} s CPU in {wall:.2} s)", runtime());
@@ -107,7 +108,7 @@ print('done')
         "limited to 1 CPU, the kernel used {cpus:.2} under {}",
         runtime()
     );
-    // The reading is this container's: the spin shows in it. (How much CPU the kernel gets
+    // The reading is this sandbox's: the spin shows in it. (How much CPU the kernel gets
     // under the limit depends on what else the host runs, so no lower bound on the rate.)
     assert!(
         used >= 0.5,

@@ -402,6 +402,65 @@ async fn failed_logins_are_throttled_and_valid_tokens_never() -> Result<()> {
     Ok(())
 }
 
+/// A client whose body reaches the gateway after its refusal (headers and body in two
+/// writes, as HTTP clients send a POST) keeps its connection: every request on it gets its
+/// own 403, none a reset or a closed connection (a client reusing its pooled connection
+/// would otherwise see a network error instead of the answer that says what to do).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_request_leaves_its_connection_usable() -> Result<()> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let gw = Gateway::start(&[]).await?;
+    let addr = gw.base.trim_start_matches("http://").to_owned();
+    let mut conn = tokio::net::TcpStream::connect(&addr).await?;
+    conn.set_nodelay(true)?;
+    let body = br#"{"jsonrpc":"2.0","id":1,"method":"initialize","params":{}}"#;
+    for round in 0..3 {
+        let head = format!(
+            "POST /mcp HTTP/1.1\r\nHost: {addr}\r\nAuthorization: token wrong\r\n\
+             Content-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+            body.len()
+        );
+        conn.write_all(head.as_bytes()).await?;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        conn.write_all(body).await?;
+        let mut answer = Vec::new();
+        let mut buf = [0u8; 4096];
+        // One response: its head, then the Content-Length bytes of its body.
+        let complete = loop {
+            let n = tokio::time::timeout(Duration::from_secs(10), conn.read(&mut buf))
+                .await
+                .context("no answer within 10 s")??;
+            if n == 0 {
+                break false;
+            }
+            answer.extend_from_slice(&buf[..n]);
+            let text = String::from_utf8_lossy(&answer);
+            if let Some((head, rest)) = text.split_once("\r\n\r\n") {
+                let length: usize = head
+                    .lines()
+                    .find_map(|l| {
+                        l.to_ascii_lowercase()
+                            .strip_prefix("content-length:")
+                            .map(|v| v.trim().to_owned())
+                    })
+                    .context("a Content-Length")?
+                    .parse()?;
+                if rest.len() >= length {
+                    break true;
+                }
+            }
+        };
+        let text = String::from_utf8_lossy(&answer);
+        assert!(complete, "round {round}: the connection closed: {text:?}");
+        assert!(text.starts_with("HTTP/1.1 403"), "round {round}: {text}");
+        assert!(
+            text.contains("Missing or wrong token"),
+            "round {round}: {text}"
+        );
+    }
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_keys_memory_and_cpu_limits_hold_with_a_warm_pool() -> Result<()> {
     let dir = tempfile::tempdir()?;

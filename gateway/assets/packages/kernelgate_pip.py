@@ -536,11 +536,11 @@ def install(args, argv):
     already = []
     requested = []
 
-    def refuse(requirement, message, *more):
+    def refuse(requirement, message, *more, reason=None):
         out.error(message)
         for line in more:
             print(line, file=sys.stderr, flush=True)
-        refused.append({"requirement": requirement, "reason": message})
+        refused.append({"requirement": requirement, "reason": reason or message})
 
     for what, reason in opts.refused:
         refuse(what, f"Cannot install with {what}: {reason}.")
@@ -601,8 +601,10 @@ def install(args, argv):
             locked = lock["requirements"].get(req.key)
             if not isinstance(locked, dict):
                 why = _sync_refusal(lock, req.key)
-                more = [f"The last sync could not resolve it: {why}"] if why else []
-                refuse(text, not_synced, *more)
+                more = [f"The last sync refused it: {why}"] if why else []
+                # The sync's reason is the one that says what to do: the cell's error
+                # carries it too.
+                refuse(text, not_synced, *more, reason=" ".join([not_synced, *more]))
                 continue
 
             top = lock["packages"].get(req.key)

@@ -287,6 +287,8 @@ pub async fn require_token(
         .extensions()
         .get::<ConnectInfo<SocketAddr>>()
         .map(|c| c.0.ip());
+    let path = req.uri().path().to_owned();
+    drain(req).await;
     if let Some(wait) = addr.and_then(|a| state.failures.fail(a)) {
         return Err(too_many(wait));
     }
@@ -296,7 +298,7 @@ pub async fn require_token(
         .audit()
         .record(&Record::AuthRefused {
             client: addr.map(|a| a.to_string()),
-            path: req.uri().path().to_owned(),
+            path,
         })
         .await;
     Err(ApiError::new(
@@ -306,6 +308,46 @@ pub async fn require_token(
          or is a key of --keys)",
     )
     .into_response())
+}
+
+/// The most of a refused request's body read before the answer, and how long that may take.
+const DRAIN_BYTES: usize = 64 << 10;
+const DRAIN_WAIT: Duration = Duration::from_secs(2);
+
+/// Reads what is left of a refused request's body (a bounded amount, for a bounded time)
+/// before it is answered: a connection closed with unread bytes in it is reset, and a reset
+/// can reach the client before it has read the answer (it then sees a broken connection,
+/// not the 403 that tells it what to do).
+async fn drain(req: Request) {
+    let body = req.into_body();
+    let _ = tokio::time::timeout(DRAIN_WAIT, axum::body::to_bytes(body, DRAIN_BYTES)).await;
+}
+
+/// A wrong or missing credential on a route that checks its own (the E2B sandbox plane's
+/// access tokens): counted for the per-address throttle, logged and audited as any refused
+/// token is, and answered `refusal`, or 429 once the address is over the limit.
+pub(super) async fn refused_credential(
+    state: &AppState,
+    parts: &Parts,
+    refusal: ApiError,
+) -> Response {
+    let addr = parts
+        .extensions
+        .get::<ConnectInfo<SocketAddr>>()
+        .map(|c| c.0.ip());
+    if let Some(wait) = addr.and_then(|a| state.failures.fail(a)) {
+        return too_many(wait);
+    }
+    tracing::info!(client = ?addr, path = %parts.uri.path(), "credential refused");
+    state
+        .kernels
+        .audit()
+        .record(&Record::AuthRefused {
+            client: addr.map(|a| a.to_string()),
+            path: parts.uri.path().to_owned(),
+        })
+        .await;
+    refusal.into_response()
 }
 
 /// Whether a request says it was forwarded by another node (carries an internal header).

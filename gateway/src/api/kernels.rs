@@ -52,13 +52,14 @@ fn execution_state_schema() -> utoipa::openapi::Object {
 impl KernelModel {
     pub fn of(live: &LiveKernel) -> KernelModel {
         let k = &live.relay;
+        let activity = k.activity();
         KernelModel {
             id: live.id().to_owned(),
             name: live.name.clone(),
-            last_activity: iso(k.last_activity()),
+            last_activity: iso(activity.last_activity),
             execution_state: k.execution_state().as_str(),
-            connections: k.connections(),
-            hibernated: live.hibernated(),
+            connections: activity.connections,
+            hibernated: live.at_rest(),
             hibernate_blocked: live.hibernate_blocked(),
         }
     }
@@ -257,7 +258,11 @@ pub async fn restart(
     Path(KernelPath { id }): Path<KernelPath>,
 ) -> Result<Json<KernelModel>, ApiError> {
     let live = find(&state, &caller, &id)?;
-    state.kernels.restart(&live, &caller.0.name).await?;
+    state
+        .kernels
+        .supervisor()
+        .restart(&live, &caller.0.name)
+        .await?;
     Ok(Json(KernelModel::of(&live)))
 }
 
@@ -281,7 +286,7 @@ pub async fn hibernate(
 ) -> Result<Json<KernelModel>, ApiError> {
     use crate::kernels::hibernate::HibernateError;
     let live = find(&state, &caller, &id)?;
-    match state.kernels.hibernate(&live).await {
+    match state.kernels.hibernation().hibernate(&live).await {
         Ok(()) => Ok(Json(KernelModel::of(&live))),
         Err(
             e @ (HibernateError::Busy(_) | HibernateError::Blocked(_) | HibernateError::Full(_)),
@@ -311,7 +316,12 @@ pub async fn discard_state(
     Path(KernelPath { id }): Path<KernelPath>,
 ) -> Result<Json<KernelModel>, ApiError> {
     let live = find(&state, &caller, &id)?;
-    match state.kernels.discard_state(&live, &caller.0.name).await? {
+    match state
+        .kernels
+        .hibernation()
+        .discard_state(&live, &caller.0.name)
+        .await?
+    {
         true => Ok(Json(KernelModel::of(&live))),
         false => Err(ApiError::new(
             StatusCode::CONFLICT,

@@ -6,6 +6,7 @@ pub mod approvals;
 pub mod auth;
 pub mod channels;
 pub mod cluster;
+pub mod e2b;
 pub mod error;
 pub mod execute;
 pub mod extract;
@@ -28,7 +29,7 @@ use axum::extract::{Request, State};
 use axum::http::HeaderValue;
 use axum::middleware::Next;
 use axum::response::Response;
-use axum::routing::{any, get};
+use axum::routing::{any, get, post};
 use axum::{middleware, Json, Router};
 use openapi::Routes;
 use serde::Serialize;
@@ -62,6 +63,8 @@ pub struct AppState {
     pub mcp: Arc<crate::mcp::http::Endpoint>,
     /// This gateway as a node of a cluster (`--etcd`); none for a single gateway.
     pub cluster: Option<Arc<crate::cluster::node::ClusterNode>>,
+    /// The E2B-compatible surface's sandboxes and token secret.
+    pub e2b: Arc<e2b::Sandboxes>,
 }
 
 /// Every route, public or behind a token. The router and the OpenAPI document
@@ -100,7 +103,15 @@ pub fn surface() -> Surface {
         .operations(routes!(ops::healthz))
         .operations(routes!(ops::readyz))
         // Its own rules: an admin key or the metrics token, or nothing with --metrics-public.
-        .operations(routes!(ops::metrics));
+        .operations(routes!(ops::metrics))
+        // E2B's control plane (docs/e2b.md): its own key header, X-API-KEY, checked by
+        // e2b::control::authenticate in front of the router.
+        .operations(routes!(e2b::control::create, e2b::control::list))
+        .operations(routes!(e2b::control::get, e2b::control::kill))
+        .operations(routes!(e2b::control::set_timeout))
+        .operations(routes!(e2b::control::connect))
+        .operations(routes!(e2b::control::metrics))
+        .operations(routes!(e2b::control::update_network));
     let protected = Routes::default()
         .operations(routes!(kernelspecs::list))
         .operations(routes!(kernelspecs::get))
@@ -144,7 +155,12 @@ pub fn router(state: AppState) -> Router {
         ));
     let api = public
         .merge(protected)
+        .merge(e2b_routes())
         .fallback(not_found)
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            e2b::control::authenticate,
+        ))
         .layer(DefaultBodyLimit::max(state.max_message_bytes))
         .layer(middleware::from_fn_with_state(state.clone(), origin::guard))
         .with_state(state);
@@ -152,9 +168,42 @@ pub fn router(state: AppState) -> Router {
     // net sees it from outside only.
     Router::new()
         .fallback_service(api)
+        .layer(middleware::from_fn(e2b::plane::address))
         .layer(middleware::from_fn(limits::guard))
         .layer(middleware::from_fn(error::json_errors))
         .layer(middleware::from_fn(request_span))
+}
+
+/// The E2B-compatible surface's sandbox plane (docs/e2b.md): the internal paths
+/// [`e2b::plane::address`] rewrites sandbox requests to, each checking the sandbox's access
+/// token. Its control plane is in [`surface`].
+fn e2b_routes() -> Router<AppState> {
+    use axum::routing::delete;
+    use e2b::{envd, interpreter};
+    Router::new()
+        .route("/.e2b/49999/{sandbox}/execute", post(interpreter::execute))
+        .route(
+            "/.e2b/49999/{sandbox}/contexts",
+            post(interpreter::create_context).get(interpreter::list_contexts),
+        )
+        .route(
+            "/.e2b/49999/{sandbox}/contexts/{context}",
+            delete(interpreter::delete_context),
+        )
+        .route(
+            "/.e2b/49999/{sandbox}/contexts/{context}/restart",
+            post(interpreter::restart_context),
+        )
+        .route("/.e2b/49999/{sandbox}/health", get(envd::health))
+        .route("/.e2b/49983/{sandbox}/health", get(envd::health))
+        .route(
+            "/.e2b/49983/{sandbox}/files",
+            get(envd::download).post(envd::upload),
+        )
+        .route(
+            "/.e2b/49983/{sandbox}/filesystem.Filesystem/{method}",
+            post(envd::filesystem),
+        )
 }
 
 /// Serves the API on `listener` until `shutdown` completes, then lets open requests finish;

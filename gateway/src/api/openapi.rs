@@ -160,6 +160,16 @@ pub fn document() -> OpenApi {
     }
     doc.merge(guarded);
     for (method, op) in paths_operations(&mut doc) {
+        // e2b::control::authenticate, in front of E2B's control plane.
+        if op.tags.iter().flatten().any(|t| t == "e2b") {
+            refuse_e2b(op, "401", "Missing or wrong `X-API-KEY`");
+            refuse_e2b(
+                op,
+                "429",
+                "More than 10 failed authentications from this address in a minute; \
+                 `Retry-After` says when to try again",
+            );
+        }
         // origin::guard, around every route.
         if !matches!(method, "get" | "head" | "options") {
             refuse(
@@ -227,6 +237,10 @@ pub fn document() -> OpenApi {
     components
         .schemas
         .insert("ErrorBody".to_owned(), ErrorBody::schema());
+    components.schemas.insert(
+        "E2bErrorBody".to_owned(),
+        kernelgate_protocol::e2b::E2bErrorBody::schema(),
+    );
     let schemes = [
         (
             "token",
@@ -243,6 +257,13 @@ pub fn document() -> OpenApi {
                     .description(Some("`Bearer T`: the same token"))
                     .build(),
             ),
+        ),
+        (
+            "e2b_api_key",
+            SecurityScheme::ApiKey(ApiKey::Header(ApiKeyValue::with_description(
+                "X-API-KEY",
+                "E2B's control plane (`/v2/sandboxes`, `/sandboxes/...`): a Kernelgate key, as E2B's SDKs send `E2B_API_KEY`",
+            ))),
         ),
         (
             "token_query",
@@ -265,10 +286,28 @@ pub fn document() -> OpenApi {
             tag("files", "Files in a kernel's working directory, read and written inside its container"),
             tag("approvals", "Executions an `ask` rule of the execution policy holds for an admin (admin keys only)"),
             tag("operations", "Probes and metrics for operators"),
+            tag("e2b", "E2B's control plane, for E2B's unmodified SDKs (docs/e2b.md): create, list, inspect, end and extend sandboxes. The sandbox plane (files, code, contexts) is addressed by headers or host, not by path: see the create's answer"),
             tag("console", "The web console (public: the page holds no secret)"),
             tag("meta", "What this gateway is and speaks"),
         ]))
         .build()
+}
+
+/// Adds an error answer in E2B's shape (`E2bErrorBody`) to an operation of E2B's control
+/// plane.
+fn refuse_e2b(op: &mut Operation, status: &str, reason: &str) {
+    let body = ContentBuilder::new()
+        .schema(Some(Ref::from_schema_name("E2bErrorBody")))
+        .build();
+    op.responses.responses.insert(
+        status.to_owned(),
+        RefOr::T(
+            ResponseBuilder::new()
+                .description(reason)
+                .content("application/json", body)
+                .build(),
+        ),
+    );
 }
 
 /// Adds an error answer to an operation, or the reason to the one it has.
@@ -395,6 +434,7 @@ mod tests {
             runtime: "runc",
             guard: None,
             cluster: None,
+            e2b: Arc::default(),
         }
     }
 
@@ -412,7 +452,10 @@ mod tests {
                     .unwrap_or_default();
                 let summary = summary.lines().next().unwrap_or_default().trim().to_owned();
                 let requirements = op.security.clone().unwrap_or_default();
-                let token = if requirements.contains(&SecurityRequirement::default()) {
+                let e2b = SecurityRequirement::new("e2b_api_key", Vec::<String>::new());
+                let token = if requirements.contains(&e2b) {
+                    "`X-API-KEY`"
+                } else if requirements.contains(&SecurityRequirement::default()) {
                     "as configured"
                 } else if requirements.is_empty() {
                     "no"
@@ -491,7 +534,10 @@ mod tests {
             .method(Method::from_bytes(method.as_bytes()).expect("method"))
             .uri(uri);
         if token {
-            request = request.header("authorization", format!("token {TOKEN}"));
+            // E2B's control plane takes the key in its own header; the others ignore it.
+            request = request
+                .header("authorization", format!("token {TOKEN}"))
+                .header("x-api-key", TOKEN);
         }
         let response = super::super::router(state.clone())
             .oneshot(request.body(Body::from("not json")).expect("request"))
@@ -523,6 +569,14 @@ mod tests {
             "GET /healthz",
             "GET /readyz",
             "GET /metrics",
+            "GET /v2/sandboxes",
+            "POST /v2/sandboxes",
+            "GET /sandboxes/{id}",
+            "DELETE /sandboxes/{id}",
+            "POST /sandboxes/{id}/timeout",
+            "POST /v2/sandboxes/{id}/connect",
+            "GET /sandboxes/{id}/metrics",
+            "PUT /sandboxes/{id}/network",
             "GET /api/kernelspecs",
             "GET /api/kernelspecs/{name}",
             "GET /kernelspecs/{name}/{file}",
@@ -576,7 +630,9 @@ mod tests {
                     let schema = json.and_then(|c| c.schema.as_ref());
                     assert!(
                         // A refused install also says what was refused: an ErrorBody and more.
+                        // E2B's control plane answers in E2B's shape, which an ErrorBody fits.
                         matches!(schema, Some(RefOr::Ref(r)) if r.ref_location.ends_with("/ErrorBody")
+                            || (id.starts_with("e2b_") && r.ref_location.ends_with("/E2bErrorBody"))
                             || (id == "install_packages" && status == "422" && r.ref_location.ends_with("/RefusedBody"))),
                         "{method} {id} {status}: not an ErrorBody"
                     );
@@ -608,7 +664,8 @@ mod tests {
             assert_ne!(status, StatusCode::METHOD_NOT_ALLOWED, "{method} {path}");
             assert!(
                 !message.starts_with("No such endpoint")
-                    && !message.starts_with("Missing or wrong token"),
+                    && !message.starts_with("Missing or wrong token")
+                    && !message.starts_with("Missing or wrong X-API-KEY"),
                 "{method} {path} ({id:?}) with a token: {status} {message}"
             );
             let Some(needs_token) = needs_token else {
@@ -617,7 +674,9 @@ mod tests {
             let (status, message) = answer(&state, method, path, false).await;
             let refused = status == StatusCode::FORBIDDEN
                 && (message.starts_with("Missing or wrong token")
-                    || message.starts_with("/metrics needs"));
+                    || message.starts_with("/metrics needs"))
+                || status == StatusCode::UNAUTHORIZED
+                    && message.starts_with("Missing or wrong X-API-KEY");
             assert_eq!(
                 refused, needs_token,
                 "{method} {path} without a token: {status} {message}"

@@ -119,7 +119,7 @@ pub async fn readyz(State(state): State<AppState>) -> Response {
             fresh
         }
     };
-    let (pooled, target) = state.kernels.pool_fill();
+    let (pooled, target) = state.kernels.pool().fill();
     let pool = match (target, pooled >= target) {
         (0, _) => "off",
         (_, true) => "filled",

@@ -7,7 +7,7 @@ use super::error::{body_refused, ApiError, ErrorBody};
 use super::extract::{json_body, Path};
 use super::kernels::{find, KernelPath};
 use super::AppState;
-use crate::kernels::packages::{install as install_into, InstallError, Installed};
+use crate::kernels::packages::{InstallError, Installed};
 use crate::packages::Listing;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -120,7 +120,12 @@ pub async fn install(
     };
     let body: InstallBody = json_body(&body, r#"{"packages": ["seaborn"]}"#)?;
     let live = find(&state, &caller, &id)?;
-    match install_into(&state.kernels, &live, &caller.0.name, &body.packages).await {
+    match state
+        .kernels
+        .installs()
+        .install(&live, &caller.0.name, &body.packages)
+        .await
+    {
         Ok(done) => Ok(Json(done).into_response()),
         Err(e @ InstallError::NotConfigured) => {
             Err(ApiError::new(StatusCode::NOT_FOUND, e.to_string()))

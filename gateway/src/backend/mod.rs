@@ -1,8 +1,20 @@
-//! Where kernels run. A [`KernelBackend`] starts a kernel process somewhere isolated,
-//! hands back the host-side connection info for its sockets, and stops, interrupts and
-//! watches it. The only implementation today is [`docker::DockerBackend`].
+//! Where kernels run. A [`KernelBackend`] is one engine of sandboxes: it starts a kernel
+//! process somewhere isolated, hands back the host-side connection info for its sockets,
+//! and stops, interrupts and watches it; it creates sandboxes from an engine-neutral
+//! [`sandbox::SandboxSpec`] (whose hardening is written once, in [`sandbox`]), runs
+//! commands in them (bounded, or interactive), runs one-shot commands in throwaway ones,
+//! and says which optional capabilities it has ([`Capabilities`]). Implementations:
+//! [`docker::DockerBackend`] and, for tests, [`fake::FakeBackend`]; [`contract`] is the
+//! set of tests every implementation passes.
 
+#[cfg(test)]
+mod contract;
 pub mod docker;
+#[cfg(test)]
+pub(crate) mod fake;
+pub mod files;
+pub mod gvisor;
+pub mod sandbox;
 
 use futures::future::BoxFuture;
 use futures::stream::BoxStream;
@@ -29,6 +41,17 @@ pub struct LaunchRequest {
     pub cpus: Option<f64>,
 }
 
+impl LaunchRequest {
+    /// The memory (MiB) and CPUs the kernel gets: the request's own where it asks for
+    /// less than the gateway's `memory_mb` and `cpus`, never more.
+    pub fn limits_within(&self, memory_mb: u64, cpus: f64) -> (u64, f64) {
+        (
+            self.memory_mb.map_or(memory_mb, |m| m.min(memory_mb)),
+            self.cpus.map_or(cpus, |c| c.min(cpus)),
+        )
+    }
+}
+
 /// What an image says about itself.
 #[derive(Debug, Clone, Default)]
 pub struct ImageFacts {
@@ -37,6 +60,8 @@ pub struct ImageFacts {
     pub cmd: Vec<String>,
     /// The image's id (`sha256:...`): the wheelhouse keeps one tree per image.
     pub id: String,
+    /// What runs its command (`tini -g --`).
+    pub entrypoint: Vec<String>,
 }
 
 /// A started kernel.
@@ -193,9 +218,137 @@ pub enum BackendError {
         path: String,
         source: std::io::Error,
     },
+    /// An optional capability ([`Capabilities`]) this engine lacks.
+    #[error("{what} is not supported by this engine ({engine})")]
+    NotSupported {
+        what: &'static str,
+        engine: &'static str,
+    },
 }
 
-/// Starts and controls isolated kernels.
+/// The optional capabilities of an engine. Asking for one it lacks answers
+/// [`BackendError::NotSupported`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Capabilities {
+    /// [`KernelBackend::create`], [`KernelBackend::start`], [`KernelBackend::stop`] and
+    /// [`KernelBackend::signal`] of sandboxes made from a [`sandbox::SandboxSpec`].
+    pub sandboxes: bool,
+    /// [`KernelBackend::list_labelled`] finds sandboxes by the engine's own labels; an
+    /// engine without labels answers from a record it keeps itself.
+    pub engine_labels: bool,
+    pub interactive_exec: bool,
+    pub run_once: bool,
+    /// [`KernelBackend::read_home`] and [`KernelBackend::put_tree`].
+    pub files: bool,
+    /// A sandbox's memory image saved and brought back (lossless hibernation).
+    pub checkpoint: bool,
+    pub restore: bool,
+    /// A running sandbox copied into a second one (fork).
+    pub clone: bool,
+}
+
+/// A signal for a sandbox's main process, or an interactive command's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Signal {
+    Interrupt,
+    Terminate,
+    Kill,
+    Hangup,
+}
+
+impl Signal {
+    pub fn name(self) -> &'static str {
+        match self {
+            Signal::Interrupt => "SIGINT",
+            Signal::Terminate => "SIGTERM",
+            Signal::Kill => "SIGKILL",
+            Signal::Hangup => "SIGHUP",
+        }
+    }
+
+    pub fn number(self) -> i32 {
+        match self {
+            Signal::Interrupt => 2,
+            Signal::Terminate => 15,
+            Signal::Kill => 9,
+            Signal::Hangup => 1,
+        }
+    }
+}
+
+/// A sandbox found by its labels.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Labelled {
+    pub handle: String,
+    pub labels: BTreeMap<String, String>,
+    pub running: bool,
+}
+
+/// The size of an interactive command's terminal.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TtySize {
+    pub rows: u16,
+    pub cols: u16,
+}
+
+/// A command to run interactively in a sandbox (a shell command of an agent): its input
+/// written as it comes, its output read as it comes, signalled, waited for. It runs as the
+/// kernel's user, under the launcher's syscall filter like the kernel.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InteractiveRequest {
+    pub argv: Vec<String>,
+    pub env: Vec<(String, String)>,
+    /// `None`: the kernel's home.
+    pub workdir: Option<String>,
+    /// A pseudo-terminal of this size; `None`: plain pipes (stdout and stderr apart).
+    pub tty: Option<TtySize>,
+}
+
+/// A piece of an interactive command's output.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Output {
+    Stdout(bytes::Bytes),
+    /// Never with a terminal, where both streams are one.
+    Stderr(bytes::Bytes),
+}
+
+/// Signals, resizes and waits for an interactive command.
+pub trait InteractiveControl: Send + Sync {
+    fn signal(&self, signal: Signal) -> BoxFuture<'_, Result<(), BackendError>>;
+    fn resize(&self, size: TtySize) -> BoxFuture<'_, Result<(), BackendError>>;
+    /// Resolves with its exit code once it ended.
+    fn wait(&self) -> BoxFuture<'_, Result<i64, BackendError>>;
+}
+
+/// A running interactive command.
+pub struct Interactive {
+    /// Its standard input; shutting it down is end of file.
+    pub stdin: std::pin::Pin<Box<dyn tokio::io::AsyncWrite + Send>>,
+    /// Its output, until it ended.
+    pub output: BoxStream<'static, Result<Output, BackendError>>,
+    pub control: Box<dyn InteractiveControl>,
+}
+
+impl std::fmt::Debug for Interactive {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Interactive")
+    }
+}
+
+/// A tar stream of a sandbox's files.
+pub type TarStream = BoxStream<'static, Result<bytes::Bytes, BackendError>>;
+
+fn unsupported<'a, T: Send + 'a>(
+    what: &'static str,
+    engine: &'static str,
+) -> BoxFuture<'a, Result<T, BackendError>> {
+    Box::pin(async move { Err(BackendError::NotSupported { what, engine }) })
+}
+
+/// Starts and controls isolated kernels: one engine. The methods up to [`Self::set_kernel_id`]
+/// are what every engine has and the kernel table uses; those after it are the sandbox
+/// interface a second engine implements too, each optional one answering
+/// [`BackendError::NotSupported`] unless [`Self::capabilities`] says otherwise.
 pub trait KernelBackend: Send + Sync + 'static {
     /// Checks that kernels can be started at all (daemon reachable, image present).
     fn check(&self) -> BoxFuture<'_, Result<(), BackendError>>;
@@ -282,6 +435,139 @@ pub trait KernelBackend: Send + Sync + 'static {
         let _ = (container_id, kernel_id);
         Box::pin(async { Ok(()) })
     }
+
+    /// The engine's name, for messages (`docker`).
+    fn engine(&self) -> &'static str {
+        "this engine"
+    }
+
+    /// What it can do beyond launching, watching and removing kernels.
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::default()
+    }
+
+    /// The isolation its kernels get.
+    fn isolation(&self) -> sandbox::Isolation {
+        sandbox::Isolation::RuncLike
+    }
+
+    /// Creates a sandbox from `spec`, not started yet; its handle.
+    fn create<'a>(
+        &'a self,
+        spec: &'a sandbox::SandboxSpec,
+    ) -> BoxFuture<'a, Result<String, BackendError>> {
+        let _ = spec;
+        unsupported("creating a sandbox from a spec", self.engine())
+    }
+
+    /// Starts a created (or stopped) sandbox.
+    fn start<'a>(&'a self, handle: &'a str) -> BoxFuture<'a, Result<(), BackendError>> {
+        let _ = handle;
+        unsupported("starting a sandbox", self.engine())
+    }
+
+    /// Sends `signal` to the sandbox's main process ([`Signal::Interrupt`]: as
+    /// [`Self::interrupt`]).
+    fn signal<'a>(
+        &'a self,
+        handle: &'a str,
+        signal: Signal,
+    ) -> BoxFuture<'a, Result<(), BackendError>> {
+        match signal {
+            Signal::Interrupt => self.interrupt(handle),
+            _ => unsupported("signalling a sandbox", self.engine()),
+        }
+    }
+
+    /// Stops the sandbox's processes (SIGTERM, then SIGKILL past `grace`); the sandbox
+    /// stays until [`Self::remove`].
+    fn stop<'a>(
+        &'a self,
+        handle: &'a str,
+        grace: std::time::Duration,
+    ) -> BoxFuture<'a, Result<(), BackendError>> {
+        let _ = (handle, grace);
+        unsupported("stopping a sandbox", self.engine())
+    }
+
+    /// The sandboxes of this engine carrying every one of `labels` (kernels and those
+    /// made by [`Self::create`]).
+    fn list_labelled<'a>(
+        &'a self,
+        labels: &'a BTreeMap<String, String>,
+    ) -> BoxFuture<'a, Result<Vec<Labelled>, BackendError>> {
+        let _ = labels;
+        unsupported("listing sandboxes by label", self.engine())
+    }
+
+    /// Starts `request` in the sandbox, interactively.
+    fn exec_interactive<'a>(
+        &'a self,
+        handle: &'a str,
+        request: InteractiveRequest,
+    ) -> BoxFuture<'a, Result<Interactive, BackendError>> {
+        let _ = (handle, request);
+        unsupported("interactive commands", self.engine())
+    }
+
+    /// Runs a command once in a throwaway sandbox (see [`sandbox::RunOnce`]): what it
+    /// printed and how it ended. Past its timeout it is killed and this answers
+    /// [`BackendError::TimedOut`].
+    fn run_once(
+        &self,
+        request: sandbox::RunOnce,
+    ) -> BoxFuture<'_, Result<sandbox::RunOutput, BackendError>> {
+        let _ = request;
+        unsupported("one-shot runs", self.engine())
+    }
+
+    /// The kernel's home as a tar stream (paths relative to it), read as the kernel's
+    /// user.
+    fn read_home<'a>(&'a self, handle: &'a str) -> BoxFuture<'a, Result<TarStream, BackendError>> {
+        let _ = handle;
+        unsupported("reading a sandbox's files", self.engine())
+    }
+
+    /// Unpacks the tar `tree` at `dest` in the sandbox, as the kernel's user.
+    fn put_tree<'a>(
+        &'a self,
+        handle: &'a str,
+        dest: &'a str,
+        tree: bytes::Bytes,
+    ) -> BoxFuture<'a, Result<(), BackendError>> {
+        let _ = (handle, dest, tree);
+        unsupported("writing files into a sandbox", self.engine())
+    }
+
+    /// Saves the sandbox's whole state (memory included) into the host directory `dir`.
+    fn checkpoint<'a>(
+        &'a self,
+        handle: &'a str,
+        dir: &'a std::path::Path,
+    ) -> BoxFuture<'a, Result<(), BackendError>> {
+        let _ = (handle, dir);
+        unsupported("checkpoints", self.engine())
+    }
+
+    /// A new sandbox of `spec` from the checkpoint in `dir`, running; its handle.
+    fn restore<'a>(
+        &'a self,
+        spec: &'a sandbox::SandboxSpec,
+        dir: &'a std::path::Path,
+    ) -> BoxFuture<'a, Result<String, BackendError>> {
+        let _ = (spec, dir);
+        unsupported("restoring a checkpoint", self.engine())
+    }
+
+    /// A running copy of the sandbox, as `spec` says; its handle.
+    fn clone_sandbox<'a>(
+        &'a self,
+        handle: &'a str,
+        spec: &'a sandbox::SandboxSpec,
+    ) -> BoxFuture<'a, Result<String, BackendError>> {
+        let _ = (handle, spec);
+        unsupported("cloning a sandbox", self.engine())
+    }
 }
 
 impl std::fmt::Debug for dyn KernelBackend {
@@ -292,7 +578,26 @@ impl std::fmt::Debug for dyn KernelBackend {
 
 #[cfg(test)]
 mod tests {
-    use super::Exit;
+    use super::{Exit, LaunchRequest};
+
+    #[test]
+    fn a_request_gets_tighter_limits_never_looser_ones() {
+        let mut req = LaunchRequest {
+            kernel_id: "k".into(),
+            kernel_name: "python3".into(),
+            image: "i".into(),
+            env: Default::default(),
+            preload: false,
+            owner: None,
+            memory_mb: None,
+            cpus: None,
+        };
+        assert_eq!(req.limits_within(512, 1.0), (512, 1.0));
+        (req.memory_mb, req.cpus) = (Some(256), Some(0.5));
+        assert_eq!(req.limits_within(512, 1.0), (256, 0.5));
+        (req.memory_mb, req.cpus) = (Some(4096), Some(8.0));
+        assert_eq!(req.limits_within(512, 1.0), (512, 1.0));
+    }
 
     #[test]
     fn an_exit_names_its_cause() {

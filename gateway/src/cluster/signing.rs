@@ -186,6 +186,12 @@ impl Signer {
         &self.incarnation
     }
 
+    /// The key E2B sandbox access tokens are made with, derived from the cluster secret
+    /// (never the secret itself): every node of the cluster checks every node's tokens.
+    pub fn e2b_token_key(&self) -> [u8; 32] {
+        kernelgate_protocol::e2b::token_key_of_cluster(&self.secret)
+    }
+
     fn mac(&self, method: &str, path: &str, who: &Forwarded) -> Hmac<Sha256> {
         // Fields end with a newline and none may contain one (checked by `sign`), so no two
         // different calls sign the same bytes.
@@ -538,6 +544,16 @@ mod tests {
             s.accept(checked, &body_digest(b"print('pwned-' + str(6*7))"), 1000),
             Err(SignatureError::BodyMismatch)
         );
+    }
+
+    #[test]
+    fn every_node_of_a_cluster_makes_the_same_e2b_token_key_and_not_the_secret() {
+        let one = Signer::started_at(b"cluster secret", NODE, RUN, 900);
+        let restarted_elsewhere = Signer::started_at(b"cluster secret", "node-2", "i9", 1010);
+        assert_eq!(one.e2b_token_key(), restarted_elsewhere.e2b_token_key());
+        let other = Signer::started_at(b"another secret", NODE, RUN, 900);
+        assert_ne!(one.e2b_token_key(), other.e2b_token_key());
+        assert!(!one.e2b_token_key().starts_with(b"cluster secret"));
     }
 
     #[test]

@@ -195,7 +195,7 @@ async fn a_create_refused_for_its_keys_quota_or_a_full_node_takes_no_warm_kernel
     let no_env = BTreeMap::new();
     a.create(None, &no_env, &carol).await.expect("created");
     eventually("both pools full", || async {
-        a.pooled() == 1 && b.pooled() == 1
+        super::tests::pooled(&a) == 1 && super::tests::pooled(&b) == 1
     })
     .await;
     let warm = |k: &Kernels| k.lock().pool[DEFAULT_SPEC][0].handle();

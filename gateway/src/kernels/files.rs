@@ -153,11 +153,15 @@ async fn script(
         });
     }
     // Its files are in its saved state while it hibernates: bring it back first.
-    if let Some(live) = kernels.get(live.id()).filter(|l| l.is_hibernated()) {
-        kernels.resume(&live).await.map_err(|e| FileError::Failed {
-            path: path.to_owned(),
-            reason: format!("the hibernated kernel could not be resumed: {e}"),
-        })?;
+    if let Some(live) = kernels.get(live.id()).filter(|l| l.hibernated()) {
+        kernels
+            .hibernation()
+            .resume(&live)
+            .await
+            .map_err(|e| FileError::Failed {
+                path: path.to_owned(),
+                reason: format!("the hibernated kernel could not be resumed: {e}"),
+            })?;
     }
     // `-P`: nothing in the kernel's home (a `json.py`) shadows what the script imports.
     let argv = ["python3", "-P", "-c", SCRIPT]

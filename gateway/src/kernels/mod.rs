@@ -1,9 +1,13 @@
-//! The table of live kernels: creating them (from the warm pool or cold), restarting,
-//! interrupting, deleting, watching for death, culling idle ones, and the kernel limit.
-//! The only place where a container ([`crate::backend`]) and its sockets
-//! ([`crate::relay`]) meet.
+//! The table of live kernels: creating them (from the warm pool or cold), interrupting,
+//! deleting, and the kernel limit. The only place where a container ([`crate::backend`])
+//! and its sockets ([`crate::relay`]) meet.
+//!
+//! What acts on the table's kernels are types of their own, each holding the table and
+//! reached through it: the warm pool ([`Pool`]), supervision: restarts, the death watch
+//! and culling ([`Supervisor`]), hibernation ([`Hibernation`]) and package installs
+//! ([`Installs`]).
 
-use crate::backend::{BackendError, Found, KernelBackend, LaunchRequest, Launched};
+use crate::backend::{BackendError, KernelBackend, LaunchRequest, Launched};
 use crate::kernelspecs::{KernelSpecs, DEFAULT_SPEC};
 use crate::metrics::{self, Source, TableSnapshot};
 use crate::relay::clients::ClientLimits;
@@ -19,15 +23,19 @@ mod slot;
 use slot::Slot;
 mod supervise;
 use crate::audit::{self, Audit, Record};
-use crate::relay::{KernelError, Relay};
+use crate::relay::lifecycle::Event;
+use crate::relay::{Attachment, KernelError, Relay};
 use crate::tenants::{Tenant, TOKEN_KEY};
+pub use hibernate::Hibernation;
 use kernelgate_protocol::content::ExecutionState;
-use kernelgate_protocol::ConnectionInfo;
+use kernelgate_protocol::{Channel, ConnectionInfo, Message, RawJson};
+pub use packages::Installs;
+pub use pool::Pool;
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
-pub use supervise::HeartbeatCheck;
+pub use supervise::{HeartbeatCheck, Supervisor};
 use tokio::sync::{oneshot, Notify};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -177,6 +185,30 @@ impl LiveKernel {
     }
 }
 
+/// The gateway's own code reaches a kernel through an attachment of its relay (internal,
+/// with the gateway's key, so no client sees its messages).
+impl crate::silent::Session for Attachment {
+    fn request(&self, msg_type: &str, content: RawJson) -> Message {
+        self.relay().request(msg_type, content)
+    }
+
+    async fn send(&self, channel: Channel, message: Message) -> Result<(), String> {
+        Attachment::send(self, channel, message)
+            .await
+            .map_err(|e| e.to_string())
+    }
+
+    async fn next(&self, each: &mut (dyn FnMut(Channel, &Message) + Send)) -> bool {
+        let Some(batch) = self.recv().await else {
+            return false;
+        };
+        for out in batch {
+            each(out.channel, &out.message);
+        }
+        true
+    }
+}
+
 #[derive(Debug, Default)]
 struct Table {
     live: HashMap<String, Arc<LiveKernel>>,
@@ -201,13 +233,13 @@ impl Table {
 
     /// Kernels that run (hibernated ones count against no limit), and creates under way.
     fn running(&self) -> usize {
-        self.live.values().filter(|l| !l.is_hibernated()).count() + self.reserved
+        self.live.values().filter(|l| !l.hibernated()).count() + self.reserved
     }
 
     fn owned_by(&self, owner: &str) -> usize {
         self.live
             .values()
-            .filter(|l| l.owner() == owner && !l.is_hibernated())
+            .filter(|l| l.owner() == owner && !l.hibernated())
             .count()
             + self.reserved_by.get(owner).copied().unwrap_or(0)
     }
@@ -297,6 +329,26 @@ impl Kernels {
         self.settings.packages.as_ref()
     }
 
+    /// The warm pools.
+    pub fn pool(self: &Arc<Self>) -> Pool {
+        Pool::new(self)
+    }
+
+    /// Restarts, the death watch and culling.
+    pub fn supervisor(self: &Arc<Self>) -> Supervisor {
+        Supervisor::new(self)
+    }
+
+    /// Hibernating kernels and bringing them back.
+    pub fn hibernation(self: &Arc<Self>) -> Hibernation {
+        Hibernation::new(self)
+    }
+
+    /// Package installs into kernels.
+    pub fn installs(self: &Arc<Self>) -> Installs {
+        Installs::new(self)
+    }
+
     pub fn get(&self, id: &str) -> Option<Arc<LiveKernel>> {
         self.lock().live.get(id).cloned()
     }
@@ -329,22 +381,22 @@ impl Kernels {
     /// Starts the background work: warm pool, culling, and removal of containers left
     /// behind by an earlier run of the gateway.
     pub async fn start(self: &Arc<Self>) {
-        self.remove_leftovers().await;
+        adopt::remove_leftovers(self).await;
         for spec in self.settings.specs.iter().filter(|s| s.pool_size > 0) {
-            let me = self.clone();
+            let pool = self.pool();
             let (name, size) = (spec.name.clone(), spec.pool_size);
             self.tracker
-                .spawn(async move { me.fill_pool(name, size).await });
+                .spawn(async move { pool.keep_filled(name, size).await });
         }
         if let Some(idle) = self.settings.cull_idle_timeout {
-            let me = self.clone();
-            self.tracker.spawn(async move { me.cull(idle).await });
+            let supervisor = self.supervisor();
+            self.tracker
+                .spawn(async move { supervisor.cull(idle).await });
         }
-        self.restore_hibernated().await;
+        self.hibernation().restore_hibernated().await;
         let hibernate = &self.settings.hibernate;
         if hibernate.after.is_some() || hibernate.retention.is_some() {
-            let me = self.clone();
-            self.tracker.spawn(me.hibernate_idle());
+            self.tracker.spawn(self.hibernation().hibernate_idle());
         }
     }
 
@@ -512,7 +564,7 @@ impl Kernels {
         limits: Limits,
     ) -> Result<(Arc<LiveKernel>, Source), CreateError> {
         if limits == Limits::default() {
-            if let Some(live) = self.take_pooled(name, &env).await {
+            if let Some(live) = self.pool().take(name, &env).await {
                 return Ok((live, Source::Pool));
             }
         }
@@ -521,7 +573,7 @@ impl Kernels {
     }
 
     /// The table's state for the metrics.
-    pub fn snapshot(&self) -> TableSnapshot {
+    pub fn snapshot(self: &Arc<Self>) -> TableSnapshot {
         let t = self.lock();
         let mut states: BTreeMap<&'static str, i64> = [
             ExecutionState::Starting,
@@ -538,12 +590,12 @@ impl Kernels {
             *states
                 .entry(live.relay.execution_state().as_str())
                 .or_default() += 1;
-            buffered += live.relay.buffered_bytes();
+            buffered += live.relay.activity().buffered_bytes;
         }
         let pooled =
             i64::try_from(t.pool.values().map(VecDeque::len).sum::<usize>()).unwrap_or(i64::MAX);
         drop(t);
-        let (hibernated, hibernated_bytes) = self.hibernated_totals();
+        let (hibernated, hibernated_bytes) = self.hibernation().hibernated_totals();
         TableSnapshot {
             hibernated,
             hibernated_bytes,
@@ -551,12 +603,6 @@ impl Kernels {
             pooled,
             buffered_bytes: i64::try_from(buffered).unwrap_or(i64::MAX),
         }
-    }
-
-    /// Warm kernels ready in all pools, and how many they should hold.
-    pub fn pool_fill(&self) -> (usize, usize) {
-        let ready = self.lock().pool.values().map(VecDeque::len).sum();
-        (ready, self.settings.specs.pool_target())
     }
 
     pub fn specs(&self) -> &KernelSpecs {
@@ -621,15 +667,16 @@ impl Kernels {
             self.settings.guard.clone(),
         );
         let cancel = self.cancel.child_token();
+        let supervisor = self.supervisor();
         // Shutdown may come while this kernel starts: it must not outlive the gateway.
         let connected = tokio::select! {
             // A child token: closing this process's link must not cancel the watcher.
-            r = self.connect_watched(&kernel, &handle, &connection, cancel.child_token(), timeout) => r,
+            r = supervisor.connect_watched(&kernel, &handle, &connection, cancel.child_token(), timeout) => r,
             _ = self.cancel.cancelled() => Err(CreateError::ShuttingDown),
         };
         if let Err(e) = connected {
             cancel.cancel();
-            kernel.disconnect();
+            let _ = kernel.step(Event::Unlinked).await;
             return Err(e);
         }
         let live = Arc::new(LiveKernel::new(
@@ -638,51 +685,15 @@ impl Kernels {
             Process { handle, connection },
             cancel,
         ));
-        self.watch(&live);
+        self.supervisor().watch(&live);
         Ok(live)
-    }
-
-    /// Connects `kernel` to a process just started (or restarted) and waits until it
-    /// answers, while watching the process: one that exits meanwhile fails the connect at
-    /// once, saying why, instead of after the whole timeout.
-    async fn connect_watched(
-        &self,
-        kernel: &Arc<Relay>,
-        handle: &str,
-        connection: &ConnectionInfo,
-        cancel: CancellationToken,
-        timeout: Duration,
-    ) -> Result<(), CreateError> {
-        let connect = kernel.connect(connection, &self.tracker, cancel.clone(), timeout);
-        tokio::pin!(connect);
-        let result = tokio::select! {
-            r = &mut connect => r.map(drop).map_err(CreateError::from),
-            exit = self.backend.wait_exit(handle) => match exit {
-                Ok(exit) => Err(CreateError::Backend(BackendError::Died(format!(
-                    "{}{}",
-                    exit.cause(),
-                    supervise::WHILE_STARTING
-                )))),
-                // Cannot be watched: the connect alone decides.
-                Err(e) => {
-                    tracing::debug!(kernel = %kernel.id(), error = %e, "cannot watch a starting kernel");
-                    connect.await.map(drop).map_err(CreateError::from)
-                }
-            },
-        };
-        if result.is_err() {
-            // The link of a connect cut short must not linger.
-            cancel.cancel();
-            kernel.disconnect();
-        }
-        result
     }
 
     /// Interrupts the kernel's process (SIGINT); executions still waiting for approval are
     /// cancelled.
     /// A hibernated kernel runs nothing: interrupting it does nothing.
     pub async fn interrupt(&self, live: &LiveKernel) -> Result<(), BackendError> {
-        if live.is_hibernated() {
+        if live.hibernated() {
             return Ok(());
         }
         live.relay.interrupted().await;
@@ -699,13 +710,12 @@ impl Kernels {
     ) -> Option<Result<(), BackendError>> {
         let live = self.lock().live.remove(id)?;
         let owner = live.owner().to_owned();
-        if live.is_hibernated() {
-            self.forget_state(id).await;
+        if live.hibernated() {
+            self.hibernation().forget_state(id).await;
         } else {
             // What it runs and holds is answered with who deleted it, as a restart's is.
-            live.relay
-                .lost_executions("KernelDeleted", &why.cause())
-                .await;
+            let lost = Event::lost("KernelDeleted", &why.cause(), false);
+            let _ = live.relay.step(lost).await;
         }
         if let Some(ledger) = &self.settings.ledger {
             ledger.release(id).await;
@@ -742,10 +752,10 @@ impl Kernels {
 
     async fn discard(&self, live: &LiveKernel) -> Result<(), BackendError> {
         live.cancel.cancel();
-        live.relay.set_state(ExecutionState::Dead, true);
-        live.relay.disconnect();
+        let hibernated = live.hibernated();
+        let _ = live.relay.step(Event::Deleted).await;
         live.relay.close_clients();
-        if live.is_hibernated() {
+        if hibernated {
             // Its process is gone already.
             return Ok(());
         }
@@ -760,25 +770,14 @@ impl Kernels {
         all
     }
 
-    /// Removes the warm kernels of every pool (a cluster node that stops: they are
-    /// nobody's, and a node that does not return would leave them running).
-    pub async fn remove_warm(&self) {
-        let warm: Vec<_> = self.lock().pool.drain().flat_map(|(_, p)| p).collect();
-        let removals = warm.iter().map(|live| self.discard(live));
-        for (live, result) in warm.iter().zip(futures::future::join_all(removals).await) {
-            if let Err(e) = result {
-                tracing::warn!(kernel = %live.id(), error = %e, "cannot remove a warm kernel at shutdown");
-            }
-        }
-    }
-
     /// Lets go of every kernel without removing it (a cluster node that stops and will
     /// return on the same runtime directory re-adopts them): their watchers and links end,
     /// their clients are disconnected, their containers keep running.
     pub fn leave(&self) {
         for live in self.take_all() {
             live.cancel.cancel();
-            live.relay.disconnect();
+            // Nothing to carry out: the link closes at once.
+            drop(live.relay.step(Event::Unlinked));
             live.relay.close_clients();
         }
     }
@@ -789,7 +788,7 @@ impl Kernels {
         let (hibernated, all): (Vec<_>, Vec<_>) = self
             .take_all()
             .into_iter()
-            .partition(|live| live.is_hibernated());
+            .partition(|live| live.hibernated());
         for live in hibernated {
             live.cancel.cancel();
             live.relay.close_clients();
@@ -832,6 +831,6 @@ pub fn kernel_env(env: &BTreeMap<String, String>) -> Result<BTreeMap<String, Str
 #[cfg(test)]
 mod cluster_tests;
 #[cfg(test)]
-pub(crate) mod fake;
+pub(crate) use crate::backend::fake;
 #[cfg(test)]
 mod tests;

@@ -53,99 +53,114 @@ fn refusals(refused: &[PackageRefusal]) -> String {
         .join("; ")
 }
 
-/// Installs `requirements` (names from the allowlist, optionally with a version
-/// specifier) into `live` for `key`: all of them and what they bring, or none.
-pub async fn install(
-    kernels: &Arc<Kernels>,
-    live: &Arc<LiveKernel>,
-    key: &str,
-    requirements: &[String],
-) -> Result<Installed, InstallError> {
-    if kernels.packages().is_none() {
-        return Err(InstallError::NotConfigured);
+/// Package installs into the table's kernels.
+#[derive(Debug, Clone)]
+pub struct Installs {
+    kernels: Arc<Kernels>,
+}
+
+impl Installs {
+    pub(super) fn new(kernels: &Arc<Kernels>) -> Self {
+        Installs {
+            kernels: kernels.clone(),
+        }
     }
-    if requirements.is_empty() {
-        return Err(InstallError::BadRequest(
-            "name at least one package, e.g. {\"packages\": [\"seaborn\"]}".to_owned(),
-        ));
-    }
-    if requirements.len() > MAX_REQUIREMENTS {
-        return Err(InstallError::BadRequest(format!(
-            "at most {MAX_REQUIREMENTS} packages at once"
-        )));
-    }
-    for r in requirements {
-        allowlist::parse_requirement(r).map_err(InstallError::BadRequest)?;
-    }
-    // Installs go into its home, which is in its saved state while it hibernates.
-    if live.is_hibernated() {
-        kernels.resume(live).await.map_err(|e| {
-            InstallError::Failed(format!("the hibernated kernel could not be resumed: {e}"))
-        })?;
-    }
-    // `-P` from `/`: a `pip/` in the kernel's home is not the installer that runs.
-    let argv = ["python3", "-P", "-m", "pip", "install", "--report", "-"]
-        .into_iter()
-        .map(str::to_owned)
-        .chain(requirements.iter().cloned())
-        .collect();
-    let request = ExecRequest::new(argv, bytes::Bytes::new(), MAX_OUTPUT, INSTALL_TIMEOUT);
-    let out = kernels.backend().exec(&live.handle(), request).await?;
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let report = stdout
-        .lines()
-        .rev()
-        .find_map(|line| serde_json::from_str::<Installed>(line.trim()).ok());
-    let Some(report) = report else {
-        let why = match out.stderr.trim() {
-            "" => stdout.trim().chars().take(500).collect(),
-            e => e.chars().take(500).collect::<String>(),
+
+    /// Installs `requirements` (names from the allowlist, optionally with a version
+    /// specifier) into `live` for `key`: all of them and what they bring, or none.
+    pub async fn install(
+        &self,
+        live: &Arc<LiveKernel>,
+        key: &str,
+        requirements: &[String],
+    ) -> Result<Installed, InstallError> {
+        let kernels = &self.kernels;
+        if kernels.packages().is_none() {
+            return Err(InstallError::NotConfigured);
+        }
+        if requirements.is_empty() {
+            return Err(InstallError::BadRequest(
+                "name at least one package, e.g. {\"packages\": [\"seaborn\"]}".to_owned(),
+            ));
+        }
+        if requirements.len() > MAX_REQUIREMENTS {
+            return Err(InstallError::BadRequest(format!(
+                "at most {MAX_REQUIREMENTS} packages at once"
+            )));
+        }
+        for r in requirements {
+            allowlist::parse_requirement(r).map_err(InstallError::BadRequest)?;
+        }
+        // Installs go into its home, which is in its saved state while it hibernates.
+        if live.hibernated() {
+            kernels.hibernation().resume(live).await.map_err(|e| {
+                InstallError::Failed(format!("the hibernated kernel could not be resumed: {e}"))
+            })?;
+        }
+        // `-P` from `/`: a `pip/` in the kernel's home is not the installer that runs.
+        let argv = ["python3", "-P", "-m", "pip", "install", "--report", "-"]
+            .into_iter()
+            .map(str::to_owned)
+            .chain(requirements.iter().cloned())
+            .collect();
+        let request = ExecRequest::new(argv, bytes::Bytes::new(), MAX_OUTPUT, INSTALL_TIMEOUT);
+        let out = kernels.backend().exec(&live.handle(), request).await?;
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let report = stdout
+            .lines()
+            .rev()
+            .find_map(|line| serde_json::from_str::<Installed>(line.trim()).ok());
+        let Some(report) = report else {
+            let why = match out.stderr.trim() {
+                "" => stdout.trim().chars().take(500).collect(),
+                e => e.chars().take(500).collect::<String>(),
+            };
+            return Err(InstallError::Failed(if why.is_empty() {
+                format!(
+                    "it ended with status {} and no report: is the kernel's image one whose Python has the installer (docs/packages.md)?",
+                    out.exit_code
+                )
+            } else {
+                why
+            }));
         };
-        return Err(InstallError::Failed(if why.is_empty() {
-            format!(
-                "it ended with status {} and no report: is the kernel's image one whose Python has the installer (docs/packages.md)?",
-                out.exit_code
-            )
+        // What the gateway knows: the allowlist's lines for the names asked for.
+        let asked: Vec<String> = requirements
+            .iter()
+            .filter_map(|r| allowlist::parse_requirement(r).ok())
+            .map(|e| e.name)
+            .collect();
+        let allowed = kernels
+            .packages()
+            .map(|p| p.allowed(&live.name))
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|e| asked.contains(&e.name))
+            .map(|e| e.requirement)
+            .collect();
+        kernels
+            .audit()
+            .record(&Record::PackagesInstalled {
+                key: key.to_owned(),
+                kernel: live.id().to_owned(),
+                requested: requirements.to_vec(),
+                allowed,
+                kernel_reported: KernelReportedInstall {
+                    installed: report.installed.clone(),
+                    already: report.already.clone(),
+                    refused: report.refused.clone(),
+                    exit_code: out.exit_code,
+                },
+            })
+            .await;
+        if report.refused.is_empty() && out.exit_code == 0 {
+            Ok(report)
+        } else if !report.refused.is_empty() {
+            Err(InstallError::Refused(report))
         } else {
-            why
-        }));
-    };
-    // What the gateway knows: the allowlist's lines for the names asked for.
-    let asked: Vec<String> = requirements
-        .iter()
-        .filter_map(|r| allowlist::parse_requirement(r).ok())
-        .map(|e| e.name)
-        .collect();
-    let allowed = kernels
-        .packages()
-        .map(|p| p.allowed(&live.name))
-        .unwrap_or_default()
-        .into_iter()
-        .filter(|e| asked.contains(&e.name))
-        .map(|e| e.requirement)
-        .collect();
-    kernels
-        .audit()
-        .record(&Record::PackagesInstalled {
-            key: key.to_owned(),
-            kernel: live.id().to_owned(),
-            requested: requirements.to_vec(),
-            allowed,
-            kernel_reported: KernelReportedInstall {
-                installed: report.installed.clone(),
-                already: report.already.clone(),
-                refused: report.refused.clone(),
-                exit_code: out.exit_code,
-            },
-        })
-        .await;
-    if report.refused.is_empty() && out.exit_code == 0 {
-        Ok(report)
-    } else if !report.refused.is_empty() {
-        Err(InstallError::Refused(report))
-    } else {
-        Err(InstallError::Failed(
-            out.stderr.trim().chars().take(500).collect(),
-        ))
+            Err(InstallError::Failed(
+                out.stderr.trim().chars().take(500).collect(),
+            ))
+        }
     }
 }

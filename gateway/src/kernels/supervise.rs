@@ -14,13 +14,15 @@
 use super::{CreateError, Kernels, LiveKernel, Process, Removal};
 use crate::audit::Record;
 use crate::backend::BackendError;
-use crate::relay::heartbeat;
+use crate::relay::lifecycle::Event;
+use crate::relay::{heartbeat, Relay};
 use chrono::Utc;
 use kernelgate_protocol::content::ExecutionState;
 use kernelgate_protocol::ConnectionInfo;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 /// After an out-of-memory kill in a kernel's container, heartbeat probes that must all go
@@ -32,7 +34,7 @@ const OOM_PROBE_TIMEOUT: Duration = Duration::from_millis(500);
 /// Tries of one restart before the kernel is declared dead.
 pub(super) const RESTART_TRIES: u32 = 3;
 
-/// What [`Kernels::connect_watched`] adds to the cause of a process that exited while it
+/// What [`Supervisor::connect_watched`] adds to the cause of a process that exited while it
 /// started.
 pub(super) const WHILE_STARTING: &str = " while it started";
 
@@ -54,6 +56,18 @@ impl Default for HeartbeatCheck {
             misses: 5,
         }
     }
+}
+
+/// Records that the warm kernel's container `container` now serves `live` (its id and
+/// owner): labels cannot change, so this is kept beside the container, for a restarted
+/// gateway to find it under the kernel's own id.
+pub(super) async fn record_serving(
+    kernels: &Kernels,
+    container: &str,
+    live: &LiveKernel,
+) -> Result<(), BackendError> {
+    kernels.backend.set_kernel_id(container, live.id()).await?;
+    kernels.backend.set_owner(container, live.owner()).await
 }
 
 /// The wait after failed try `n` (from 1) of a restart: 1 s, 3 s, 9 s, never more than 10 s.
@@ -80,15 +94,24 @@ fn cause_of(e: &CreateError) -> String {
     }
 }
 
-impl Kernels {
+/// Supervision of the table's kernels.
+#[derive(Debug, Clone)]
+pub struct Supervisor {
+    kernels: Arc<Kernels>,
+}
+
+impl Supervisor {
+    pub(super) fn new(kernels: &Arc<Kernels>) -> Self {
+        Supervisor {
+            kernels: kernels.clone(),
+        }
+    }
+
     /// Restarts a kernel as key `key` asked: a fresh process (variables and files gone), the
     /// id and connections stay; audited. Finishes even when the caller goes away.
-    pub async fn restart(
-        self: &Arc<Self>,
-        live: &Arc<LiveKernel>,
-        key: &str,
-    ) -> Result<(), CreateError> {
-        self.settings
+    pub async fn restart(&self, live: &Arc<LiveKernel>, key: &str) -> Result<(), CreateError> {
+        self.kernels
+            .settings
             .audit
             .record(&Record::KernelRestarted {
                 kernel: live.id().to_owned(),
@@ -97,21 +120,19 @@ impl Kernels {
             })
             .await;
         let (me, live) = (self.clone(), live.clone());
-        let restart = self.tracker.spawn(
+        let restart = self.kernels.tracker.spawn(
             async move {
                 let _ops = live.ops.lock().await;
-                if live.is_hibernated() {
+                if live.hibernated() {
                     // Fresh, as any restart: the saved state goes.
-                    me.forget_state(live.id()).await;
-                    live.relay
-                        .refuse_waiting("the kernel was restarted".into())
-                        .await;
-                    return me.wake_fresh(&live).await;
+                    me.kernels.hibernation().forget_state(live.id()).await;
+                    let why = "the kernel was restarted".to_owned();
+                    let _ = live.relay.step(Event::WakeFailed(why)).await;
+                    return me.kernels.hibernation().wake_fresh(&live).await;
                 }
                 live.epoch.fetch_add(1, Ordering::SeqCst);
-                live.relay
-                    .lost_executions("KernelRestarted", "the kernel was restarted")
-                    .await;
+                let lost = Event::lost("KernelRestarted", "the kernel was restarted", false);
+                let _ = live.relay.step(lost).await;
                 me.restart_locked(&live).await
             }
             .in_current_span(),
@@ -120,12 +141,11 @@ impl Kernels {
     }
 
     /// Clients are not told `restarting` here: Jupyter Server sends that status only for
-    /// restarts it does on its own (a kernel died, see `Relay::lost_to_death`); JupyterLab
+    /// restarts it does on its own (a kernel died, see `Event::Lost` with `announce`); JupyterLab
     /// shows "the kernel appears to have died" when it sees one after a restart the user
     /// asked for.
-    async fn restart_locked(self: &Arc<Self>, live: &Arc<LiveKernel>) -> Result<(), CreateError> {
-        live.relay.set_state(ExecutionState::Restarting, false);
-        live.relay.disconnect();
+    async fn restart_locked(&self, live: &Arc<LiveKernel>) -> Result<(), CreateError> {
+        let _ = live.relay.step(Event::Restart).await;
         let started = Instant::now();
         let mut tries = 0;
         let failure = loop {
@@ -140,25 +160,21 @@ impl Kernels {
                 Err(e) => {
                     // What was sent to the process that failed (held during the restart)
                     // went down with it.
-                    live.relay
-                        .lost_executions("KernelDied", &cause_of(&e))
-                        .await;
-                    // The failed process may have reported a state of its own: messages
-                    // sent from now on wait for the next try.
-                    live.relay.set_state(ExecutionState::Restarting, false);
+                    let lost = Event::lost("KernelDied", &cause_of(&e), false);
+                    let _ = live.relay.step(lost).await;
                     tracing::warn!(kernel = %live.id(), tries, error = %e, "a restart try failed");
                     if tries >= RESTART_TRIES || !retryable(&e) {
                         break e;
                     }
                     tokio::select! {
-                        _ = self.cancel.cancelled() => break CreateError::ShuttingDown,
+                        _ = self.kernels.cancel.cancelled() => break CreateError::ShuttingDown,
                         _ = tokio::time::sleep(backoff(tries)) => {}
                     }
                 }
             }
         };
         if matches!(failure, CreateError::ShuttingDown) {
-            live.relay.set_state(ExecutionState::Dead, true);
+            let _ = live.relay.step(Event::Deleted).await;
             return Err(failure);
         }
         let why = format!(
@@ -167,7 +183,8 @@ impl Kernels {
             live.id()
         );
         tracing::warn!(kernel = %live.id(), "{why}");
-        self.settings
+        self.kernels
+            .settings
             .audit
             .record(&Record::KernelRestartFailed {
                 kernel: live.id().to_owned(),
@@ -176,7 +193,7 @@ impl Kernels {
                 why: failure.to_string(),
             })
             .await;
-        live.relay.set_dead(why.clone()).await;
+        let _ = live.relay.step(Event::GaveUp(why.clone())).await;
         match failure {
             // Its own status (504) for one that did not answer in time.
             e @ CreateError::Kernel(crate::relay::KernelError::NotReady(_)) => Err(e),
@@ -185,24 +202,21 @@ impl Kernels {
     }
 
     /// One try: into a warm kernel when one fits, else the kernel's container restarted.
-    async fn restart_once(
-        self: &Arc<Self>,
-        live: &Arc<LiveKernel>,
-    ) -> Result<&'static str, CreateError> {
+    async fn restart_once(&self, live: &Arc<LiveKernel>) -> Result<&'static str, CreateError> {
         if let Some(env) = live.warm_env.get() {
-            if let Some(warm) = self.take_pooled(&live.name, env).await {
+            if let Some(warm) = self.kernels.pool().take(&live.name, env).await {
                 self.move_into(live, &warm).await?;
                 return Ok("warm kernel from the pool");
             }
         }
         let Process { handle, connection } = live.process();
-        self.backend.restart(&handle).await?;
+        self.kernels.backend.restart(&handle).await?;
         self.connect_watched(
             &live.relay,
             &handle,
             &connection,
             live.cancel.child_token(),
-            self.settings.startup_timeout,
+            self.kernels.settings.startup_timeout,
         )
         .await?;
         Ok("container restarted")
@@ -211,38 +225,32 @@ impl Kernels {
     /// Moves `live` into the process of `warm`, a kernel taken from the pool: `live`'s
     /// clients stay attached, its old container is removed.
     async fn move_into(
-        self: &Arc<Self>,
+        &self,
         live: &Arc<LiveKernel>,
         warm: &Arc<LiveKernel>,
     ) -> Result<(), CreateError> {
         // The warm kernel's own watcher and link go; its process serves `live` now.
         warm.cancel.cancel();
-        warm.relay.disconnect();
+        let _ = warm.relay.step(Event::Unlinked).await;
         let (old, new) = (live.process(), warm.process());
         let connected = self.connect_into(live, &new).await;
         if let Err(e) = connected {
             live.set_process(old);
-            if let Err(re) = self.backend.remove(&new.handle).await {
+            if let Err(re) = self.kernels.backend.remove(&new.handle).await {
                 tracing::warn!(kernel = %warm.id(), error = %re, "cannot remove a warm kernel that failed");
             }
             return Err(e);
         }
-        // Labels cannot change: what the container serves now is recorded beside it, for
-        // a restarted gateway.
-        let recorded = async {
-            self.backend.set_kernel_id(warm.id(), live.id()).await?;
-            self.backend.set_owner(warm.id(), live.owner()).await
-        };
-        if let Err(e) = recorded.await {
+        if let Err(e) = record_serving(&self.kernels, warm.id(), live).await {
             tracing::warn!(kernel = %live.id(), error = %e, "cannot record the kernel's new container");
         }
         live.rearm.notify_one();
         let (me, id) = (self.clone(), live.id().to_owned());
-        self.tracker.spawn(
+        self.kernels.tracker.spawn(
             async move {
-                match me.backend.remove(&old.handle).await {
+                match me.kernels.backend.remove(&old.handle).await {
                     Ok(()) => {
-                        if let Err(e) = me.backend.rename(&new.handle, &id).await {
+                        if let Err(e) = me.kernels.backend.rename(&new.handle, &id).await {
                             tracing::debug!(kernel = %id, error = %e, "cannot rename the kernel's new container");
                         }
                     }
@@ -259,7 +267,7 @@ impl Kernels {
     /// Makes `process` the one `live` runs in and connects its relay to it (what the relay
     /// holds for the next process goes to it first).
     pub(super) async fn connect_into(
-        self: &Arc<Self>,
+        &self,
         live: &Arc<LiveKernel>,
         process: &Process,
     ) -> Result<(), CreateError> {
@@ -269,18 +277,18 @@ impl Kernels {
             &process.handle,
             &process.connection,
             live.cancel.child_token(),
-            self.settings.startup_timeout,
+            self.kernels.settings.startup_timeout,
         )
         .await
     }
 
     /// Watches one kernel for death: process exit (noticed at once) or a heartbeat that
     /// stops answering. A dead kernel is restarted when autorestart is on.
-    pub(super) fn watch(self: &Arc<Self>, live: &Arc<LiveKernel>) {
+    pub(super) fn watch(&self, live: &Arc<LiveKernel>) {
         let me = self.clone();
         let live = live.clone();
         let id = live.id().to_owned();
-        self.tracker.spawn(
+        self.kernels.tracker.spawn(
             async move {
                 let cancel = live.cancel.clone();
                 tokio::select! {
@@ -292,9 +300,10 @@ impl Kernels {
         );
     }
 
-    async fn watch_loop(self: &Arc<Self>, live: &Arc<LiveKernel>) {
+    async fn watch_loop(&self, live: &Arc<LiveKernel>) {
         loop {
-            if live.is_hibernated() || live.relay.is_dead() {
+            let phase = live.relay.phase();
+            if phase.is_hibernated() || phase.is_dead() {
                 // No process to watch until it wakes in one, or a restart brings it back.
                 live.rearm.notified().await;
                 continue;
@@ -302,7 +311,7 @@ impl Kernels {
             let epoch = live.epoch.load(Ordering::SeqCst);
             let Process { handle, connection } = live.process();
             let cause = tokio::select! {
-                exit = self.backend.wait_exit(&handle) => match exit {
+                exit = self.kernels.backend.wait_exit(&handle) => match exit {
                     Ok(exit) => exit.cause(),
                     Err(BackendError::Gone { .. }) => "the kernel's container was removed".to_owned(),
                     Err(e) => format!("the kernel cannot be watched ({e})"),
@@ -313,32 +322,38 @@ impl Kernels {
                 () = live.rearm.notified() => continue,
             };
             let _ops = live.ops.lock().await;
-            if live.epoch.load(Ordering::SeqCst) != epoch || live.relay.is_dead() {
+            if live.epoch.load(Ordering::SeqCst) != epoch || live.relay.phase().is_dead() {
                 // The exit of an intentional restart, or of one that gave up (and said so).
                 continue;
             }
             tracing::warn!(kernel = %live.id(), "{cause}");
-            self.settings
+            self.kernels
+                .settings
                 .audit
                 .record(&Record::KernelDied {
                     kernel: live.id().to_owned(),
                     owner: live.owner().to_owned(),
                     why: cause.to_string(),
-                    restarting: self.settings.autorestart,
+                    restarting: self.kernels.settings.autorestart,
                 })
                 .await;
-            if !self.settings.autorestart {
-                live.relay.lost_executions("KernelDied", &cause).await;
-                live.relay
-                    .set_dead(format!(
-                        "{cause}; restart it with POST /api/kernels/{}/restart or delete it",
-                        live.id()
-                    ))
+            if !self.kernels.settings.autorestart {
+                let _ = live
+                    .relay
+                    .step(Event::lost("KernelDied", &cause, false))
                     .await;
+                let why = format!(
+                    "{cause}; restart it with POST /api/kernels/{}/restart or delete it",
+                    live.id()
+                );
+                let _ = live.relay.step(Event::GaveUp(why)).await;
                 continue; // watched again once a restart brings it back
             }
             // Told `restarting` with the answers; the restart does not say it again.
-            live.relay.lost_to_death(&cause).await;
+            let _ = live
+                .relay
+                .step(Event::lost("KernelDied", &cause, true))
+                .await;
             live.epoch.fetch_add(1, Ordering::SeqCst);
             // A restart that gives up leaves it dead, and clients were told why: the loop
             // waits for one that brings it back.
@@ -359,7 +374,7 @@ impl Kernels {
         connection: &ConnectionInfo,
     ) -> crate::backend::Exit {
         use futures::StreamExt;
-        let mut ooms = self.backend.out_of_memory(handle);
+        let mut ooms = self.kernels.backend.out_of_memory(handle);
         'events: while let Some(exit) = ooms.next().await {
             for _ in 0..OOM_PROBES {
                 tokio::time::sleep(OOM_PROBE_GAP).await;
@@ -373,7 +388,7 @@ impl Kernels {
     }
 
     async fn heartbeat_lost(&self, connection: &ConnectionInfo) {
-        let check = self.settings.heartbeat;
+        let check = self.kernels.settings.heartbeat;
         let mut misses = 0;
         while misses < check.misses {
             tokio::time::sleep(check.every).await;
@@ -386,23 +401,25 @@ impl Kernels {
     }
 
     /// Shuts down kernels with no connection that were not busy for `idle`.
-    pub(super) async fn cull(self: Arc<Self>, idle: Duration) {
+    pub(super) async fn cull(self, idle: Duration) {
         let every = (idle / 4).clamp(Duration::from_secs(1), Duration::from_secs(30));
         loop {
             tokio::select! {
-                _ = self.cancel.cancelled() => return,
+                _ = self.kernels.cancel.cancelled() => return,
                 _ = tokio::time::sleep(every) => {}
             }
             let now = Utc::now();
             let idle_ids: Vec<String> = self
+                .kernels
                 .list()
                 .into_iter()
                 .filter(|l| {
                     let k = &l.relay;
-                    let quiet = (now - k.last_activity()).to_std().unwrap_or_default();
+                    let a = k.activity();
+                    let quiet = (now - a.last_activity).to_std().unwrap_or_default();
                     // A hibernated kernel costs no memory: --hibernate-retention ends it.
-                    !l.is_hibernated()
-                        && k.connections() == 0
+                    !l.hibernated()
+                        && a.connections == 0
                         && k.execution_state() != ExecutionState::Busy
                         && quiet >= idle
                 })
@@ -410,10 +427,46 @@ impl Kernels {
                 .collect();
             for id in idle_ids {
                 tracing::info!(kernel = %id, "culling idle kernel");
-                if let Some(Err(e)) = self.delete(&id, Removal::Culled).await {
+                if let Some(Err(e)) = self.kernels.delete(&id, Removal::Culled).await {
                     tracing::warn!(kernel = %id, error = %e, "cannot remove culled kernel");
                 }
             }
         }
+    }
+
+    /// Connects `kernel` to a process just started (or restarted) and waits until it
+    /// answers, while watching the process: one that exits meanwhile fails the connect at
+    /// once, saying why, instead of after the whole timeout.
+    pub(super) async fn connect_watched(
+        &self,
+        kernel: &Arc<Relay>,
+        handle: &str,
+        connection: &ConnectionInfo,
+        cancel: CancellationToken,
+        timeout: Duration,
+    ) -> Result<(), CreateError> {
+        let connect = kernel.connect(connection, &self.kernels.tracker, cancel.clone(), timeout);
+        tokio::pin!(connect);
+        let result = tokio::select! {
+            r = &mut connect => r.map(drop).map_err(CreateError::from),
+            exit = self.kernels.backend.wait_exit(handle) => match exit {
+                Ok(exit) => Err(CreateError::Backend(BackendError::Died(format!(
+                    "{}{}",
+                    exit.cause(),
+                    WHILE_STARTING
+                )))),
+                // Cannot be watched: the connect alone decides.
+                Err(e) => {
+                    tracing::debug!(kernel = %kernel.id(), error = %e, "cannot watch a starting kernel");
+                    connect.await.map(drop).map_err(CreateError::from)
+                }
+            },
+        };
+        if result.is_err() {
+            // The link of a connect cut short must not linger.
+            cancel.cancel();
+            let _ = kernel.step(Event::Unlinked).await;
+        }
+        result
     }
 }

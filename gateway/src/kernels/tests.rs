@@ -77,14 +77,14 @@ fn env(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
         .collect()
 }
 
-impl Kernels {
-    pub(super) fn pooled(&self) -> usize {
-        self.lock().pool.values().map(VecDeque::len).sum()
-    }
+/// Warm kernels ready in the table's pools.
+pub(super) fn pooled(kernels: &Kernels) -> usize {
+    kernels.lock().pool.values().map(VecDeque::len).sum()
+}
 
-    fn reserved(&self) -> usize {
-        self.lock().reserved
-    }
+/// Slots of the limit held by creates under way.
+fn reserved(kernels: &Kernels) -> usize {
+    kernels.lock().reserved
 }
 
 #[tokio::test]
@@ -94,7 +94,7 @@ async fn the_pool_hands_out_kernels_with_their_environment_and_refills() {
         ..settings()
     })
     .await;
-    eventually("the pool filled", || async { kernels.pooled() == 2 }).await;
+    eventually("the pool filled", || async { pooled(&kernels) == 2 }).await;
     let live = kernels
         .create(None, &env(&[("KERNEL_USERNAME", "alice")]), &admin())
         .await
@@ -108,7 +108,7 @@ async fn the_pool_hands_out_kernels_with_their_environment_and_refills() {
             .any(|c| c.contains("environ.update") && c.contains("alice")),
         "{record:?}"
     );
-    eventually("the pool refilled", || async { kernels.pooled() == 2 }).await;
+    eventually("the pool refilled", || async { pooled(&kernels) == 2 }).await;
     assert_eq!(fake.records().len(), 3);
 
     // Other KERNEL_* variables cannot be set after start: such kernels start cold.
@@ -122,7 +122,7 @@ async fn the_pool_hands_out_kernels_with_their_environment_and_refills() {
         record.env.get("KERNEL_LANG").map(String::as_str),
         Some("de")
     );
-    assert_eq!(kernels.pooled(), 2, "the pool was not touched");
+    assert_eq!(pooled(&kernels), 2, "the pool was not touched");
 
     // Another spec: its own image, no pool unless asked for.
     let extra = kernels
@@ -147,7 +147,7 @@ async fn each_spec_keeps_its_own_pool() {
         ..settings()
     })
     .await;
-    eventually("the extra pool filled", || async { kernels.pooled() == 1 }).await;
+    eventually("the extra pool filled", || async { pooled(&kernels) == 1 }).await;
     let live = kernels
         .create(Some("extra"), &BTreeMap::new(), &admin())
         .await
@@ -161,7 +161,7 @@ async fn each_spec_keeps_its_own_pool() {
     let (_, record) = fake.record_of(py.id()).expect("launched");
     assert_eq!((record.image.as_str(), record.preload), ("kernel:1", false));
     eventually("the extra pool refilled", || async {
-        kernels.pooled() == 1
+        pooled(&kernels) == 1
     })
     .await;
 }
@@ -195,7 +195,7 @@ async fn the_limit_holds_and_abandoned_creates_give_their_slot_back() {
         .await;
     }
     eventually("abandoned creates rolled back", || async {
-        kernels.reserved() == 0 && fake.running() == kernels.list().len()
+        reserved(&kernels) == 0 && fake.running() == kernels.list().len()
     })
     .await;
     assert_eq!(kernels.list().len(), 1);
@@ -269,7 +269,11 @@ async fn restart_keeps_the_id_and_answers_again() {
         .create(None, &BTreeMap::new(), &admin())
         .await
         .expect("created");
-    kernels.restart(&live, "alice").await.expect("restarted");
+    kernels
+        .supervisor()
+        .restart(&live, "alice")
+        .await
+        .expect("restarted");
     let (_, record) = fake.record_of(live.id()).expect("launched");
     assert_eq!(record.restarts, 1);
     assert_eq!(live.relay.execution_state(), ExecutionState::Idle);
@@ -290,6 +294,7 @@ async fn abandoned_deletes_and_restarts_complete() {
         .now_or_never()
         .is_none());
     assert!(kernels
+        .supervisor()
         .restart(&restarted, "alice")
         .now_or_never()
         .is_none());
@@ -326,9 +331,9 @@ async fn kernels_ready_after_shutdown_began_are_not_kept() {
     kernels.shutdown().await;
     // Shutdown's sweep is over: registering now would leave the kernel running.
     assert!(!slot.fill(&late), "not registered");
-    assert!(!kernels.pool_add(DEFAULT_SPEC, &late), "not pooled");
-    assert_eq!((kernels.list().len(), kernels.pooled()), (0, 0));
-    assert_eq!(kernels.reserved(), 0, "the slot was given back");
+    assert!(!kernels.pool().add(DEFAULT_SPEC, &late), "not pooled");
+    assert_eq!((kernels.list().len(), pooled(&kernels)), (0, 0));
+    assert_eq!(reserved(&kernels), 0, "the slot was given back");
     kernels.discard(&late).await.expect("removed");
     assert_eq!(fake.running(), 0);
 }
@@ -460,16 +465,19 @@ async fn a_cell_sent_between_a_death_and_the_restart_runs_on_the_next_process() 
     // begun. A cell sent now must wait for the next process, not go to the dead one's
     // sockets, where nothing would ever answer it.
     fake.hang(&handle);
-    live.relay
-        .lost_executions("KernelDied", "the kernel ran out of memory")
-        .await;
+    let lost = Event::lost("KernelDied", "the kernel ran out of memory", false);
+    let _ = live.relay.step(lost).await;
     let cell = tokio::spawn({
         let live = live.clone();
         async move { run_code(&live, "1").await }
     });
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert!(!cell.is_finished(), "held for the next process");
-    kernels.restart(&live, "admin").await.expect("restarted");
+    kernels
+        .supervisor()
+        .restart(&live, "admin")
+        .await
+        .expect("restarted");
     let (status, ename, _) = cell.await.expect("the cell's task");
     assert_eq!((status.as_str(), ename.as_str()), ("ok", ""));
 }
@@ -528,6 +536,7 @@ async fn a_restart_that_keeps_failing_gives_up_fast_and_says_what_to_do() {
     // What the message says works, and the kernel is watched again: its next death is
     // seen and it comes back.
     kernels
+        .supervisor()
         .restart(&live, "alice")
         .await
         .expect("restarted by hand");
@@ -587,16 +596,20 @@ async fn a_restart_moves_the_kernel_into_a_warm_one_when_one_fits() {
         ..settings()
     })
     .await;
-    eventually("the pool filled", || async { kernels.pooled() == 1 }).await;
+    eventually("the pool filled", || async { pooled(&kernels) == 1 }).await;
     let live = kernels
         .create(None, &env(&[("KERNEL_USERNAME", "alice")]), &admin())
         .await
         .expect("created");
-    eventually("the pool refilled", || async { kernels.pooled() == 1 }).await;
+    eventually("the pool refilled", || async { pooled(&kernels) == 1 }).await;
     let before = live.handle();
     let warm = kernels.lock().pool[DEFAULT_SPEC][0].handle();
 
-    kernels.restart(&live, "alice").await.expect("restarted");
+    kernels
+        .supervisor()
+        .restart(&live, "alice")
+        .await
+        .expect("restarted");
     assert_eq!(live.handle(), warm, "moved into the warm kernel's process");
     assert_eq!(
         kernels.get(live.id()).map(|l| l.handle()),
@@ -619,7 +632,7 @@ async fn a_restart_moves_the_kernel_into_a_warm_one_when_one_fits() {
     })
     .await;
     assert_eq!(run_code(&live, "1").await.0, "ok");
-    eventually("the pool refilled", || async { kernels.pooled() == 1 }).await;
+    eventually("the pool refilled", || async { pooled(&kernels) == 1 }).await;
 
     // Its death is watched in its new process.
     fake.kill(&warm);
@@ -633,12 +646,16 @@ async fn a_restart_moves_the_kernel_into_a_warm_one_when_one_fits() {
         .create(None, &env(&[("KERNEL_LANG", "de")]), &admin())
         .await
         .expect("created");
-    eventually("the pool refilled", || async { kernels.pooled() == 1 }).await;
+    eventually("the pool refilled", || async { pooled(&kernels) == 1 }).await;
     let handle = cold.handle();
-    kernels.restart(&cold, "alice").await.expect("restarted");
+    kernels
+        .supervisor()
+        .restart(&cold, "alice")
+        .await
+        .expect("restarted");
     assert_eq!(cold.handle(), handle);
     assert_eq!(fake.records()[&handle].restarts, 1);
-    assert_eq!(kernels.pooled(), 1, "the pool was not touched");
+    assert_eq!(pooled(&kernels), 1, "the pool was not touched");
 }
 
 #[tokio::test]
@@ -648,19 +665,20 @@ async fn a_restarted_gateway_finds_moved_kernels_and_pools_warm_ones_again() {
         ..settings()
     };
     let (first, fake) = table(settings()).await;
-    eventually("the pool filled", || async { first.pooled() == 1 }).await;
+    eventually("the pool filled", || async { pooled(&first) == 1 }).await;
     let live = first
         .create(None, &BTreeMap::new(), &admin())
         .await
         .expect("created");
-    eventually("the pool refilled", || async { first.pooled() == 1 }).await;
+    eventually("the pool refilled", || async { pooled(&first) == 1 }).await;
     first
+        .supervisor()
         .restart(&live, "alice")
         .await
         .expect("restarted into the warm kernel");
     let moved_to = live.handle();
     eventually("the pool refilled again", || async {
-        first.pooled() == 1 && fake.records().values().filter(|r| r.removed).count() == 1
+        pooled(&first) == 1 && fake.records().values().filter(|r| r.removed).count() == 1
     })
     .await;
     let warm = first.lock().pool[DEFAULT_SPEC][0].handle();
@@ -686,7 +704,7 @@ async fn a_restarted_gateway_finds_moved_kernels_and_pools_warm_ones_again() {
         "the kernel, in the container it moved into; the warm kernel is not listed"
     );
     assert_eq!(second.list()[0].owner(), "admin");
-    assert_eq!(second.pooled(), 1);
+    assert_eq!(pooled(&second), 1);
     assert_eq!(second.lock().pool[DEFAULT_SPEC][0].handle(), warm);
     assert_eq!(fake.records().len(), launched, "nothing new started");
     second.cancel.cancel();
@@ -703,7 +721,7 @@ async fn a_restarted_gateway_finds_moved_kernels_and_pools_warm_ones_again() {
     );
     third.start().await;
     assert_eq!(third.list().len(), 1);
-    assert_eq!(third.pooled(), 0);
+    assert_eq!(pooled(&third), 0);
     assert!(fake.records()[&warm].removed);
     third.shutdown().await;
     assert_eq!(fake.running(), 0);
@@ -727,7 +745,7 @@ async fn a_kernel_that_dies_while_it_starts_fails_its_create_at_once() {
         "the kernel ran out of memory (limit 64 MiB) while it started"
     );
     eventually("its container removed and its slot given back", || async {
-        fake.running() == 0 && kernels.reserved() == 0
+        fake.running() == 0 && reserved(&kernels) == 0
     })
     .await;
     assert!(kernels.list().is_empty());

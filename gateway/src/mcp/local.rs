@@ -91,6 +91,7 @@ impl Place for Local {
         Box::pin(async move {
             let live = self.live(kernel, "").map_err(|e| e.to_string())?;
             self.0
+                .supervisor()
                 .restart(&live, &tenant.name)
                 .await
                 .map_err(|e| e.to_string())
@@ -105,7 +106,9 @@ impl Place for Local {
     ) -> BoxFuture<'a, Result<crate::kernels::packages::Installed, String>> {
         Box::pin(async move {
             let live = self.live(kernel, "").map_err(|e| e.to_string())?;
-            crate::kernels::packages::install(&self.0, &live, key, packages)
+            self.0
+                .installs()
+                .install(&live, key, packages)
                 .await
                 .map_err(|e| e.to_string())
         })

@@ -32,17 +32,6 @@ use crate::kernels::Kernels;
 use crate::tenants::Tenant;
 use budget::Budget;
 use futures::future::BoxFuture;
-use kernelgate_protocol::execution::Event;
-use kernelgate_protocol::terminal::{plain_text, Terminal};
-use kernelgate_protocol::Outcome;
-use rmcp::model::{
-    CallToolRequestParams, CallToolResponse, CallToolResult, ContentBlock, Implementation,
-    ListToolsResult, PaginatedRequestParams, ProgressNotificationParam, ServerCapabilities,
-    ServerConfig, Tool,
-};
-use rmcp::service::RequestContext;
-use rmcp::{ErrorData, RoleServer, ServerHandler};
-use serde_json::json;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};

@@ -2,7 +2,23 @@
 //! works on, and each tool call run through the session's place, its output streamed as
 //! progress and answered within the result budget.
 
-use super::*;
+use super::tools::{self, ToolError};
+use super::{KernelRef, Mcp, INSTRUCTIONS, SESSION_HEADER};
+use crate::kernels::files::{FileError, FileOp};
+use crate::kernels::runner::{Job, Progress};
+use crate::tenants::Tenant;
+use kernelgate_protocol::execution::Event;
+use kernelgate_protocol::terminal::{plain_text, Terminal};
+use kernelgate_protocol::Outcome;
+use rmcp::model::{
+    CallToolRequestParams, CallToolResponse, CallToolResult, ContentBlock, Implementation,
+    ListToolsResult, PaginatedRequestParams, ProgressNotificationParam, ServerCapabilities,
+    ServerConfig, Tool,
+};
+use rmcp::service::RequestContext;
+use rmcp::{ErrorData, RoleServer, ServerHandler};
+use serde_json::json;
+use std::sync::Arc;
 
 /// Who is calling, and in which session.
 #[derive(Debug)]

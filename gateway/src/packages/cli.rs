@@ -1,29 +1,46 @@
 //! `kernelgate packages add|remove|list|sync`.
 
 use super::{allowlist, lock, sync};
-use crate::config::{PackagesAction, PackagesArgs};
+use crate::backend::docker::{DockerBackend, DockerSettings};
+use crate::backend::gvisor::{GvisorEngine, GvisorSettings, ImageResolver};
+use crate::backend::KernelBackend;
+use crate::config::{EngineChoice, PackagesAction, PackagesArgs, RuntimeChoice};
 use anyhow::{bail, Context};
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// The engine the command's one-shot runs and image lookups go to.
+struct Engine {
+    choice: EngineChoice,
+    image_store: PathBuf,
+    runsc: Option<PathBuf>,
+}
 
 pub async fn run(args: PackagesArgs) -> anyhow::Result<()> {
     let file = args.file().map_err(anyhow::Error::msg)?;
+    let engine = Engine {
+        choice: args.engine,
+        image_store: args.image_store.clone(),
+        runsc: args.runsc.clone(),
+    };
     match args.action {
         PackagesAction::Add { requirements } => add(&file, &requirements),
         PackagesAction::Remove { names } => remove(&file, &names),
         PackagesAction::List { wheelhouse, image } => {
-            list(&file, wheelhouse.as_deref(), &image).await
+            list(&file, wheelhouse.as_deref(), &image, &engine).await
         }
         PackagesAction::Sync {
             wheelhouse,
             find_links,
             image,
             python,
+            runtime,
         } => {
             let entries = allowlist::read(&file).map_err(anyhow::Error::msg)?;
             if entries.is_empty() {
                 bail!("{} allows no package: add some with `kernelgate packages add NAME --packages {}`", file.display(), file.display());
             }
-            let docker = docker().await?;
+            let (backend, scratch) = backend(&engine, &image, runtime).await?;
             let opts = sync::SyncOptions {
                 entries,
                 wheelhouse,
@@ -31,7 +48,13 @@ pub async fn run(args: PackagesArgs) -> anyhow::Result<()> {
                 image,
                 python,
             };
-            let report = sync::sync(&docker, &opts, &mut |line: &str| eprintln!("{line}")).await?;
+            let report = sync::sync(backend.as_ref(), &opts, &mut |line: &str| {
+                eprintln!("{line}")
+            })
+            .await;
+            drop(backend);
+            scratch.remove();
+            let report = report?;
             println!(
                 "synced {} of {} allowed packages for {}; lock: {}",
                 report.synced.len(),
@@ -51,12 +74,72 @@ pub async fn run(args: PackagesArgs) -> anyhow::Result<()> {
     }
 }
 
-async fn docker() -> anyhow::Result<bollard::Docker> {
-    bollard::Docker::connect_with_local_defaults()
-        .context("cannot reach the Docker engine")?
-        .negotiate_version()
-        .await
-        .context("cannot reach the Docker engine (is it running? is DOCKER_HOST right?)")
+/// The engine the sync's one-shot runs go to, under `runtime` (Docker's), with the
+/// scratch directory the gVisor engine keeps its sandboxes' state in while it runs.
+async fn backend(
+    engine: &Engine,
+    image: &str,
+    runtime: RuntimeChoice,
+) -> anyhow::Result<(Box<dyn KernelBackend>, Scratch)> {
+    if engine.choice == EngineChoice::Docker {
+        let docker = DockerBackend::connect(DockerSettings::for_one_shot_runs(image, runtime))
+            .await
+            .context("cannot reach the Docker engine (is it running? is DOCKER_HOST right?), or use --engine gvisor with an image store")?;
+        return Ok((Box::new(docker), Scratch(None)));
+    }
+    crate::backend::gvisor::check_privileges().map_err(anyhow::Error::msg)?;
+    let store = crate::images::ImageStore::open(engine.image_store.clone())
+        .context("cannot open the image store (--image-store)")?;
+    let resolve: ImageResolver =
+        Arc::new(move |r| crate::backend::gvisor::images::resolve(&store, r));
+    let scratch = Scratch::new()?;
+    let settings = GvisorSettings {
+        runsc: engine
+            .runsc
+            .clone()
+            .unwrap_or_else(crate::backend::gvisor::default_runsc),
+        image: image.to_owned(),
+        runtime_dir: scratch.path().to_owned(),
+        memory_mb: 512,
+        cpus: 1.0,
+        pids: 64,
+        disk_mb: 64,
+        packages: None,
+    };
+    let gvisor = GvisorEngine::new(settings, resolve).context("cannot run sandboxes")?;
+    Ok((Box::new(gvisor), scratch))
+}
+
+/// A private directory for the gVisor engine's state during one command, removed after.
+struct Scratch(Option<tempfile::TempDir>);
+
+impl Scratch {
+    fn new() -> anyhow::Result<Scratch> {
+        let base = Path::new("/run");
+        let dir = tempfile::Builder::new()
+            .prefix("kernelgate-packages-")
+            .tempdir_in(if base.is_dir() {
+                base
+            } else {
+                Path::new("/tmp")
+            })
+            .context("cannot make a scratch directory for the sandboxes")?;
+        Ok(Scratch(Some(dir)))
+    }
+
+    fn path(&self) -> &Path {
+        self.0
+            .as_ref()
+            .map_or(Path::new("/nonexistent"), |d| d.path())
+    }
+
+    fn remove(mut self) {
+        if let Some(dir) = self.0.take() {
+            if let Err(e) = dir.close() {
+                eprintln!("cannot remove the sandboxes' scratch directory: {e}");
+            }
+        }
+    }
 }
 
 /// The file's text, or nothing when it does not exist yet.
@@ -128,18 +211,24 @@ fn remove(file: &Path, names: &[String]) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn list(file: &Path, wheelhouse: Option<&Path>, image: &str) -> anyhow::Result<()> {
+async fn list(
+    file: &Path,
+    wheelhouse: Option<&Path>,
+    image: &str,
+    engine: &Engine,
+) -> anyhow::Result<()> {
     let entries = allowlist::read(file).map_err(anyhow::Error::msg)?;
     let locked = match wheelhouse {
         None => None,
         Some(dir) => {
-            let docker = docker().await?;
-            let id = docker
-                .inspect_image(image)
-                .await
+            // Nothing runs: any runtime will do.
+            let (backend, scratch) = backend(engine, image, RuntimeChoice::Runc).await?;
+            let described = backend.describe_image(image).await;
+            drop(backend);
+            scratch.remove();
+            let id = described
                 .with_context(|| format!("cannot inspect the image {image}"))?
-                .id
-                .unwrap_or_default();
+                .id;
             lock::Lock::read(&lock::image_dir(dir, &id).join(lock::LOCK_FILE))
                 .map_err(anyhow::Error::msg)?
         }

@@ -13,6 +13,7 @@ pub mod cli;
 pub mod lock;
 pub mod sync;
 
+use crate::backend::sandbox::Mount;
 use allowlist::Entry;
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -75,26 +76,32 @@ pub struct Mounts {
     pub shim_dir: PathBuf,
 }
 
+/// Environment variables, as `(name, value)`.
+pub type Env = Vec<(String, String)>;
+
 impl Mounts {
-    /// The bind mounts (`host:container:ro`) and environment of a kernel of `kernel_name`
-    /// running `image_id`. The image's directory in the wheelhouse is created when missing,
-    /// so a sync after the kernel started is seen at once.
+    /// The read-only mounts and environment of a kernel of `kernel_name` running
+    /// `image_id`. The image's directory in the wheelhouse is created when missing, so a
+    /// sync after the kernel started is seen at once.
     pub fn for_kernel(
         &self,
         image_id: &str,
         kernel_name: &str,
-    ) -> std::io::Result<(Vec<String>, Vec<String>)> {
+    ) -> std::io::Result<(Vec<Mount>, Env)> {
         let tree = lock::image_dir(&self.wheelhouse, image_id);
         std::fs::create_dir_all(&tree)?;
-        let binds = vec![
-            format!("{}:{TREE_IN_CONTAINER}:ro", tree.display()),
-            format!("{}:{SHIM_IN_CONTAINER}:ro", self.shim_dir.display()),
+        let mounts = vec![
+            Mount::read_only(tree, TREE_IN_CONTAINER),
+            Mount::read_only(&self.shim_dir, SHIM_IN_CONTAINER),
         ];
         let env = vec![
-            format!("PYTHONPATH={SHIM_IN_CONTAINER}"),
-            format!("KERNELGATE_PACKAGES_ALLOWED={SHIM_IN_CONTAINER}/allowed/{kernel_name}.json"),
+            ("PYTHONPATH".to_owned(), SHIM_IN_CONTAINER.to_owned()),
+            (
+                "KERNELGATE_PACKAGES_ALLOWED".to_owned(),
+                format!("{SHIM_IN_CONTAINER}/allowed/{kernel_name}.json"),
+            ),
         ];
-        Ok((binds, env))
+        Ok((mounts, env))
     }
 }
 

@@ -3,7 +3,8 @@
 //! writes the image's lock (docs/packages.md).
 //!
 //! The image's own Python says what it is (version, ABI, platform tags, installed
-//! distributions) from a throwaway container with no network. pip then resolves for that
+//! distributions) from a one-shot run of the kernel backend: a throwaway sandbox with the
+//! kernels' hardening, runtime and syscall filter. pip then resolves for that
 //! target (`--python-version`, `--abi`, `--platform`) with the image's distributions pinned
 //! by a constraints file and offered as metadata-only stand-in wheels, so what the image
 //! has is never downloaded and works offline with `--find-links` too. Each entry resolves
@@ -12,15 +13,9 @@
 
 use super::allowlist::{self, normalize};
 use super::lock::{self, Lock, LockedPackage, LockedRequirement, PythonTarget, Refused};
+use crate::backend::sandbox::{Mount, RunOnce};
+use crate::backend::{BackendError, KernelBackend};
 use anyhow::{anyhow, bail, Context};
-use bollard::errors::Error as DockerError;
-use bollard::models::{ContainerCreateBody, HostConfig};
-use bollard::query_parameters::{
-    CreateContainerOptionsBuilder, LogsOptionsBuilder, RemoveContainerOptionsBuilder,
-    WaitContainerOptionsBuilder,
-};
-use bollard::Docker;
-use futures::StreamExt;
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -77,23 +72,23 @@ const MAX_REASON: usize = 400;
 /// lock. Entries that cannot be synced are refused in the lock (and the report); errors
 /// are for what stops the whole sync (no image, no pip, an unwritable wheelhouse).
 pub async fn sync(
-    docker: &Docker,
+    backend: &dyn KernelBackend,
     opts: &SyncOptions,
     progress: &mut (dyn FnMut(&str) + Send),
 ) -> anyhow::Result<SyncReport> {
     check_pip(&opts.python).await?;
-    let inspect = match docker.inspect_image(&opts.image).await {
-        Ok(inspect) => inspect,
-        Err(e) if docker_status(&e) == Some(404) => bail!(
+    let facts = match backend.describe_image(&opts.image).await {
+        Ok(facts) => facts,
+        Err(BackendError::ImageMissing { .. }) => bail!(
             "the kernel image {} does not exist: build it with `make image`, or name another with --image",
             opts.image
         ),
         Err(e) => return Err(e).context(format!("cannot inspect the image {}", opts.image)),
     };
-    let image_id = inspect
-        .id
-        .clone()
-        .ok_or_else(|| anyhow!("Docker gave no id for the image {}", opts.image))?;
+    let image_id = facts.id.clone();
+    if image_id.is_empty() {
+        bail!("the engine gave no id for the image {}", opts.image);
+    }
     let key = lock::image_key(&image_id);
     if key.len() != 12 {
         bail!("unexpected image id {image_id:?} for {}", opts.image);
@@ -104,12 +99,8 @@ pub async fn sync(
         std::fs::create_dir_all(dir)
             .with_context(|| format!("cannot create the wheelhouse directory {}", dir.display()))?;
     }
-    let config = inspect.config.unwrap_or_default();
-    let interpreter = image_interpreter(
-        config.entrypoint.as_deref().unwrap_or_default(),
-        config.cmd.as_deref().unwrap_or_default(),
-    );
-    let facts = probe_python(docker, &image_id, &interpreter)
+    let interpreter = image_interpreter(&facts.entrypoint, &facts.cmd);
+    let facts = probe_python(backend, &image_id, &interpreter)
         .await
         .with_context(|| format!("cannot read the Python facts of the image {}", opts.image))?;
     let target = facts.target();
@@ -144,6 +135,7 @@ pub async fn sync(
         image_dir: &image_dir,
         wheels_dir: &wheels_dir,
         locked: BTreeMap::new(),
+        previous: previous_trees(&image_dir.join(lock::LOCK_FILE)),
         outcomes: HashMap::new(),
         report: SyncReport {
             lock_path: image_dir.join(lock::LOCK_FILE),
@@ -193,7 +185,7 @@ pub async fn sync(
     let report = run.report;
     if !report.unpacked.is_empty() {
         match compile(
-            docker,
+            backend,
             &image_id,
             &interpreter,
             &image_dir,
@@ -263,6 +255,9 @@ struct Run<'a> {
     wheels_dir: &'a Path,
     /// The lock's `packages` so far.
     locked: BTreeMap<String, LockedPackage>,
+    /// Tree directory -> the wheel sha256 the previous lock says it was unpacked from (for
+    /// trees unpacked before they carried their own `UNPACKED_FROM` file).
+    previous: HashMap<String, String>,
     /// `name==version` -> the package ready in the wheelhouse, or why it cannot be.
     outcomes: HashMap<String, Result<LockedPackage, String>>,
     report: SyncReport,
@@ -350,39 +345,47 @@ impl Run<'_> {
             return Ok(Err(format!("{what}: {} is not a wheel", item.url)));
         };
         let wheel = self.wheels_dir.join(&file_name);
-        let mut sha256 = item.sha256.clone();
-        let have = match &sha256 {
+        let dir = format!("{}-{}", item.key, item.version);
+        let dest = self.image_dir.join(&dir);
+        let have = match &item.sha256 {
             Some(expected) => file_sha256(wheel.clone())
                 .await
                 .is_ok_and(|actual| &actual == expected),
             None => false,
         };
-        if have {
+        let sha256 = if have {
+            let sha256 = item.sha256.clone().unwrap_or_default();
+            if let Err(reason) = same_bytes_as_unpacked(&dest, &sha256, &self.previous) {
+                return Ok(Err(format!("{what}: {reason}")));
+            }
             self.report.reused.push(file_name.clone());
+            sha256
         } else {
             let fetched = match self.fetch(item, &file_name).await? {
                 Ok(path) => path,
                 Err(reason) => return Ok(Err(format!("{what}: {reason}"))),
             };
             let actual = file_sha256(fetched.clone()).await?;
-            if let Some(expected) = &sha256 {
+            if let Some(expected) = &item.sha256 {
                 if &actual != expected {
                     return Ok(Err(format!(
                         "{what}: {file_name} has sha256 {actual}, but the resolver said {expected}"
                     )));
                 }
             }
-            sha256 = Some(actual);
+            // Checked before the wheel replaces the one in `wheels/`: a refused wheel
+            // leaves the wheelhouse as it was.
+            if let Err(reason) = same_bytes_as_unpacked(&dest, &actual, &self.previous) {
+                return Ok(Err(format!("{what}: {reason}")));
+            }
             let size = std::fs::metadata(&fetched)?.len();
             std::fs::rename(&fetched, &wheel).with_context(|| {
                 format!("cannot move {file_name} into {}", self.wheels_dir.display())
             })?;
             self.report.fetched.push(file_name.clone());
             self.report.fetched_bytes += size;
-        }
-        let sha256 = sha256.unwrap_or_default();
-        let dir = format!("{}-{}", item.key, item.version);
-        let dest = self.image_dir.join(&dir);
+            actual
+        };
         let (expected, target) = (sha256.clone(), dest.clone());
         let unpacked =
             tokio::task::spawn_blocking(move || install_wheel(&wheel, &expected, &target))
@@ -624,13 +627,6 @@ fn pip_version(text: &str) -> Option<(u32, u32)> {
     Some((major, minor))
 }
 
-fn docker_status(e: &DockerError) -> Option<u16> {
-    match e {
-        DockerError::DockerResponseServerError { status_code, .. } => Some(*status_code),
-        _ => None,
-    }
-}
-
 /// The interpreter the image's kernel runs: the first `python*` of its entrypoint and
 /// command (`/opt/kernel/venv/bin/python`), else `python3` from the image's PATH.
 fn image_interpreter(entrypoint: &[String], cmd: &[String]) -> String {
@@ -719,80 +715,54 @@ impl ImagePython {
     }
 }
 
-/// Runs `argv` in a throwaway container of the image: no network, read-only root, no
-/// capabilities, as `user`, with `binds`. Its standard output, once it exited with 0; the
-/// container is removed whatever happens.
-async fn oneshot(
-    docker: &Docker,
-    image_id: &str,
-    user: &str,
-    argv: Vec<String>,
-    binds: Vec<String>,
-    timeout: Duration,
-) -> anyhow::Result<String> {
-    let what = argv.first().cloned().unwrap_or_default();
-    let body = ContainerCreateBody {
-        image: Some(image_id.to_owned()),
-        user: Some(user.to_owned()),
-        entrypoint: Some(argv),
-        cmd: Some(Vec::new()),
-        working_dir: Some("/".to_owned()),
-        network_disabled: Some(true),
-        host_config: Some(HostConfig {
-            runtime: Some("runc".to_owned()),
-            network_mode: Some("none".to_owned()),
-            readonly_rootfs: Some(true),
-            cap_drop: Some(vec!["ALL".to_owned()]),
-            security_opt: Some(vec!["no-new-privileges".to_owned()]),
-            pids_limit: Some(64),
-            memory: Some(512 * 1024 * 1024),
-            binds: (!binds.is_empty()).then_some(binds),
-            auto_remove: Some(false),
-            ..Default::default()
-        }),
-        ..Default::default()
-    };
-    let name = format!(
-        "kernelgate-packages-probe-{}",
-        uuid::Uuid::new_v4().simple()
-    );
-    let options = CreateContainerOptionsBuilder::default().name(&name).build();
-    let id = docker
-        .create_container(Some(options), body)
-        .await
-        .context("cannot create a container of the image")?
-        .id;
-    let result = tokio::time::timeout(timeout, run_probe(docker, &id, &what)).await;
-    let remove = RemoveContainerOptionsBuilder::default().force(true).build();
-    if let Err(e) = docker.remove_container(&id, Some(remove)).await {
-        tracing::warn!(container = %id, error = %e, "cannot remove the probe container");
-    }
-    match result {
-        Ok(result) => result,
-        Err(_) => bail!(
+/// Output a one-shot run keeps, per stream: the probe's facts fit many times over.
+const MAX_RUN_OUTPUT: usize = 16 << 20;
+
+/// Runs `request` once through the backend (a throwaway sandbox with the kernels'
+/// hardening and syscall filter): its standard output, once it exited with 0.
+async fn oneshot(backend: &dyn KernelBackend, request: RunOnce) -> anyhow::Result<String> {
+    let what = request.argv.first().cloned().unwrap_or_default();
+    let timeout = request.timeout;
+    let out = match backend.run_once(request).await {
+        Ok(out) => out,
+        Err(BackendError::TimedOut { .. }) => bail!(
             "{what} in the image did not finish within {} s",
             timeout.as_secs()
         ),
+        Err(e) => return Err(e).context("cannot run a sandbox of the image"),
+    };
+    if out.exit_code != 0 {
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        bail!(
+            "{what} exited with status {}: {}",
+            out.exit_code,
+            last_line(&stderr).unwrap_or("no message")
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// The run that reads the image's Python facts: its interpreter as the kernel's user.
+fn probe_request(image_id: &str, interpreter: &str) -> RunOnce {
+    RunOnce {
+        image: image_id.to_owned(),
+        argv: vec![interpreter.to_owned(), "-c".to_owned(), PROBE.to_owned()],
+        user: None,
+        mounts: Vec::new(),
+        limits: RunOnce::LIMITS,
+        timeout: PROBE_TIMEOUT,
+        max_output: MAX_RUN_OUTPUT,
     }
 }
 
 /// The image's Python: version, tags and installed distributions, read by its own
-/// interpreter in a throwaway container as the kernel's user.
+/// interpreter in a throwaway sandbox as the kernel's user.
 async fn probe_python(
-    docker: &Docker,
+    backend: &dyn KernelBackend,
     image_id: &str,
     interpreter: &str,
 ) -> anyhow::Result<ImagePython> {
-    let argv = vec![interpreter.to_owned(), "-c".to_owned(), PROBE.to_owned()];
-    let stdout = oneshot(
-        docker,
-        image_id,
-        "1000:1000",
-        argv,
-        Vec::new(),
-        PROBE_TIMEOUT,
-    )
-    .await?;
+    let stdout = oneshot(backend, probe_request(image_id, interpreter)).await?;
     let line = stdout
         .lines()
         .rev()
@@ -801,20 +771,15 @@ async fn probe_python(
     serde_json::from_str(line).with_context(|| format!("{interpreter} printed no facts"))
 }
 
-/// Compiles the newly unpacked packages to bytecode with the image's own interpreter, as
-/// the image's own packages are (`unchecked-hash`: kernels mount the tree read-only and
-/// could never cache it; without this, every import compiles from source). Runs as the
-/// owner of the image's directory, with only that directory writable.
-async fn compile(
-    docker: &Docker,
+/// The run that compiles `dirs` of the image's directory in the wheelhouse (mounted at
+/// `/wheelhouse`, writable), as `owner`, the directory's owner.
+fn compile_request(
     image_id: &str,
     interpreter: &str,
     image_dir: &Path,
+    owner: (u32, u32),
     dirs: &[String],
-) -> anyhow::Result<()> {
-    use std::os::unix::fs::MetadataExt;
-    let meta = std::fs::metadata(image_dir)?;
-    let user = format!("{}:{}", meta.uid(), meta.gid());
+) -> RunOnce {
     let mut argv: Vec<String> = [
         interpreter,
         "-m",
@@ -829,47 +794,39 @@ async fn compile(
     .map(|s| s.to_string())
     .collect();
     argv.extend(dirs.iter().map(|d| format!("/wheelhouse/{d}")));
-    let binds = vec![format!("{}:/wheelhouse:rw", image_dir.display())];
-    oneshot(docker, image_id, &user, argv, binds, COMPILE_TIMEOUT).await?;
-    Ok(())
+    RunOnce {
+        image: image_id.to_owned(),
+        argv,
+        user: Some(owner),
+        mounts: vec![Mount::writable(image_dir, "/wheelhouse")],
+        limits: RunOnce::LIMITS,
+        timeout: COMPILE_TIMEOUT,
+        max_output: MAX_RUN_OUTPUT,
+    }
 }
 
-async fn run_probe(docker: &Docker, id: &str, interpreter: &str) -> anyhow::Result<String> {
-    use bollard::container::LogOutput;
-    docker
-        .start_container(id, None)
-        .await
-        .context("cannot start the probe container")?;
-    let wait = WaitContainerOptionsBuilder::default().build();
-    let code = match docker.wait_container(id, Some(wait)).next().await {
-        Some(Ok(exit)) => exit.status_code,
-        // bollard reports a non-zero exit code as an error.
-        Some(Err(DockerError::DockerContainerWaitError { code, .. })) => code,
-        Some(Err(e)) => return Err(e).context("waiting for the probe container"),
-        None => bail!("the probe container's wait ended with no status"),
-    };
-    let logs = LogsOptionsBuilder::default()
-        .stdout(true)
-        .stderr(true)
-        .tail("all")
-        .build();
-    let mut stream = docker.logs(id, Some(logs));
-    let (mut stdout, mut stderr) = (Vec::new(), Vec::new());
-    while let Some(item) = stream.next().await {
-        match item.context("reading the probe container's output")? {
-            LogOutput::StdOut { message } => stdout.extend_from_slice(&message),
-            LogOutput::StdErr { message } => stderr.extend_from_slice(&message),
-            _ => {}
-        }
-    }
-    let stderr = String::from_utf8_lossy(&stderr);
-    if code != 0 {
-        bail!(
-            "{interpreter} exited with status {code}: {}",
-            last_line(&stderr).unwrap_or("no message")
-        );
-    }
-    Ok(String::from_utf8_lossy(&stdout).into_owned())
+/// Compiles the newly unpacked packages to bytecode with the image's own interpreter, as
+/// the image's own packages are (`unchecked-hash`: kernels mount the tree read-only and
+/// could never cache it; without this, every import compiles from source). Runs as the
+/// owner of the image's directory, with only that directory writable.
+async fn compile(
+    backend: &dyn KernelBackend,
+    image_id: &str,
+    interpreter: &str,
+    image_dir: &Path,
+    dirs: &[String],
+) -> anyhow::Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = std::fs::metadata(image_dir)?;
+    let request = compile_request(
+        image_id,
+        interpreter,
+        image_dir,
+        (meta.uid(), meta.gid()),
+        dirs,
+    );
+    oneshot(backend, request).await?;
+    Ok(())
 }
 
 /// `--python-version`, `--implementation`, `--abi` and `--platform` options for `target`.
@@ -1263,6 +1220,54 @@ fn plan_unpack<R: Read + std::io::Seek>(archive: &mut zip::ZipArchive<R>) -> Res
     Ok(plan)
 }
 
+/// The file in an unpacked tree that names the sha256 of the wheel it came from (Python
+/// ignores it on `sys.path`).
+const UNPACKED_FROM: &str = ".kernelgate-wheel-sha256";
+
+/// A version's bytes never change under it: when `dest` already holds this version
+/// unpacked from other wheel bytes (its `UNPACKED_FROM` file, else `previous`: the last
+/// lock's trees),
+/// the new bytes are refused and the tree kernels install stays as it was. The reason
+/// says how to take the new bytes on purpose.
+fn same_bytes_as_unpacked(
+    dest: &Path,
+    sha256: &str,
+    previous: &HashMap<String, String>,
+) -> Result<(), String> {
+    if !dest.is_dir() {
+        return Ok(());
+    }
+    let held = std::fs::read_to_string(dest.join(UNPACKED_FROM))
+        .ok()
+        .map(|text| text.trim().to_owned())
+        .or_else(|| {
+            let dir = dest.file_name()?.to_string_lossy().into_owned();
+            previous.get(&dir).cloned()
+        });
+    match held {
+        Some(held) if held != sha256 => Err(format!(
+            "its wheel now has sha256 {sha256}, but {} was unpacked from a wheel with \
+             sha256 {held}: the bytes of a released version must not change, so the new \
+             wheel is refused and kernels cannot install it; if the new bytes are \
+             trusted, delete {} and sync again",
+            dest.display(),
+            dest.display()
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// Tree directory -> wheel sha256, as the lock at `path` says, if it can be read.
+fn previous_trees(path: &Path) -> HashMap<String, String> {
+    let Ok(Some(lock)) = Lock::read(path) else {
+        return HashMap::new();
+    };
+    lock.packages
+        .into_values()
+        .filter_map(|p| Some((p.dir?, p.sha256?)))
+        .collect()
+}
+
 /// Checks a wheel (hash, paths, `.pth`) and unpacks it into `dest` unless `dest` exists:
 /// `Ok(true)` when it unpacked. The reason is for a refusal.
 fn install_wheel(wheel: &Path, sha256: &str, dest: &Path) -> Result<bool, String> {
@@ -1288,16 +1293,18 @@ fn install_wheel(wheel: &Path, sha256: &str, dest: &Path) -> Result<bool, String
         .unwrap_or_default();
     let tmp = parent.join(format!(".tmp-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&tmp);
-    let written = unpack(&mut archive, &plan, &tmp).and_then(|()| {
-        std::fs::rename(&tmp, dest).or_else(|e| {
-            // Another sync put it there first.
-            if dest.is_dir() {
-                Ok(())
-            } else {
-                Err(e)
-            }
-        })
-    });
+    let written = unpack(&mut archive, &plan, &tmp)
+        .and_then(|()| std::fs::write(tmp.join(UNPACKED_FROM), format!("{sha256}\n")))
+        .and_then(|()| {
+            std::fs::rename(&tmp, dest).or_else(|e| {
+                // Another sync put it there first.
+                if dest.is_dir() {
+                    Ok(())
+                } else {
+                    Err(e)
+                }
+            })
+        });
     let _ = std::fs::remove_dir_all(&tmp);
     written.map_err(|e| format!("cannot unpack into {}: {e}", dest.display()))?;
     Ok(true)
@@ -1756,6 +1763,40 @@ mod tests {
     }
 
     #[test]
+    fn a_tree_names_its_wheel_and_other_bytes_of_its_version_are_refused() {
+        let dir = tempfile::tempdir().expect("works");
+        let wheel = dir.path().join("p-1.0-py3-none-any.whl");
+        std::fs::write(&wheel, zip_of(&[("p.py", "X = 1\n", 0o644)])).expect("works");
+        let sha = sha256_of(&wheel).expect("works");
+        let dest = dir.path().join("p-1.0");
+        let none = HashMap::new();
+        assert_eq!(
+            same_bytes_as_unpacked(&dest, &"1".repeat(64), &none),
+            Ok(())
+        );
+        assert_eq!(install_wheel(&wheel, &sha, &dest), Ok(true));
+        assert_eq!(
+            std::fs::read_to_string(dest.join(UNPACKED_FROM)).expect("works"),
+            format!("{sha}\n")
+        );
+        assert_eq!(same_bytes_as_unpacked(&dest, &sha, &none), Ok(()));
+        let err = same_bytes_as_unpacked(&dest, &"1".repeat(64), &none).expect_err("fails");
+        assert!(
+            err.contains(&sha) && err.contains("1111") && err.contains("delete"),
+            "{err}"
+        );
+        // A tree unpacked before trees named their wheel: the last lock speaks for it.
+        std::fs::remove_file(dest.join(UNPACKED_FROM)).expect("works");
+        assert_eq!(
+            same_bytes_as_unpacked(&dest, &"1".repeat(64), &none),
+            Ok(())
+        );
+        let previous = HashMap::from([("p-1.0".to_owned(), sha.clone())]);
+        assert!(same_bytes_as_unpacked(&dest, &"1".repeat(64), &previous).is_err());
+        assert_eq!(same_bytes_as_unpacked(&dest, &sha, &previous), Ok(()));
+    }
+
+    #[test]
     fn stand_in_wheels_carry_only_the_images_name_and_version() {
         let dir = tempfile::tempdir().expect("works");
         write_stub_wheel(dir.path(), "Pygments", "2.21.0").expect("works");
@@ -1795,5 +1836,96 @@ mod tests {
     fn summaries_say_how_many_more() {
         assert_eq!(summarize(&["a", "b", "c"], 2), "a, b and 1 more");
         assert_eq!(summarize(&["a"], 2), "a");
+    }
+
+    /// What `packages sync` runs in the image is locked down like a kernel: no
+    /// capabilities, read-only root, no network, the kernels' runtime, and the image's
+    /// launcher first, which installs the kernels' syscall filter before it runs the
+    /// command.
+    #[test]
+    fn the_syncs_containers_get_the_kernels_hardening() {
+        use crate::backend::docker::{one_shot_body, Runtime, LAUNCHER_EXEC};
+        let python = "/opt/kernel/venv/bin/python";
+        let launcher: Vec<String> = [python, "/opt/kernel/launch.py", "/run/kernel/kernel.json"]
+            .map(str::to_owned)
+            .to_vec();
+        let probe = probe_request("sha256:abc", python);
+        let compile = compile_request(
+            "sha256:abc",
+            python,
+            Path::new("/srv/wheelhouse/abc"),
+            (0, 0),
+            &["pkg".to_owned()],
+        );
+        for (runtime, engine_name) in [
+            (Runtime::Runc, "runc"),
+            (Runtime::Runsc, "kernelgate-runsc"),
+            (Runtime::RunscPtrace, "kernelgate-runsc-ptrace"),
+        ] {
+            for request in [&probe, &compile] {
+                let body = one_shot_body(request, runtime, &launcher).expect("a body");
+                let host = body.host_config.clone().expect("host config");
+                assert_eq!(
+                    host.runtime.as_deref(),
+                    Some(engine_name),
+                    "the kernels' runtime"
+                );
+                assert_eq!(host.cap_drop, Some(vec!["ALL".to_owned()]));
+                assert_eq!(host.cap_add, None);
+                assert_eq!(host.privileged, None);
+                assert_eq!(host.readonly_rootfs, Some(true));
+                assert_eq!(host.network_mode.as_deref(), Some("none"));
+                assert_eq!(
+                    host.security_opt,
+                    Some(vec!["no-new-privileges".to_owned()]),
+                    "Docker's default seccomp profile stays, no privileges can be gained"
+                );
+                assert_eq!(host.memory, Some(512 << 20));
+                assert_eq!(host.memory_swap, host.memory);
+                assert_eq!(host.pids_limit, Some(64));
+                let ulimits = host.ulimits.expect("ulimits");
+                assert!(
+                    ulimits
+                        .iter()
+                        .any(|u| u.name.as_deref() == Some("core") && u.hard == Some(0)),
+                    "no core files"
+                );
+                // The filter: the image's entrypoint (tini) starts its launcher, which
+                // installs the filter and then runs the command.
+                assert_eq!(body.entrypoint, None, "the image's entrypoint stays");
+                let cmd = body.cmd.expect("a command");
+                assert_eq!(cmd[..3], launcher[..]);
+                assert_eq!(cmd[3], LAUNCHER_EXEC);
+                assert_eq!(cmd[4..], request.argv[..]);
+                assert_eq!(body.working_dir.as_deref(), Some("/"));
+                assert_eq!(body.image.as_deref(), Some("sha256:abc"));
+            }
+            let probe_body = one_shot_body(&probe, runtime, &launcher).expect("a body");
+            assert_eq!(
+                probe_body.user.as_deref(),
+                Some("1000:1000"),
+                "the kernel's user"
+            );
+            assert_eq!(probe_body.host_config.expect("host").binds, None);
+            // The compile step writes as the wheelhouse's owner, only there.
+            let compile_body = one_shot_body(&compile, runtime, &launcher).expect("a body");
+            assert_eq!(compile_body.user.as_deref(), Some("0:0"));
+            assert_eq!(
+                compile_body.host_config.expect("host").binds,
+                Some(vec!["/srv/wheelhouse/abc:/wheelhouse:rw".to_owned()])
+            );
+        }
+    }
+
+    /// The sync asks the backend, never an engine of its own: against the fake engine it
+    /// makes the same two runs, and reports the probe's failure with what it printed.
+    #[tokio::test]
+    async fn the_sync_runs_through_the_backend() {
+        let fake = crate::backend::fake::FakeBackend::new();
+        let err = probe_python(fake.as_ref(), "sha256:abc", "python3")
+            .await
+            .expect_err("the fake prints no facts");
+        assert!(format!("{err:#}").contains("printed no facts"), "{err:#}");
+        assert_eq!(fake.runs(), vec![probe_request("sha256:abc", "python3")]);
     }
 }

@@ -2,7 +2,16 @@
 //! of a finished execution (written before its reply is forwarded), the output cap, and
 //! routing to the client sessions.
 
-use super::*;
+use super::clients::Outbound;
+use super::executions::Verdict;
+use super::lifecycle::Event;
+use super::link::{Deferred, Dispatch};
+use super::{wire_size, Relay};
+use crate::audit::{Record, Written};
+use crate::metrics::{self, Direction, DropReason};
+use chrono::Utc;
+use kernelgate_protocol::{Channel, Message, MsgKind};
+use std::sync::Arc;
 
 impl Dispatch for Relay {
     fn dispatch(&self, channel: Channel, message: Message) -> Option<Deferred> {
@@ -14,13 +23,12 @@ impl Dispatch for Relay {
         }
         if channel == Channel::IoPub && message.kind() == MsgKind::Status {
             if let Ok(s) = message.content_as::<kernelgate_protocol::content::Status>() {
-                st.execution_state = s.execution_state;
+                let work = st.work();
+                // Reported states change the phase alone: nothing to carry out.
+                let _ = st.life.on(Event::Reported(s.execution_state), work);
             }
         }
         if channel == Channel::Shell && message.kind() == MsgKind::ExecuteReply {
-            if let Some(id) = message.parent_msg_id() {
-                st.in_flight.retain(|h| h.msg_id != id);
-            }
             let finished = message
                 .parent_msg_id()
                 .and_then(|id| st.executions.replied(id));
@@ -33,7 +41,7 @@ impl Dispatch for Relay {
                     .map(|r| r.take_new())
                     .unwrap_or_default()
                 {
-                    let _ = self.audit.record(&Record::PackagesReported {
+                    let _ = self.trail.audit.record(&Record::PackagesReported {
                         key: f.key.clone(),
                         kernel: self.id.clone(),
                         msg_id: message.parent_msg_id().map(str::to_owned),
@@ -45,7 +53,7 @@ impl Dispatch for Relay {
                     });
                 }
                 // In the file before the reply is forwarded.
-                finished_record = self.audit.record(&Record::ExecutionFinished {
+                finished_record = self.trail.audit.record(&Record::ExecutionFinished {
                     key: f.key,
                     kernel: self.id.clone(),
                     msg_id: message.parent_msg_id().map(str::to_owned),
@@ -67,7 +75,7 @@ impl Dispatch for Relay {
             let verdict = st.executions.output(&message);
             for late in st.executions.take_late_output() {
                 // Nothing waits for it: the output was forwarded as it came.
-                let _ = self.audit.record(&Record::ExecutionOutput {
+                let _ = self.trail.audit.record(&Record::ExecutionOutput {
                     key: late.key,
                     kernel: self.id.clone(),
                     msg_id: late.msg_id,

@@ -1,5 +1,6 @@
 //! The executions a kernel is running, as the relay sees them: when each started (for the
-//! metrics) and how much output it produced, against `--max-output-mb`.
+//! metrics), how much output it produced, against `--max-output-mb`, and which ones the
+//! current process owes an answer (answered in its place if it dies).
 //!
 //! Output counted: the text of `stream` messages, and the `data` (plus binary buffers) of
 //! `display_data`, `update_display_data` and `execute_result`, whose parent is the
@@ -81,7 +82,13 @@ pub struct Executions {
     finished: VecDeque<String>,
     cap: usize,
     late: Vec<LateOutput>,
+    /// Execute requests sent to the current process and not replied to, oldest first (the
+    /// one running, then those queued behind it): answered by the gateway if it dies.
+    in_flight: VecDeque<Header>,
 }
+
+/// Most execute requests followed for an answer in the kernel's place.
+const MAX_IN_FLIGHT: usize = 1024;
 
 #[derive(Deserialize)]
 struct StreamText<'a> {
@@ -103,6 +110,7 @@ impl Executions {
             finished: VecDeque::new(),
             cap,
             late: Vec::new(),
+            in_flight: VecDeque::new(),
         }
     }
 
@@ -127,8 +135,39 @@ impl Executions {
         );
     }
 
+    /// The request went to the kernel's process: it owes an answer from now on.
+    pub fn sent(&mut self, request: &Header) {
+        if self.in_flight.len() >= MAX_IN_FLIGHT {
+            self.in_flight.pop_front();
+        }
+        self.in_flight.push_back(request.clone());
+    }
+
+    /// Whether the current process owes an answer.
+    pub fn in_flight(&self) -> bool {
+        !self.in_flight.is_empty()
+    }
+
+    /// A new process: whatever the previous one was asked is answered or lost by now.
+    pub fn forget_sent(&mut self) {
+        self.in_flight.clear();
+    }
+
+    /// The process is gone: the requests it owed an answer, oldest first, each with what
+    /// it did before (for its record), forgotten.
+    pub fn lost(&mut self) -> Vec<(Header, Option<Finished>)> {
+        let lost: Vec<Header> = self.in_flight.drain(..).collect();
+        lost.into_iter()
+            .map(|header| {
+                let finished = self.replied(&header.msg_id);
+                (header, finished)
+            })
+            .collect()
+    }
+
     /// Its `execute_reply` came: how long it took and what it produced, once.
     pub fn replied(&mut self, parent: &str) -> Option<Finished> {
+        self.in_flight.retain(|h| h.msg_id != parent);
         let run = self.running.get_mut(parent)?;
         let took = run.started.take()?.elapsed();
         run.at_reply = Some(run.output);

@@ -2,7 +2,13 @@
 //! execution an `ask` rule holds waits for its answer while the shell order is kept, and
 //! how held, refused or cancelled executions are answered in the kernel's place.
 
-use super::*;
+use super::gate::{self, Gate, Refusal};
+use super::requests::CodeRequest;
+use super::{Effects, Relay, State, GATEWAY_KEY};
+use crate::policy::{Answer, Holder};
+use kernelgate_policy::Decision;
+use kernelgate_protocol::{Channel, Message, MsgKind};
+use std::sync::Arc;
 
 /// The execution policy's side of the relay: what is checked, held, refused and released.
 impl Relay {
@@ -40,13 +46,16 @@ impl Relay {
     ) -> Gate {
         match (decision, &self.guard) {
             (Decision::Deny(verdict), _) => {
-                fx.audit(self.audit_decision(key, message, "deny", Some(&verdict), None, None));
+                fx.audit(
+                    self.trail
+                        .decision(key, message, "deny", Some(&verdict), None, None),
+                );
                 Gate::Refuse(Refusal::policy(describe(&verdict)))
             }
             (Decision::Ask(verdict), Some(guard)) => {
                 let request: CodeRequest = message.content.parse().unwrap_or_default();
                 let approval = guard.hold(self.clone(), key, &request.code, &verdict.reason);
-                fx.audit(self.audit_decision(
+                fx.audit(self.trail.decision(
                     key,
                     message,
                     "ask",
@@ -67,71 +76,6 @@ impl Relay {
             }
             _ => Gate::Pass,
         }
-    }
-
-    /// Answers a refused execution in the kernel's place (its audit record first).
-    pub(super) fn refuse(&self, fx: &mut Effects, held: &Held, why: &Refusal) {
-        let sha = held.code_sha256.clone();
-        self.answer_in_place(fx, &held.message.header, &held.key, sha, why);
-    }
-
-    /// Answers an execution that never reaches the kernel, as a failed cell: its
-    /// `execution_finished` record, then the messages of a failed cell.
-    pub(super) fn answer_in_place(
-        &self,
-        fx: &mut Effects,
-        h: &Header,
-        key: &str,
-        code_sha256: Option<String>,
-        why: &Refusal,
-    ) {
-        fx.audit(self.audit.record(&Record::ExecutionFinished {
-            key: key.to_owned(),
-            kernel: self.id.clone(),
-            msg_id: Some(h.msg_id.clone()),
-            session: Some(h.session.clone()),
-            code_sha256,
-            status: "error".into(),
-            ename: Some(why.ename.to_string()),
-            reason: None,
-            duration_ms: 0,
-            output_bytes: 0,
-            output: String::new(),
-            truncated: false,
-            ran: Some(false),
-        }));
-        fx.to_clients.extend(gate::refusal(h, &self.session, why));
-    }
-
-    /// An administrator answered (or the timeout did) the approval `approval`; false if
-    /// this kernel holds no such execution any more.
-    pub(super) fn decide_held(self: &Arc<Self>, approval: &str, answer: Answer) -> bool {
-        let timeout = self
-            .guard
-            .as_ref()
-            .map_or(0, |g| g.approval_timeout().as_secs());
-        let (word, by) = match &answer {
-            Answer::Approved { by } => ("approved", Some(by.as_str())),
-            Answer::Denied { by } => ("denied", Some(by.as_str())),
-            Answer::TimedOut => ("timed_out", None),
-        };
-        let mut st = self.lock();
-        let settled = st.holds.settle(approval, |reason| match &answer {
-            Answer::Approved { .. } => Gate::Pass,
-            Answer::Denied { by } => Gate::Refuse(Refusal::policy(format!(
-                "{reason}; an administrator ({by}) denied running it"
-            ))),
-            Answer::TimedOut => Gate::Refuse(Refusal::policy(format!(
-                "{reason}; nobody approved it within {timeout} s"
-            ))),
-        });
-        let Some(held) = settled else {
-            return false;
-        };
-        let decided = self.audit_decision(&held.key, &held.message, word, None, Some(approval), by);
-        held.written = std::mem::take(&mut held.written).and(decided);
-        self.start_release(&mut st);
-        true
     }
 
     /// An interrupt through the REST API: the executions waiting for approval are
@@ -161,7 +105,7 @@ impl Relay {
         }
         for (approval, held) in cancelled {
             guard.forget(&approval);
-            let record = self.audit_decision(
+            let record = self.trail.decision(
                 &held.key,
                 &held.message,
                 "cancelled",
@@ -195,7 +139,13 @@ impl Relay {
                 let mut fx = Effects::default();
                 fx.audit(held.written.clone());
                 if let Gate::Refuse(why) = &held.gate {
-                    self.refuse(&mut fx, &held, why);
+                    fx.refuse(
+                        &self,
+                        &held.message.header,
+                        &held.key,
+                        held.code_sha256.clone(),
+                        why,
+                    );
                 } else if let Err(e) = self.route_to_kernel(
                     &mut st,
                     &mut fx,
@@ -212,28 +162,6 @@ impl Relay {
                 tracing::warn!(kernel = %self.id, error = %e, "a held message was not sent");
             }
         }
-    }
-
-    /// A `policy_decision` audit record.
-    pub(super) fn audit_decision(
-        &self,
-        key: &str,
-        message: &Message,
-        decision: &str,
-        verdict: Option<&kernelgate_policy::Verdict>,
-        approval: Option<&str>,
-        by: Option<&str>,
-    ) -> Written {
-        self.audit.record(&Record::PolicyDecision {
-            sender: self.sender(key, message),
-            msg_type: message.msg_type().to_owned(),
-            decision: decision.to_owned(),
-            rule: verdict.map(|v| v.rule),
-            reason: verdict.map(|v| v.reason.clone()),
-            matched: verdict.map(|v| v.matched.clone()),
-            approval_id: approval.map(str::to_owned),
-            by: by.map(str::to_owned),
-        })
     }
 }
 
@@ -253,7 +181,36 @@ impl Holder for Relay {
         &self.id
     }
 
+    /// An administrator answered (or the timeout did) the approval `approval`; false if
+    /// this kernel holds no such execution any more.
     fn decide(self: Arc<Self>, approval: &str, answer: Answer) -> bool {
-        self.decide_held(approval, answer)
+        let timeout = self
+            .guard
+            .as_ref()
+            .map_or(0, |g| g.approval_timeout().as_secs());
+        let (word, by) = match &answer {
+            Answer::Approved { by } => ("approved", Some(by.as_str())),
+            Answer::Denied { by } => ("denied", Some(by.as_str())),
+            Answer::TimedOut => ("timed_out", None),
+        };
+        let mut st = self.lock();
+        let settled = st.holds.settle(approval, |reason| match &answer {
+            Answer::Approved { .. } => Gate::Pass,
+            Answer::Denied { by } => Gate::Refuse(Refusal::policy(format!(
+                "{reason}; an administrator ({by}) denied running it"
+            ))),
+            Answer::TimedOut => Gate::Refuse(Refusal::policy(format!(
+                "{reason}; nobody approved it within {timeout} s"
+            ))),
+        });
+        let Some(held) = settled else {
+            return false;
+        };
+        let decided = self
+            .trail
+            .decision(&held.key, &held.message, word, None, Some(approval), by);
+        held.written = std::mem::take(&mut held.written).and(decided);
+        self.start_release(&mut st);
+        true
     }
 }

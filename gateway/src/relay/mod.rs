@@ -1,10 +1,10 @@
 //! One kernel as the gateway sees it: its ZeroMQ [`link::Link`], its client sessions
-//! ([`clients::Clients`]), and the state the REST API reports (execution state, last
-//! activity, connections). Knows nothing about containers or HTTP.
+//! ([`clients::Clients`]), where it is in its life ([`lifecycle::Phase`], moved on by
+//! [`Relay::step`]), and what the REST API reports of it (execution state, last activity,
+//! connections). Knows nothing about containers or HTTP.
 
 pub mod clients;
 mod comms;
-mod death;
 mod dispatch;
 pub mod executions;
 pub mod gate;
@@ -12,24 +12,25 @@ pub mod heartbeat;
 mod hold_queue;
 mod holding;
 mod installs;
+pub mod lifecycle;
 pub mod link;
 mod requests;
-mod sleep;
+mod steps;
 
-use crate::audit::{Audit, Record, Sender, Written};
-use crate::metrics::{self, Direction, DropReason};
-use crate::policy::{Answer, Guard, Holder};
+use crate::audit::{Audit, Written};
+use crate::metrics::{self, Direction};
+use crate::policy::Guard;
 use chrono::{DateTime, Utc};
 use clients::{ClientLimits, Clients, Outbound, Take, Ticket};
-use executions::{Executions, Verdict};
+use executions::Executions;
 use gate::{Gate, Held, Refusal};
 use hold_queue::HoldQueue;
 use kernelgate_policy::Decision;
 use kernelgate_protocol::content::{ExecutionState, KernelInfoReply};
 use kernelgate_protocol::{Channel, ConnectionInfo, Execution, Header, Message, MsgKind, RawJson};
-use link::{Deferred, Dispatch, Link};
-use requests::CodeRequest;
-use std::collections::VecDeque;
+use lifecycle::{Event, Failure, Lifecycle, Phase, Route};
+use link::{Dispatch, Link};
+use requests::Trail;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 use tokio::time::Instant;
@@ -50,6 +51,10 @@ pub enum KernelError {
     /// Dead for good: the text says why and what brings it back.
     #[error("{0}")]
     Dead(String),
+    /// Something runs or waits in the kernel, or clients sent work (a hibernation is
+    /// not sealed).
+    #[error("the kernel runs or holds work")]
+    Busy,
 }
 
 pub use crate::time::{iso, now_iso};
@@ -57,40 +62,31 @@ pub use crate::time::{iso, now_iso};
 #[derive(Debug)]
 struct State {
     clients: Clients,
-    execution_state: ExecutionState,
+    /// Where the kernel is in its life, with the link to its process when one serves it.
+    life: Lifecycle<Arc<Link>>,
     last_activity: DateTime<Utc>,
-    link: Option<Arc<Link>>,
-    /// Client messages sent while the kernel process restarts, delivered in order once it
-    /// is back (as libzmq would queue them), so a cell run during a restart is not lost.
-    backlog: Vec<(Channel, Message)>,
-    /// Executions in flight: their start (for the metrics) and output (for the cap).
+    /// Client messages that wait for a process (one that restarts, wakes or loads its
+    /// state), delivered in order once it is there (as libzmq would queue them), so a
+    /// cell run meanwhile is not lost.
+    backlog: Waiting,
+    /// Executions in flight: their start (for the metrics), output (for the cap), and
+    /// those the current process owes an answer.
     executions: Executions,
     /// Shell messages held by the execution policy, in the order clients sent them.
     holds: HoldQueue,
-    /// Execute requests sent to the current process and not replied to, oldest first (the
-    /// one running, then those queued behind it): answered by the gateway if it dies.
-    in_flight: VecDeque<Header>,
     /// Installs the current process reported from inside (`%pip install`).
     installs: Option<installs::Reports>,
-    /// Why the kernel is dead for good and what brings it back: set when it could not be
-    /// restarted. Execute requests are answered with it in the kernel's place.
-    dead: Option<String>,
-    /// The kernel hibernates: its state is on disk, its process gone or going. Client
-    /// messages wait in the backlog and wake it.
-    hibernated: bool,
-    /// A resumed kernel's state is loading into its new process: client messages wait in
-    /// the backlog (without waking anything) until the load answers.
-    loading: bool,
     /// Messages clients (not the gateway itself) sent so far.
     client_sends: u64,
     /// Comms open on the current process: closed for clients when it is replaced.
     comms: comms::Comms,
 }
 
+/// Messages waiting for a process, in the order they were sent.
+type Waiting = Vec<(Channel, Message)>;
+
 /// Most client messages held while a kernel restarts; past this, sends fail.
 const MAX_BACKLOG: usize = 1024;
-/// Most execute requests followed for an answer in the kernel's place.
-const MAX_IN_FLIGHT: usize = 1024;
 
 /// A kernel's messaging side.
 #[derive(Debug)]
@@ -100,7 +96,8 @@ pub struct Relay {
     session: String,
     /// Largest message accepted from the kernel.
     max_message_bytes: usize,
-    audit: Audit,
+    /// The audit trail, with this kernel's id on its records.
+    trail: Trail,
     /// The execution policy, when one is set.
     guard: Option<Arc<Guard>>,
     /// The aliases this kernel's cells bound, as the policy resolves names.
@@ -108,6 +105,21 @@ pub struct Relay {
     state: Mutex<State>,
     /// Told when a client message reaches a hibernated kernel.
     wake: tokio::sync::Notify,
+}
+
+/// How much a kernel is used, as the table and its model read it.
+#[derive(Debug, Clone, Copy)]
+pub struct Activity {
+    pub last_activity: DateTime<Utc>,
+    /// Connected client sessions (the REST model's `connections`).
+    pub connections: usize,
+    /// Bytes queued for the client sessions.
+    pub buffered_bytes: usize,
+    /// Messages clients have sent so far: a hibernation compares the count before and
+    /// after saving, so work sent meanwhile calls it off.
+    pub client_sends: u64,
+    /// Nothing runs or waits: idle, no execution in flight, held or queued.
+    pub quiet: bool,
 }
 
 impl Relay {
@@ -121,22 +133,17 @@ impl Relay {
             id: id.to_owned(),
             session: uuid::Uuid::new_v4().to_string(),
             max_message_bytes: limits.kernel_message_bytes,
-            audit,
+            trail: Trail::new(audit, id),
             guard,
             scope: Arc::default(),
             state: Mutex::new(State {
                 clients: Clients::new(limits),
-                execution_state: ExecutionState::Starting,
+                life: Lifecycle::default(),
                 last_activity: Utc::now(),
-                link: None,
                 backlog: Vec::new(),
                 executions: Executions::new(limits.output_bytes),
                 holds: HoldQueue::default(),
-                in_flight: VecDeque::new(),
-                dead: None,
                 installs: None,
-                hibernated: false,
-                loading: false,
                 client_sends: 0,
                 comms: comms::Comms::default(),
             }),
@@ -155,32 +162,31 @@ impl Relay {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Where the kernel is in its life (docs/architecture.md, "Kernel lifecycle").
+    pub fn phase(&self) -> Phase {
+        self.lock().life.phase().clone()
+    }
+
     /// The state clients are told; a hibernated kernel is `idle`.
     pub fn execution_state(&self) -> ExecutionState {
-        let st = self.lock();
-        if st.hibernated {
-            ExecutionState::Idle
-        } else {
-            st.execution_state
-        }
+        self.lock().life.phase().execution_state()
     }
 
-    pub fn last_activity(&self) -> DateTime<Utc> {
-        self.lock().last_activity
-    }
-
-    /// Sets the last activity (a hibernated kernel listed again after a gateway restart).
-    pub fn set_last_activity(&self, at: DateTime<Utc>) {
+    /// Sets the last activity: now (a pooled kernel handed to a client), or when it was
+    /// (a hibernated kernel listed again after a gateway restart).
+    pub fn touch(&self, at: DateTime<Utc>) {
         self.lock().last_activity = at;
     }
 
-    pub fn connections(&self) -> usize {
-        self.lock().clients.connections()
-    }
-
-    /// Bytes queued for this kernel's client sessions.
-    pub fn buffered_bytes(&self) -> usize {
-        self.lock().clients.buffered_bytes()
+    pub fn activity(&self) -> Activity {
+        let st = self.lock();
+        Activity {
+            last_activity: st.last_activity,
+            connections: st.clients.connections(),
+            buffered_bytes: st.clients.buffered_bytes(),
+            client_sends: st.client_sends,
+            quiet: !st.work().pending && *st.life.phase() == Phase::Running(ExecutionState::Idle),
+        }
     }
 
     /// Connects to a freshly started kernel process and waits until it answers
@@ -192,7 +198,6 @@ impl Relay {
         cancel: CancellationToken,
         timeout: Duration,
     ) -> Result<KernelInfoReply, KernelError> {
-        self.disconnect();
         let deadline = Instant::now() + timeout;
         let sink: Arc<dyn Dispatch> = self.clone();
         let link = tokio::time::timeout(
@@ -202,37 +207,29 @@ impl Relay {
         )
         .await
         .map_err(|_| KernelError::NotReady(timeout))??;
-        let link = Arc::new(link);
-        let backlog = {
+        let fx = {
             let mut st = self.lock();
-            st.link = Some(link.clone());
-            st.hibernated = false;
             st.installs = std::path::Path::new(&info.ip)
                 .parent()
                 .map(installs::Reports::at);
             // Whatever the previous process was asked is answered or lost by now.
-            st.in_flight.clear();
+            st.executions.forget_sent();
             // Its comms ended with it: clients (a widget manager) are told, as the kernel
             // would have, before anything of the new process.
             for comm_id in st.comms.take() {
                 let content =
                     RawJson::from_value(&serde_json::json!({"comm_id": comm_id, "data": {}}));
-                let close = Message::new(self.header("comm_close"), None, content);
-                st.clients.broadcast(Outbound::new(Channel::IoPub, close));
+                let close = Outbound::new(Channel::IoPub, self.request("comm_close", content));
+                st.clients.broadcast(close);
             }
-            if st.loading {
-                // The backlog waits for the state to load (`Relay::loaded`).
-                Vec::new()
-            } else {
-                take_backlog(&mut st)
-            }
+            let actions = st.life.connected(Arc::new(link));
+            st.apply(actions, self)
         };
-        self.send_backlog(&link, backlog).await?;
+        self.carry_out(fx).await?;
         let reply = self.wait_ready(deadline, timeout).await?;
-        let mut st = self.lock();
-        st.execution_state = ExecutionState::Idle;
-        st.last_activity = Utc::now();
-        st.dead = None;
+        // Nothing to carry out: the phase alone changes.
+        let _ = self.step(Event::Ready).await;
+        self.lock().last_activity = Utc::now();
         Ok(reply)
     }
 
@@ -274,41 +271,6 @@ impl Relay {
         Err(KernelError::NotReady(timeout))
     }
 
-    /// Drops the link to the current process (it is being restarted or removed).
-    pub fn disconnect(&self) {
-        if let Some(link) = self.lock().link.take() {
-            link.close();
-        }
-    }
-
-    /// Sets the state the REST API reports and, when `announce`, tells every client with
-    /// an IOPub `status` message (used for `restarting` and `dead`, which the kernel
-    /// itself cannot send).
-    pub fn set_state(&self, state: ExecutionState, announce: bool) {
-        let mut st = self.lock();
-        st.execution_state = state;
-        if state == ExecutionState::Dead {
-            st.backlog.clear();
-        }
-        if announce {
-            st.clients.broadcast(self.status_message(state));
-        }
-    }
-
-    /// The gateway's own IOPub `status` for clients, with no parent.
-    fn status_message(&self, state: ExecutionState) -> Arc<Outbound> {
-        let content = RawJson::from_value(&serde_json::json!({"execution_state": state.as_str()}));
-        Outbound::new(
-            Channel::IoPub,
-            Message::new(self.header("status"), None, content),
-        )
-    }
-
-    /// Marks the kernel as just used (a pooled kernel handed to a client).
-    pub fn touch(&self) {
-        self.lock().last_activity = Utc::now();
-    }
-
     /// Ends every client session: their connections see the kernel go away.
     pub fn close_clients(&self) {
         let mut st = self.lock();
@@ -323,11 +285,8 @@ impl Relay {
 
     /// A message created by the gateway, in its own session.
     pub fn request(&self, msg_type: &str, content: RawJson) -> Message {
-        Message::new(self.header(msg_type), None, content)
-    }
-
-    fn header(&self, msg_type: &str) -> Header {
-        Header::new(msg_type, &self.session, "kernelgate", &now_iso())
+        let header = Header::new(msg_type, &self.session, "kernelgate", &now_iso());
+        Message::new(header, None, content)
     }
 
     /// Registers a client connection for `session` (see [`Clients::attach`]), made with
@@ -339,6 +298,12 @@ impl Relay {
             ticket,
             key: key.to_owned(),
         }
+    }
+
+    /// Resolves when a client message reached the hibernated kernel (at once if one did
+    /// since the wake was last spent).
+    pub async fn woken(&self) {
+        self.wake.notified().await;
     }
 
     async fn send(
@@ -363,7 +328,7 @@ impl Relay {
                 st.comms.observe(&message);
             }
             // In the file before the code can reach the kernel.
-            let (code_sha256, requested) = self.audit_request(key, &message);
+            let (code_sha256, requested) = self.trail.request(key, &message);
             fx.audit(requested.clone());
             metrics::relayed(Direction::ClientToKernel, wire_size(&message));
             st.last_activity = Utc::now();
@@ -374,7 +339,7 @@ impl Relay {
             let hold = channel == Channel::Shell
                 && st.holds.must_hold(matches!(decision, Decision::Ask(_)));
             if kind == MsgKind::DebugRequest && self.guard.is_some() {
-                fx.audit(self.audit_decision(key, &message, "deny", None, None, None));
+                fx.audit(self.trail.decision(key, &message, "deny", None, None, None));
                 fx.to_clients
                     .push(gate::debug_refused(&message, &self.session));
             } else if hold || matches!(decision, Decision::Deny(_)) {
@@ -389,7 +354,13 @@ impl Relay {
                 if hold {
                     st.holds.push(held);
                 } else if let Gate::Refuse(why) = &held.gate {
-                    self.refuse(&mut fx, &held, why);
+                    fx.refuse(
+                        self,
+                        &held.message.header,
+                        &held.key,
+                        held.code_sha256.clone(),
+                        why,
+                    );
                 }
             } else {
                 self.route_to_kernel(&mut st, &mut fx, channel, message, key, code_sha256)?;
@@ -399,10 +370,17 @@ impl Relay {
         self.carry_out(effects).await
     }
 
-    /// Carries out what was decided under the lock, once it is released: first the audit
-    /// records are awaited (in the file, and synced with `--audit-fsync`), then clients
-    /// get their messages, then the kernel its one.
+    /// Carries out what was decided under the lock, once it is released: links of gone
+    /// processes are closed, then the audit records are awaited (in the file, and synced
+    /// with `--audit-fsync`), then clients get their messages, then the kernel what
+    /// waited for it (in order) and its one.
     async fn carry_out(&self, fx: Effects) -> Result<(), KernelError> {
+        for link in &fx.close {
+            link.close();
+        }
+        if fx.spend_wake {
+            spend(&self.wake);
+        }
         if fx.wake {
             self.wake.notify_one();
         }
@@ -415,14 +393,23 @@ impl Relay {
                 st.clients.route(out);
             }
         }
-        match fx.to_kernel {
-            Some((link, channel, message)) => link.send(channel, message).await,
-            None => Ok(()),
+        if let Some((link, waiting)) = fx.waiting {
+            // Their audit records are in the file before the kernel sees them.
+            self.trail.audit.made_so_far().await;
+            for (channel, message) in waiting {
+                link.send(channel, message).await?;
+            }
+        }
+        match (fx.failed, fx.to_kernel) {
+            (Some(Failure::Busy), _) => Err(KernelError::Busy),
+            (Some(Failure::Gone), _) => Err(KernelError::KernelGone),
+            (None, Some((link, channel, message))) => link.send(channel, message).await,
+            (None, None) => Ok(()),
         }
     }
 
-    /// Decides where a client message goes: to the kernel's link, queued for a kernel that
-    /// is (re)starting, or, for a dead kernel, answered in its place.
+    /// Decides where a client message goes: to the kernel's link, queued for a process
+    /// to come, or, for a dead kernel, answered in its place.
     fn route_to_kernel(
         &self,
         st: &mut State,
@@ -433,45 +420,40 @@ impl Relay {
         code_sha256: Option<String>,
     ) -> Result<(), KernelError> {
         let execute = message.kind() == MsgKind::ExecuteRequest;
-        // A hibernated kernel queues everything (and wakes); a (re)starting one what comes
-        // before its process answers.
-        let starting = st.link.is_none()
-            && matches!(
-                st.execution_state,
-                ExecutionState::Starting | ExecutionState::Restarting
-            );
-        // While a resumed kernel's state loads, only the gateway's own messages pass.
-        let waits = st.hibernated || (st.loading && key != GATEWAY_KEY);
-        let queue = (waits || starting) && st.backlog.len() < MAX_BACKLOG;
-        fx.wake |= st.hibernated && queue;
-        if (st.link.is_none() || waits) && !queue {
-            return match st.dead.clone() {
-                // A cell sent to a dead kernel fails at once, saying what brings it back.
-                Some(why) if execute => {
-                    let refusal = Refusal {
-                        ename: "KernelUnavailable",
-                        evalue: why,
-                    };
-                    self.answer_in_place(fx, &message.header, key, code_sha256, &refusal);
-                    Ok(())
-                }
-                Some(why) => Err(KernelError::Dead(why)),
-                None => Err(KernelError::KernelGone),
-            };
-        }
-        if execute {
-            st.executions
-                .started(&message.header, key, code_sha256.unwrap_or_default());
-        }
-        match st.link.clone().filter(|_| !waits) {
-            Some(link) => {
+        let route = st
+            .life
+            .route(key == GATEWAY_KEY, st.backlog.len() >= MAX_BACKLOG);
+        let queued = match route {
+            Route::Send(link) => {
                 if execute {
-                    track(&mut st.in_flight, &message.header);
+                    st.executions
+                        .started(&message.header, key, code_sha256.unwrap_or_default());
+                    st.executions.sent(&message.header);
                 }
                 fx.to_kernel = Some((link, channel, message));
+                return Ok(());
             }
-            None => st.backlog.push((channel, message)),
+            Route::Queue { wake } => {
+                fx.wake |= wake;
+                (channel, message)
+            }
+            // A cell sent to a dead kernel fails at once, saying what brings it back.
+            Route::Refuse(Some(why)) if execute => {
+                let refusal = Refusal {
+                    ename: "KernelUnavailable",
+                    evalue: why,
+                };
+                fx.refuse(self, &message.header, key, code_sha256, &refusal);
+                return Ok(());
+            }
+            Route::Refuse(Some(why)) => return Err(KernelError::Dead(why)),
+            Route::Refuse(None) => return Err(KernelError::KernelGone),
+        };
+        if execute {
+            st.executions
+                .started(&queued.1.header, key, code_sha256.unwrap_or_default());
         }
+        st.backlog.push(queued);
         Ok(())
     }
 }
@@ -484,60 +466,49 @@ struct Effects {
     written: Written,
     to_clients: Vec<Arc<Outbound>>,
     to_kernel: Option<(Arc<Link>, Channel, Message)>,
+    /// What waited for a process, to send to it first.
+    waiting: Option<(Arc<Link>, Waiting)>,
+    /// Links of processes gone or no longer served.
+    close: Vec<Arc<Link>>,
     /// A client message reached a hibernated kernel.
     wake: bool,
+    /// The kernel is awake, or what waited to wake it was answered.
+    spend_wake: bool,
+    /// A lifecycle event did not apply.
+    failed: Option<Failure>,
 }
 
 impl Effects {
     fn audit(&mut self, record: Written) {
         self.written = std::mem::take(&mut self.written).and(record);
     }
-}
 
-/// What waited in the backlog, for the process it goes to now: its execute requests are
-/// followed from here on.
-fn take_backlog(st: &mut State) -> Vec<(Channel, Message)> {
-    let backlog = std::mem::take(&mut st.backlog);
-    for (_, message) in &backlog {
-        if message.kind() == MsgKind::ExecuteRequest {
-            track(&mut st.in_flight, &message.header);
-        }
-    }
-    backlog
-}
-
-impl Relay {
-    /// Sends what [`take_backlog`] took to `link`, in order; their audit records are in
-    /// the file before the kernel sees them.
-    async fn send_backlog(
-        &self,
-        link: &Link,
-        backlog: Vec<(Channel, Message)>,
-    ) -> Result<(), KernelError> {
-        self.audit.made_so_far().await;
-        for (channel, message) in backlog {
-            link.send(channel, message).await?;
-        }
-        Ok(())
-    }
-
-    /// Answers every execute request waiting in the backlog in the kernel's place with
-    /// `refusal`, and empties it.
-    fn refuse_backlog(&self, st: &mut State, fx: &mut Effects, refusal: &Refusal) {
-        for (channel, message) in std::mem::take(&mut st.backlog) {
-            if channel == Channel::Shell && message.kind() == MsgKind::ExecuteRequest {
-                self.answer_in_place(fx, &message.header, "", None, refusal);
-            }
-        }
+    /// Answers an execution that never reaches the kernel, as a failed cell: its
+    /// `execution_finished` record, then the messages of a failed cell.
+    fn refuse(
+        &mut self,
+        relay: &Relay,
+        h: &Header,
+        key: &str,
+        code_sha256: Option<String>,
+        why: &Refusal,
+    ) {
+        self.audit(relay.trail.never_ran(h, key, code_sha256, why));
+        self.to_clients
+            .extend(gate::refusal(h, &relay.session, why));
     }
 }
 
-/// Follows an execute request sent to the kernel until its reply.
-fn track(in_flight: &mut VecDeque<Header>, request: &Header) {
-    if in_flight.len() >= MAX_IN_FLIGHT {
-        in_flight.pop_front();
-    }
-    in_flight.push_back(request.clone());
+/// Spends a wake a queued message left: a stored permit would resolve the next
+/// [`Relay::woken`] at once.
+fn spend(wake: &tokio::sync::Notify) {
+    use std::future::Future;
+    let spent = wake.notified();
+    tokio::pin!(spent);
+    let waker = futures::task::noop_waker();
+    let _ = spent
+        .as_mut()
+        .poll(&mut std::task::Context::from_waker(&waker));
 }
 
 /// Bytes of a message as the metrics count them: content, metadata and buffers.

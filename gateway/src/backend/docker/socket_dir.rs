@@ -197,6 +197,63 @@ const MAX_CONNECTION_FILE: u64 = 64 * 1024;
 /// place of the file must not block the gateway.
 const O_NONBLOCK: i32 = 0o4000;
 
+/// A new kernel's socket directory, made with its connection file in it.
+pub struct Prepared {
+    pub dir: PathBuf,
+    /// `dir` as text (checked to be UTF-8), as the engines' specs name it.
+    pub dir_str: String,
+    /// The connection as the gateway dials it: the sockets under `dir` on the host.
+    pub outside: kernelgate_protocol::ConnectionInfo,
+}
+
+/// Makes kernel `kernel_id`'s socket directory under `runtime_dir` with a connection file
+/// for the kernel (a fresh key, the sockets under [`CONTAINER_DIR`] as the kernel sees
+/// them), after checking that the host's socket paths fit a Unix socket's limit: a
+/// too-long runtime directory would make the gateway dial nothing.
+pub fn prepare(
+    runtime_dir: &Path,
+    kernel_id: &str,
+    kernel_name: &str,
+    ownership: &Ownership,
+) -> Result<Prepared, crate::backend::BackendError> {
+    use crate::backend::BackendError;
+    use kernelgate_protocol::{ConnectionInfo, SigningKey};
+    let dir = path(runtime_dir, kernel_id).ok_or_else(|| {
+        BackendError::Runtime(format!("kernel id {kernel_id:?} is not a plain name"))
+    })?;
+    let dir_str = dir
+        .to_str()
+        .ok_or_else(|| BackendError::SocketDir {
+            path: dir.display().to_string(),
+            source: io::Error::new(io::ErrorKind::InvalidInput, "path is not UTF-8"),
+        })?
+        .to_owned();
+    let inside = ConnectionInfo::ipc(
+        &format!("{CONTAINER_DIR}/{SOCKET_PREFIX}"),
+        SigningKey::generate_hex(),
+        kernel_name,
+    );
+    let outside = inside.with_ip(&format!("{dir_str}/{SOCKET_PREFIX}"));
+    outside.validate().map_err(|e| BackendError::SocketDir {
+        path: dir_str.clone(),
+        source: io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("{e}; choose a shorter --runtime-dir"),
+        ),
+    })?;
+    create(runtime_dir, &dir, ownership, &inside.to_json()).map_err(|source| {
+        BackendError::SocketDir {
+            path: dir_str.clone(),
+            source,
+        }
+    })?;
+    Ok(Prepared {
+        dir,
+        dir_str,
+        outside,
+    })
+}
+
 /// Reads the connection file back (to re-adopt a kernel after a restart of the gateway).
 /// The kernel could have replaced it: anything but a small regular file is refused, and
 /// neither a symlink nor a FIFO is followed or waited on.

@@ -1,7 +1,12 @@
-//! What a kernel container is created with: the isolation of docs/security.md ("The model") as a
-//! `ContainerCreateBody`. Pure, so the hardening is asserted by unit tests.
+//! What a container is created with: an engine-neutral [`SandboxSpec`] (its hardening
+//! written once in `backend/sandbox.rs`, docs/security.md "The model") translated into a
+//! `ContainerCreateBody`, and a kernel's spec ([`ContainerSpec`]). Pure, so the hardening
+//! is asserted by unit tests.
 
 use super::socket_dir::{CONTAINER_DIR, KERNEL_GID, KERNEL_UID};
+use crate::backend::sandbox::{
+    Command, Hardening, Isolation, Limits, Mount, SandboxSpec, Tmpfs, NOFILE,
+};
 use bollard::models::{
     ContainerCreateBody, HostConfig, HostConfigCgroupnsModeEnum, HostConfigLogConfig,
     ResourcesUlimits,
@@ -14,7 +19,7 @@ pub fn kernel_user() -> String {
 }
 
 /// The kernel's home and working directory inside the container (a tmpfs).
-pub const KERNEL_HOME: &str = "/home/kernel";
+pub use crate::backend::sandbox::KERNEL_HOME;
 
 pub const LABEL_KERNEL_ID: &str = "org.kernelgate.kernel_id";
 pub const LABEL_KERNEL_NAME: &str = "org.kernelgate.kernel_name";
@@ -67,20 +72,23 @@ pub struct ContainerSpec<'a> {
     pub preload: bool,
     /// The engine's name of the OCI runtime (`runc`, `kernelgate-runsc`).
     pub runtime: &'a str,
+    /// The isolation that runtime gives.
+    pub isolation: Isolation,
     /// The same as users know it (`runc`, `runsc`), for the label.
     pub runtime_label: &'a str,
     /// The tenant it is started for, if any (for the label).
     pub owner: Option<&'a str>,
-    /// Read-only mounts beyond the socket directory (`host:container:ro`): the wheelhouse
-    /// tree and the package installer (docs/packages.md).
-    pub extra_binds: &'a [String],
-    /// Environment the gateway sets beyond the client's (`NAME=value`).
-    pub extra_env: &'a [String],
+    /// Read-only mounts beyond the socket directory: the wheelhouse tree and the package
+    /// installer (docs/packages.md).
+    pub extra_binds: &'a [Mount],
+    /// Environment the gateway sets beyond the client's.
+    pub extra_env: &'a [(String, String)],
 }
 
 impl ContainerSpec<'_> {
-    pub fn to_body(&self) -> ContainerCreateBody {
-        let mut labels = HashMap::from([
+    /// The kernel's sandbox, engine-neutral.
+    pub fn sandbox(&self) -> SandboxSpec {
+        let mut labels = BTreeMap::from([
             (LABEL_KERNEL_ID.to_owned(), self.kernel_id.to_owned()),
             (LABEL_KERNEL_NAME.to_owned(), self.kernel_name.to_owned()),
             (LABEL_CREATED.to_owned(), self.created.to_owned()),
@@ -98,91 +106,158 @@ impl ContainerSpec<'_> {
         if let Some(owner) = self.owner {
             labels.insert(LABEL_OWNER.to_owned(), owner.to_owned());
         }
-        let mut env: Vec<String> = self.env.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        let mut env: Vec<(String, String)> = self
+            .env
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
         if self.preload {
-            env.push("KERNELGATE_PRELOAD=1".to_owned());
+            env.push(("KERNELGATE_PRELOAD".to_owned(), "1".to_owned()));
         }
         env.extend(self.extra_env.iter().cloned());
-        // Docker adds noexec,nosuid,nodev to every tmpfs; the options here only add to them.
-        let tmpfs = HashMap::from([
-            (
-                "/tmp".to_owned(),
-                "rw,nosuid,nodev,size=64m,mode=1777".to_owned(),
-            ),
-            (
-                KERNEL_HOME.to_owned(),
-                format!(
-                    "rw,nosuid,nodev,size={}m,uid={KERNEL_UID},gid={KERNEL_GID},mode=0700",
-                    self.disk_mb
-                ),
-            ),
-        ]);
-        let memory = i64::try_from(self.memory_mb.saturating_mul(1024 * 1024)).unwrap_or(i64::MAX);
-        let host_config = HostConfig {
-            runtime: Some(self.runtime.to_owned()),
-            network_mode: Some("none".to_owned()),
-            readonly_rootfs: Some(true),
-            tmpfs: Some(tmpfs),
-            cap_drop: Some(vec!["ALL".to_owned()]),
-            // Docker's default seccomp profile stays: no `seccomp=` entry here.
-            security_opt: Some(vec!["no-new-privileges".to_owned()]),
-            pids_limit: Some(self.pids),
-            memory: Some(memory),
-            memory_swap: Some(memory),
-            nano_cpus: Some((self.cpus.max(0.0) * 1e9).round() as i64),
-            binds: Some(
-                std::iter::once(format!("{}:{CONTAINER_DIR}:rw", self.socket_dir))
-                    .chain(self.extra_binds.iter().cloned())
-                    .collect(),
-            ),
-            ipc_mode: Some("private".to_owned()),
-            // Its own view of the cgroup tree, not the host's paths.
-            cgroupns_mode: Some(HostConfigCgroupnsModeEnum::PRIVATE),
-            ulimits: Some(self.ulimits()),
-            // The image's entrypoint is tini.
-            init: Some(false),
-            auto_remove: Some(false),
-            group_add: self.group_add.map(|gid| vec![gid.to_string()]),
-            // Whatever the kernel writes to fd 1/2 outside ipykernel's capture (a subprocess,
-            // `os.write(1, ...)`) lands in the container log on the host's disk: cap it.
-            log_config: Some(HostConfigLogConfig {
-                typ: Some("json-file".to_owned()),
-                config: Some(HashMap::from([
-                    ("max-size".to_owned(), "10m".to_owned()),
-                    ("max-file".to_owned(), "1".to_owned()),
-                ])),
-            }),
-            ..Default::default()
+        let limits = Limits {
+            memory_mb: self.memory_mb,
+            cpus: self.cpus,
+            pids: self.pids,
+            nofile: NOFILE,
         };
-        ContainerCreateBody {
-            image: Some(self.image.to_owned()),
-            user: Some(kernel_user()),
-            hostname: Some("kernel".to_owned()),
-            env: Some(env),
-            labels: Some(labels),
-            host_config: Some(host_config),
-            // The image's CMD runs the launcher, which reads /run/kernel/kernel.json.
-            cmd: None,
-            ..Default::default()
-        }
+        let mut hardening = Hardening::kernel(self.isolation, limits, self.disk_mb);
+        hardening.group_add = self.group_add;
+        let mut sandbox = SandboxSpec::new(self.image, Command::Image, hardening);
+        sandbox.name = Some(container_name(self.kernel_id));
+        sandbox.labels = labels;
+        sandbox.env = env;
+        sandbox.hostname = Some("kernel".to_owned());
+        sandbox.mounts = std::iter::once(Mount::writable(self.socket_dir, CONTAINER_DIR))
+            .chain(self.extra_binds.iter().cloned())
+            .collect();
+        sandbox
+    }
+
+    pub fn to_body(&self) -> ContainerCreateBody {
+        // The image's CMD runs the launcher, which reads /run/kernel/kernel.json.
+        to_body(&self.sandbox(), self.runtime, &[]).expect("a kernel runs the image's own command")
     }
 }
 
-/// Open files per kernel process: ample for analyses, bounded for everything else.
-pub const NOFILE: i64 = 4096;
-
-impl ContainerSpec<'_> {
-    fn ulimits(&self) -> Vec<ResourcesUlimits> {
-        let mut limits = vec![
-            // A crash must not write a core file the size of its memory.
-            limit("core", 0),
-            limit("nofile", NOFILE),
-        ];
-        if self.runtime_label.starts_with("runsc") {
-            limits.push(limit("nproc", gvisor_tasks(self.pids)));
+/// The container of `spec` under the engine's OCI runtime `runtime` (the one that gives
+/// `spec.hardening.isolation`). `launcher` is the image's command (its launcher), which a
+/// [`Command::Filtered`] run goes through; an image without one cannot run it.
+pub fn to_body(
+    spec: &SandboxSpec,
+    runtime: &str,
+    launcher: &[String],
+) -> Result<ContainerCreateBody, String> {
+    let h = &spec.hardening;
+    let cmd = match &spec.command {
+        Command::Image => None,
+        Command::Filtered(argv) => {
+            if launcher.is_empty() {
+                return Err(format!(
+                    "the image {} has no command (its launcher) to install the syscall filter",
+                    spec.image
+                ));
+            }
+            Some(
+                launcher
+                    .iter()
+                    .cloned()
+                    .chain(std::iter::once(LAUNCHER_EXEC.to_owned()))
+                    .chain(argv.iter().cloned())
+                    .collect(),
+            )
         }
-        limits
+    };
+    // Docker adds noexec,nosuid,nodev to every tmpfs; the options here only add to them.
+    let tmpfs = h
+        .tmpfs
+        .iter()
+        .map(|t| (t.path.clone(), tmpfs_options(t)))
+        .collect();
+    let memory = i64::try_from(h.limits.memory_mb.saturating_mul(1024 * 1024)).unwrap_or(i64::MAX);
+    let mut security_opt = Vec::new();
+    if h.no_new_privileges {
+        security_opt.push("no-new-privileges".to_owned());
     }
+    // Docker's default seccomp profile stays: no `seccomp=` entry unless asked away.
+    if !h.engine_seccomp {
+        security_opt.push("seccomp=unconfined".to_owned());
+    }
+    let host_config = HostConfig {
+        runtime: Some(runtime.to_owned()),
+        network_mode: h.no_network.then(|| "none".to_owned()),
+        readonly_rootfs: Some(h.read_only_root),
+        tmpfs: Some(tmpfs),
+        cap_drop: h.drop_all_capabilities.then(|| vec!["ALL".to_owned()]),
+        security_opt: Some(security_opt),
+        pids_limit: Some(h.limits.pids),
+        memory: Some(memory),
+        memory_swap: Some(memory),
+        nano_cpus: Some((h.limits.cpus.max(0.0) * 1e9).round() as i64),
+        binds: (!spec.mounts.is_empty()).then(|| spec.mounts.iter().map(bind).collect()),
+        ipc_mode: Some("private".to_owned()),
+        // Its own view of the cgroup tree, not the host's paths.
+        cgroupns_mode: Some(HostConfigCgroupnsModeEnum::PRIVATE),
+        ulimits: Some(ulimits(h)),
+        // The image's entrypoint is tini.
+        init: Some(false),
+        auto_remove: Some(false),
+        group_add: h.group_add.map(|gid| vec![gid.to_string()]),
+        // Whatever the sandbox writes to fd 1/2 outside ipykernel's capture (a subprocess,
+        // `os.write(1, ...)`) lands in the container log on the host's disk: cap it.
+        log_config: Some(HostConfigLogConfig {
+            typ: Some("json-file".to_owned()),
+            config: Some(HashMap::from([
+                ("max-size".to_owned(), "10m".to_owned()),
+                ("max-file".to_owned(), "1".to_owned()),
+            ])),
+        }),
+        ..Default::default()
+    };
+    Ok(ContainerCreateBody {
+        image: Some(spec.image.clone()),
+        user: Some(h.user_spec()),
+        hostname: spec.hostname.clone(),
+        env: Some(spec.env.iter().map(|(k, v)| format!("{k}={v}")).collect()),
+        labels: Some(spec.labels.clone().into_iter().collect()),
+        host_config: Some(host_config),
+        cmd,
+        working_dir: spec.workdir.clone(),
+        ..Default::default()
+    })
+}
+
+/// The launcher's mode that installs its syscall filter and then runs the rest of its
+/// arguments (kernel-image/launch.py).
+pub const LAUNCHER_EXEC: &str = "--exec";
+
+fn bind(m: &Mount) -> String {
+    let mode = if m.writable { "rw" } else { "ro" };
+    format!("{}:{}:{mode}", m.host.display(), m.sandbox)
+}
+
+fn tmpfs_options(t: &Tmpfs) -> String {
+    let owner = t
+        .owner
+        .map(|(uid, gid)| format!(",uid={uid},gid={gid}"))
+        .unwrap_or_default();
+    format!(
+        "rw,nosuid,nodev,size={}m{owner},mode={:04o}",
+        t.size_mb, t.mode
+    )
+}
+
+fn ulimits(h: &Hardening) -> Vec<ResourcesUlimits> {
+    let mut limits = Vec::new();
+    if !h.core_files {
+        // A crash must not write a core file the size of its memory.
+        limits.push(limit("core", 0));
+    }
+    limits.push(limit("nofile", h.limits.nofile));
+    if h.isolation == Isolation::Gvisor {
+        limits.push(limit("nproc", gvisor_tasks(h.limits.pids)));
+    }
+    limits
 }
 
 /// The processes and threads a kernel may have under gVisor, where the pids limit counts
@@ -225,6 +300,7 @@ mod tests {
             env,
             preload: true,
             runtime: "kernelgate-runsc",
+            isolation: Isolation::Gvisor,
             runtime_label: "runsc",
             owner: Some("alice"),
             extra_binds: &[],
@@ -272,6 +348,7 @@ mod tests {
         );
         let runc = ContainerSpec {
             runtime: "runc",
+            isolation: Isolation::RuncLike,
             runtime_label: "runc",
             ..spec(&env, None)
         };

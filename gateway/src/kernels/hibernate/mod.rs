@@ -15,17 +15,18 @@
 //! the first cell after the wake sees the old variables. The kernel's clients stay
 //! attached throughout.
 
-use super::{CreateError, Kernels, Limits, LiveKernel, Process, Removal};
+use super::{Kernels, LiveKernel, Removal};
 use crate::audit::Record;
 use crate::backend::{BackendError, ExecRequest, ExecStdin};
 use crate::metrics;
+use crate::relay::lifecycle::Event;
 use crate::relay::GATEWAY_KEY;
+use crate::silent::{self, Unanswered};
 use chrono::{DateTime, Utc};
-use kernelgate_protocol::content::{ExecuteRequest, ExecutionState};
-use kernelgate_protocol::{Channel, ConnectionInfo, Execution, RawJson};
+use kernelgate_protocol::content::ExecutionState;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
-use std::path::{Component, Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -104,7 +105,8 @@ impl Default for Policy {
 /// A kernel's hibernation, as its model shows it.
 #[derive(Debug, Default)]
 pub(super) struct Sleep {
-    /// Since when it hibernates, with the bytes of its state; `None` while it runs.
+    /// When its state was committed to disk, and its bytes, while the state is there
+    /// (whether it hibernates is its phase: `LiveKernel::hibernated`).
     since: Option<(DateTime<Utc>, u64)>,
     /// Why it cannot hibernate, until its next execution.
     blocked: Option<String>,
@@ -151,23 +153,24 @@ struct Meta {
 }
 
 impl LiveKernel {
-    /// Whether the kernel hibernates or is about to: sealed, its messages wait for the
-    /// next process. For the table's own bookkeeping.
-    pub fn is_hibernated(&self) -> bool {
-        self.relay.is_hibernated()
+    /// Whether the kernel hibernates: its state saved (or being committed), no process
+    /// serving it; its messages wait for the next one. The table, the kernel's model and
+    /// the cluster registry read this one answer, the relay's phase.
+    pub fn hibernated(&self) -> bool {
+        self.relay.phase().is_hibernated()
     }
 
-    /// Whether the kernel hibernates as its model says: its state committed to disk and
-    /// its container removed.
-    pub fn hibernated(&self) -> bool {
-        self.sleep().since.is_some()
+    /// Whether the hibernation is complete: state on disk, container removed. What the
+    /// kernel's model shows as `hibernated` (a kernel still saving is not yet).
+    pub fn at_rest(&self) -> bool {
+        self.relay.phase().is_at_rest()
     }
 
     /// Why the kernel could not hibernate last time it tried, until its next execution.
     pub fn hibernate_blocked(&self) -> Option<String> {
         let sleep = self.sleep();
         match (&sleep.blocked, sleep.blocked_at) {
-            (Some(why), Some(at)) if at == self.relay.client_sends() => Some(why.clone()),
+            (Some(why), Some(at)) if at == self.relay.activity().client_sends => Some(why.clone()),
             _ => None,
         }
     }
@@ -179,20 +182,32 @@ impl LiveKernel {
     fn block(&self, why: &str) {
         let mut sleep = self.sleep();
         sleep.blocked = Some(why.to_owned());
-        sleep.blocked_at = Some(self.relay.client_sends());
+        sleep.blocked_at = Some(self.relay.activity().client_sends);
     }
 }
 
-impl Kernels {
+/// Hibernation of the table's kernels: putting them to disk and bringing them back.
+#[derive(Debug, Clone)]
+pub struct Hibernation {
+    kernels: Arc<Kernels>,
+}
+
+impl Hibernation {
+    pub(in crate::kernels) fn new(kernels: &Arc<Kernels>) -> Self {
+        Hibernation {
+            kernels: kernels.clone(),
+        }
+    }
+
     fn state_dir(&self, id: &str) -> PathBuf {
-        self.settings.hibernate.dir.join(id)
+        self.kernels.settings.hibernate.dir.join(id)
     }
 
     /// Hibernates `live` now: its state saved, its container removed. A kernel that is
     /// busy, or whose state cannot be kept, keeps running and the error says why.
-    pub async fn hibernate(self: &Arc<Self>, live: &Arc<LiveKernel>) -> Result<(), HibernateError> {
+    pub async fn hibernate(&self, live: &Arc<LiveKernel>) -> Result<(), HibernateError> {
         let (me, live) = (self.clone(), live.clone());
-        let task = self.tracker.spawn(
+        let task = self.kernels.tracker.spawn(
             async move {
                 let started = Instant::now();
                 let result = me.hibernate_now(&live).await;
@@ -233,17 +248,18 @@ impl Kernels {
             .unwrap_or_else(|e| Err(HibernateError::Failed(e.to_string())))
     }
 
-    async fn hibernate_now(self: &Arc<Self>, live: &Arc<LiveKernel>) -> Result<(), HibernateError> {
+    async fn hibernate_now(&self, live: &Arc<LiveKernel>) -> Result<(), HibernateError> {
         let _ops = live.ops.lock().await;
-        if live.is_hibernated() {
+        if live.hibernated() {
             return Ok(());
         }
-        let policy = &self.settings.hibernate;
+        let policy = &self.kernels.settings.hibernate;
         let hibernated = self
+            .kernels
             .lock()
             .live
             .values()
-            .filter(|l| l.is_hibernated())
+            .filter(|l| l.hibernated())
             .count();
         if hibernated >= policy.max_hibernated {
             return Err(HibernateError::Full(format!(
@@ -257,10 +273,11 @@ impl Kernels {
             };
             let owner = live.owner();
             let theirs = self
+                .kernels
                 .lock()
                 .live
                 .values()
-                .filter(|l| l.owner() == owner && l.is_hibernated())
+                .filter(|l| l.owner() == owner && l.hibernated())
                 .count();
             if theirs >= max {
                 return Err(HibernateError::Full(format!(
@@ -268,11 +285,12 @@ impl Kernels {
                 )));
             }
         }
-        if !live.relay.quiet() {
+        let activity = live.relay.activity();
+        if !activity.quiet {
             return Err(HibernateError::Busy("it runs or holds code".into()));
         }
         let started = Instant::now();
-        let since = live.relay.client_sends();
+        let since = activity.client_sends;
         let code = format!(
             "__import__('kernelgate_state').save({}, lossy={}, max_bytes={})",
             py_str(STATE_DIR),
@@ -287,7 +305,7 @@ impl Kernels {
             Some((ename, _)) if ename == "ModuleNotFoundError" => {
                 return Err(HibernateError::Blocked(format!(
                     "the kernel's image {:?} has no kernelgate_state helper, so its state cannot be saved; build images from kernel-image/ or derive them from kernelgate-kernel (docs/custom-images.md)",
-                    self.settings.specs.get(&live.name).map(|s| s.image.clone()).unwrap_or_default()
+                    self.kernels.settings.specs.get(&live.name).map(|s| s.image.clone()).unwrap_or_default()
                 )))
             }
             Some((ename, evalue)) => {
@@ -295,7 +313,7 @@ impl Kernels {
             }
         }
         let put_away = self.put_away(live, since, started).await;
-        if put_away.is_err() && !live.is_hibernated() {
+        if put_away.is_err() && !live.hibernated() {
             // The kernel runs on: the state it wrote into its home goes.
             let code = format!(
                 "__import__('shutil').rmtree({}, ignore_errors=True)",
@@ -311,12 +329,12 @@ impl Kernels {
     /// Takes the state the kernel saved out of its container, seals the kernel (unless
     /// clients sent work since `since`), commits the state and removes the container.
     async fn put_away(
-        self: &Arc<Self>,
+        &self,
         live: &Arc<LiveKernel>,
         since: u64,
         started: Instant,
     ) -> Result<(), HibernateError> {
-        let policy = &self.settings.hibernate;
+        let policy = &self.kernels.settings.hibernate;
         let max = usize::try_from(policy.max_bytes).unwrap_or(usize::MAX);
         let partial = Partial::new(&policy.dir, live.id())
             .map_err(|e| HibernateError::Failed(format!("writing into --hibernate-dir: {e}")))?;
@@ -353,7 +371,7 @@ impl Kernels {
             max_stdout: max,
             timeout: policy.command_timeout,
         };
-        let out = self.backend.exec(&live.handle(), request).await;
+        let out = self.kernels.backend.exec(&live.handle(), request).await;
         let kept = filter
             .await
             .map_err(|e| HibernateError::Failed(e.to_string()))
@@ -380,6 +398,7 @@ impl Kernels {
         }
         let owner = live.owner();
         let keys_bytes: u64 = self
+            .kernels
             .lock()
             .live
             .values()
@@ -405,10 +424,10 @@ impl Kernels {
             cpus: limits.1.cpus,
             max_hibernated: live.max_hibernated.get().copied(),
             hibernated_at: Utc::now(),
-            last_activity: live.relay.last_activity(),
+            last_activity: live.relay.activity().last_activity,
             bytes: kept.bytes,
         };
-        if !live.relay.seal(since) {
+        if live.relay.step(Event::Seal { since }).await.is_err() {
             return Err(HibernateError::Busy(
                 "work came in while its state was saved".into(),
             ));
@@ -424,7 +443,7 @@ impl Kernels {
                 .and_then(|r| r)
         };
         if let Err(e) = committed {
-            if let Err(re) = live.relay.unseal().await {
+            if let Err(re) = live.relay.step(Event::Unseal).await {
                 tracing::warn!(kernel = %live.id(), error = %re, "cannot hand waiting messages to the kernel");
             }
             return Err(HibernateError::Failed(format!(
@@ -432,23 +451,25 @@ impl Kernels {
                 dir.display()
             )));
         }
-        // The exit this causes is not a death.
+        // The exit this causes is not a death. The container goes before the phase says
+        // hibernated, so a client that reads `hibernated` finds no process left.
         live.epoch.fetch_add(1, Ordering::SeqCst);
-        live.relay.disconnect();
         let handle = live.handle();
-        if let Err(e) = self.backend.remove(&handle).await {
+        if let Err(e) = self.kernels.backend.remove(&handle).await {
             tracing::warn!(kernel = %live.id(), error = %e, "cannot remove a hibernated kernel's container");
         }
+        let _ = live.relay.step(Event::Hibernated).await;
         {
             let mut sleep = live.sleep();
             sleep.since = Some((meta.hibernated_at, meta.bytes));
             sleep.blocked = None;
         }
-        if let Some(ledger) = &self.settings.ledger {
-            ledger.hibernated(live.id(), true).await;
+        if let Some(ledger) = &self.kernels.settings.ledger {
+            ledger.hibernated(live.id(), live.hibernated()).await;
         }
         let took = started.elapsed();
-        self.settings
+        self.kernels
+            .settings
             .audit
             .record(&Record::KernelHibernated {
                 kernel: live.id().to_owned(),
@@ -459,7 +480,7 @@ impl Kernels {
             })
             .await;
         tracing::info!(kernel = %live.id(), bytes = meta.bytes, ?took, "kernel hibernated");
-        self.pool_wanted.notify_waiters();
+        self.kernels.pool_wanted.notify_waiters();
         self.wake_on_request(live);
         Ok(())
     }
@@ -474,26 +495,25 @@ impl Kernels {
         code: &str,
         timeout: Duration,
     ) -> Result<Option<(String, String)>, HibernateError> {
-        let session = format!("kernelgate-state-{}", uuid::Uuid::new_v4());
-        let me = live.relay.attach(&session, true, GATEWAY_KEY);
-        let message = live
-            .relay
-            .request("execute_request", RawJson::from_value(&silent(code)));
-        let mut execution = Execution::new(message.msg_id());
-        me.send(Channel::Shell, message)
-            .await
-            .map_err(|e| HibernateError::Failed(e.to_string()))?;
-        match collect(&me, &mut execution, timeout).await {
-            Ok(answer) => return Ok(answer),
-            Err(Waited::Gone) => return Err(HibernateError::Failed("the kernel went away".into())),
-            Err(Waited::TimedOut) => {}
-        }
-        if let Err(e) = self.backend.interrupt(&live.handle()).await {
+        let session = live.relay.attach(
+            &format!("kernelgate-state-{}", uuid::Uuid::new_v4()),
+            true,
+            GATEWAY_KEY,
+        );
+        let pending = match silent::execute(&session, code, timeout).await {
+            Ok(answer) => return Ok(silent::raised(&answer)),
+            Err(Unanswered::NotSent(e)) => return Err(HibernateError::Failed(e)),
+            Err(Unanswered::Gone) => {
+                return Err(HibernateError::Failed("the kernel went away".into()))
+            }
+            Err(Unanswered::TimedOut(pending)) => pending,
+        };
+        if let Err(e) = self.kernels.backend.interrupt(&live.handle()).await {
             tracing::warn!(kernel = %live.id(), error = %e, "cannot interrupt a save that took too long");
         }
         let flag = "--hibernate-save-timeout";
         let secs = timeout.as_secs();
-        match collect(&me, &mut execution, INTERRUPT_WAIT).await {
+        match pending.wait(INTERRUPT_WAIT).await.map(|answer| silent::raised(&answer)) {
             Ok(Some((ename, evalue))) if ename == "HibernateBlocked" => Err(HibernateError::Blocked(
                 format!("{evalue} (after {secs} s, {flag})"),
             )),
@@ -513,8 +533,8 @@ impl Kernels {
 
     /// Hibernates kernels with no execution for `after`, and deletes hibernated ones
     /// kept past the retention.
-    pub(in crate::kernels) async fn hibernate_idle(self: Arc<Self>) {
-        let policy = self.settings.hibernate.clone();
+    pub(in crate::kernels) async fn hibernate_idle(self) {
+        let policy = self.kernels.settings.hibernate.clone();
         let shortest = [policy.after, policy.retention]
             .into_iter()
             .flatten()
@@ -526,22 +546,22 @@ impl Kernels {
         let slots = Arc::new(tokio::sync::Semaphore::new(CONCURRENT_HIBERNATIONS));
         loop {
             tokio::select! {
-                _ = self.cancel.cancelled() => return,
+                _ = self.kernels.cancel.cancelled() => return,
                 _ = tokio::time::sleep(every) => {}
             }
             let now = Utc::now();
-            for live in self.list() {
-                let quiet = (now - live.relay.last_activity())
+            for live in self.kernels.list() {
+                let quiet = (now - live.relay.activity().last_activity)
                     .to_std()
                     .unwrap_or_default();
-                if live.is_hibernated() {
+                if live.hibernated() {
                     let since = live.sleep().since.map(|(at, _)| at).unwrap_or(now);
                     let kept = (now - since).to_std().unwrap_or_default();
                     if policy.retention.is_some_and(|r| kept >= r) {
                         tracing::info!(kernel = %live.id(), "deleting a kernel hibernated past --hibernate-retention");
                         let why =
                             Removal::Because("hibernated longer than --hibernate-retention".into());
-                        if let Some(Err(e)) = self.delete(live.id(), why).await {
+                        if let Some(Err(e)) = self.kernels.delete(live.id(), why).await {
                             tracing::warn!(kernel = %live.id(), error = %e, "cannot delete an expired hibernated kernel");
                         }
                     }
@@ -553,7 +573,7 @@ impl Kernels {
                 }
                 {
                     let mut sleep = live.sleep();
-                    let blocked = sleep.blocked_at == Some(live.relay.client_sends());
+                    let blocked = sleep.blocked_at == Some(live.relay.activity().client_sends);
                     let waiting = sleep.retry_at.is_some_and(|at| Instant::now() < at);
                     if sleep.trying || blocked || waiting {
                         continue;
@@ -561,7 +581,7 @@ impl Kernels {
                     sleep.trying = true;
                 }
                 let (me, slots) = (self.clone(), slots.clone());
-                self.tracker.spawn(
+                self.kernels.tracker.spawn(
                     async move {
                         if let Ok(_slot) = slots.acquire_owned().await {
                             let _ = me.hibernate(&live).await;
@@ -576,49 +596,11 @@ impl Kernels {
 
     /// Hibernated kernels and the bytes of their state, for the metrics.
     pub(in crate::kernels) fn hibernated_totals(&self) -> (i64, i64) {
-        let t = self.lock();
+        let t = self.kernels.lock();
         t.live
             .values()
             .filter_map(|l| l.sleep().since.map(|(_, bytes)| bytes))
             .fold((0, 0), |(n, b), bytes| (n + 1, b + bytes as i64))
-    }
-}
-
-fn silent(code: &str) -> ExecuteRequest {
-    let mut request = ExecuteRequest::new(code);
-    request.silent = true;
-    request.store_history = false;
-    request.allow_stdin = false;
-    request
-}
-
-/// Why [`collect`] has no answer.
-enum Waited {
-    TimedOut,
-    Gone,
-}
-
-/// Waits up to `timeout` for the reply of `execution`; `Some((ename, evalue))` when the
-/// code raised.
-async fn collect(
-    me: &crate::relay::Attachment,
-    execution: &mut Execution,
-    timeout: Duration,
-) -> Result<Option<(String, String)>, Waited> {
-    let deadline = tokio::time::Instant::now() + timeout;
-    while !execution.is_done() {
-        let batch = tokio::time::timeout_at(deadline, me.recv())
-            .await
-            .map_err(|_| Waited::TimedOut)?
-            .ok_or(Waited::Gone)?;
-        for out in batch {
-            execution.feed(out.channel, &out.message);
-        }
-    }
-    match execution.reply() {
-        Some(r) if r.status == "ok" => Ok(None),
-        Some(r) => Ok(Some((r.ename.clone(), r.evalue.clone()))),
-        None => Err(Waited::Gone),
     }
 }
 

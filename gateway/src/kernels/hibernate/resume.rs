@@ -2,7 +2,22 @@
 //! the saved files unpacked and the variables loaded before anything clients sent; and
 //! the hibernated kernels an earlier run left, listed again at start.
 
-use super::*;
+use super::store::forget;
+use super::{py_str, Hibernation, Meta, KERNEL_TIMEOUT, META, PYTHON, STATE_DIR, STATE_IN, TAR};
+use crate::audit::Record;
+use crate::backend::{ExecRequest, ExecStdin};
+use crate::kernels::supervise::record_serving;
+use crate::kernels::{CreateError, Limits, LiveKernel, Process};
+use crate::metrics;
+use crate::relay::lifecycle::Event;
+use crate::relay::GATEWAY_KEY;
+use crate::silent::{self, Unanswered};
+use kernelgate_protocol::ConnectionInfo;
+use std::path::Path;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tracing::Instrument;
 
 /// What of a hibernated kernel's state a new process gets.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -15,12 +30,12 @@ pub(in crate::kernels) enum Wake {
     Fresh,
 }
 
-impl Kernels {
+impl Hibernation {
     /// Starts the task that resumes `live` on the first client message.
-    pub(super) fn wake_on_request(self: &Arc<Self>, live: &Arc<LiveKernel>) {
+    pub(super) fn wake_on_request(&self, live: &Arc<LiveKernel>) {
         let (me, live) = (self.clone(), live.clone());
         let id = live.id().to_owned();
-        self.tracker.spawn(
+        self.kernels.tracker.spawn(
             async move {
                 loop {
                     tokio::select! {
@@ -34,10 +49,10 @@ impl Kernels {
                         Err(e) => {
                             let why = format!("the hibernated kernel could not be resumed ({e}); try again, or delete it");
                             tracing::warn!(kernel = %live.id(), "{why}");
-                            live.relay.refuse_waiting(why).await;
+                            let _ = live.relay.step(Event::WakeFailed(why)).await;
                         }
                     }
-                    if !live.is_hibernated() {
+                    if !live.hibernated() {
                         return;
                     }
                 }
@@ -48,12 +63,12 @@ impl Kernels {
 
     /// Brings a hibernated kernel back (nothing happens for one that runs): a fresh process
     /// with its state loaded, under its id, its clients still attached.
-    pub async fn resume(self: &Arc<Self>, live: &Arc<LiveKernel>) -> Result<(), CreateError> {
+    pub async fn resume(&self, live: &Arc<LiveKernel>) -> Result<(), CreateError> {
         let (me, live) = (self.clone(), live.clone());
-        let task = self.tracker.spawn(
+        let task = self.kernels.tracker.spawn(
             async move {
                 let _ops = live.ops.lock().await;
-                if !live.is_hibernated() {
+                if !live.hibernated() {
                     return Ok(());
                 }
                 me.wake(&live, Wake::Everything).await
@@ -67,18 +82,19 @@ impl Kernels {
     /// it wakes as a fresh process with its saved files, for the key `key`. `Ok(false)`
     /// when it does not hibernate.
     pub async fn discard_state(
-        self: &Arc<Self>,
+        &self,
         live: &Arc<LiveKernel>,
         key: &str,
     ) -> Result<bool, CreateError> {
         let (me, live, key) = (self.clone(), live.clone(), key.to_owned());
-        let task = self.tracker.spawn(
+        let task = self.kernels.tracker.spawn(
             async move {
                 let _ops = live.ops.lock().await;
-                if !live.is_hibernated() {
+                if !live.hibernated() {
                     return Ok(false);
                 }
-                me.settings
+                me.kernels
+                    .settings
                     .audit
                     .record(&Record::KernelStateDiscarded {
                         kernel: live.id().to_owned(),
@@ -95,14 +111,14 @@ impl Kernels {
 
     /// Restarting a hibernated kernel starts it fresh: its state is deleted.
     pub(in crate::kernels) async fn wake_fresh(
-        self: &Arc<Self>,
+        &self,
         live: &Arc<LiveKernel>,
     ) -> Result<(), CreateError> {
         self.wake(live, Wake::Fresh).await
     }
 
     /// With `live.ops` held: a process for `live`, with what `mode` says of its state.
-    async fn wake(self: &Arc<Self>, live: &Arc<LiveKernel>, mode: Wake) -> Result<(), CreateError> {
+    async fn wake(&self, live: &Arc<LiveKernel>, mode: Wake) -> Result<(), CreateError> {
         let started = Instant::now();
         self.make_room_for(live).await?;
         let (env, limits) = live.origin.get().cloned().unwrap_or_default();
@@ -116,10 +132,13 @@ impl Kernels {
                 )));
             }
         }
-        let (warm, _) = self.obtain(&live.name, env, live.owner(), limits).await?;
+        let (warm, _) = self
+            .kernels
+            .obtain(&live.name, env, live.owner(), limits)
+            .await?;
         // The fresh kernel's own watcher and link go; its process serves `live` now.
         warm.cancel.cancel();
-        warm.relay.disconnect();
+        let _ = warm.relay.step(Event::Unlinked).await;
         let new = warm.process();
         if live.cancel.is_cancelled() {
             // Deleted (or the gateway stops) meanwhile.
@@ -135,21 +154,24 @@ impl Kernels {
         let loading = mode == Wake::Everything;
         if loading {
             // What clients sent waits until the variables are back (or are known not to be).
-            live.relay.hold_for_load();
+            let _ = live.relay.step(Event::Wake).await;
         }
         // It runs from here: what clients sent meanwhile may be answered before the
         // connect returns (after the load, when there is one).
         let slept = live.sleep().since.take();
-        let connected = self.connect_into(live, &new).await;
+        let connected = self.kernels.supervisor().connect_into(live, &new).await;
         if let Err(e) = connected {
             // What the failed process was sent is answered; the state stays on disk.
             let why = format!("the hibernated kernel could not be resumed ({e}); its state is kept: run the cell again to retry");
             live.sleep().since = slept;
             if loading {
-                live.relay.load_failed(why).await;
+                let _ = live.relay.step(Event::LoadFailed(why)).await;
             } else {
-                live.relay.lost_executions("KernelUnavailable", &why).await;
-                live.relay.set_hibernated();
+                let _ = live
+                    .relay
+                    .step(Event::lost("KernelUnavailable", &why, false))
+                    .await;
+                let _ = live.relay.step(Event::Hibernated).await;
             }
             self.drop_process(&new.handle).await;
             return Err(e);
@@ -163,7 +185,8 @@ impl Kernels {
                     why: why.clone(),
                 };
                 // In the audit trail before the waiting cells hear it.
-                self.settings
+                self.kernels
+                    .settings
                     .audit
                     .record(&Record::KernelResumeFailed {
                         kernel: live.id().to_owned(),
@@ -174,30 +197,30 @@ impl Kernels {
                 // The exit this causes is not a death.
                 live.epoch.fetch_add(1, Ordering::SeqCst);
                 live.sleep().since = slept;
-                live.relay.load_failed(failed.to_string()).await;
+                let _ = live.relay.step(Event::LoadFailed(failed.to_string())).await;
                 self.drop_process(&new.handle).await;
                 return Err(failed);
             }
-            if let Err(e) = live.relay.loaded().await {
+            if let Err(e) = live.relay.step(Event::Loaded).await {
                 tracing::warn!(kernel = %live.id(), error = %e, "cannot hand waiting messages to the resumed kernel");
             }
         }
         let recorded = async {
-            self.backend.set_kernel_id(warm.id(), live.id()).await?;
-            self.backend.set_owner(warm.id(), live.owner()).await?;
-            self.backend.rename(&new.handle, live.id()).await
+            record_serving(&self.kernels, warm.id(), live).await?;
+            self.kernels.backend.rename(&new.handle, live.id()).await
         };
         if let Err(e) = recorded.await {
             tracing::warn!(kernel = %live.id(), error = %e, "cannot record the kernel's new container");
         }
-        if let Some(ledger) = &self.settings.ledger {
-            ledger.hibernated(live.id(), false).await;
+        if let Some(ledger) = &self.kernels.settings.ledger {
+            ledger.hibernated(live.id(), live.hibernated()).await;
         }
         forget(&dir).await;
         let took = started.elapsed();
         if loading {
             metrics::resumed(took);
-            self.settings
+            self.kernels
+                .settings
                 .audit
                 .record(&Record::KernelResumed {
                     kernel: live.id().to_owned(),
@@ -213,24 +236,23 @@ impl Kernels {
     /// Loads the saved variables into the kernel's new process `handle` (its files are
     /// there already): `Err` says why they did not load.
     async fn load(&self, live: &Arc<LiveKernel>, handle: &str) -> Result<(), String> {
-        let session = format!("kernelgate-state-{}", uuid::Uuid::new_v4());
-        let me = live.relay.attach(&session, true, GATEWAY_KEY);
+        let session = live.relay.attach(
+            &format!("kernelgate-state-{}", uuid::Uuid::new_v4()),
+            true,
+            GATEWAY_KEY,
+        );
         let code = format!("__import__('kernelgate_state').load({})", py_str(STATE_DIR));
-        let message = live
-            .relay
-            .request("execute_request", RawJson::from_value(&silent(&code)));
-        let mut execution = Execution::new(message.msg_id());
-        me.send(Channel::Shell, message)
-            .await
-            .map_err(|e| format!("the new process took no request: {e}"))?;
         tokio::select! {
-            answer = collect(&me, &mut execution, KERNEL_TIMEOUT) => match answer {
-                Ok(None) => Ok(()),
-                Ok(Some((ename, evalue))) => Err(format!("{ename}: {evalue}")),
-                Err(Waited::TimedOut) => Err(format!("no answer within {} s", KERNEL_TIMEOUT.as_secs())),
-                Err(Waited::Gone) => Err("the new process went away".to_owned()),
+            answer = silent::execute(&session, &code, KERNEL_TIMEOUT) => match answer {
+                Ok(answer) => match silent::raised(&answer) {
+                    None => Ok(()),
+                    Some((ename, evalue)) => Err(format!("{ename}: {evalue}")),
+                },
+                Err(Unanswered::NotSent(e)) => Err(format!("the new process took no request: {e}")),
+                Err(Unanswered::TimedOut(_)) => Err(format!("no answer within {} s", KERNEL_TIMEOUT.as_secs())),
+                Err(Unanswered::Gone) => Err("the new process went away".to_owned()),
             },
-            exit = self.backend.wait_exit(handle) => Err(match exit {
+            exit = self.kernels.backend.wait_exit(handle) => Err(match exit {
                 Ok(exit) => format!("the new process stopped while loading it: {}", exit.cause()),
                 Err(e) => format!("the new process stopped while loading it: {e}"),
             }),
@@ -239,20 +261,20 @@ impl Kernels {
 
     /// A resume at the running limit hibernates another idle kernel of the same owner
     /// first, when one can; otherwise it fails as a create at its limit does.
-    async fn make_room_for(self: &Arc<Self>, live: &Arc<LiveKernel>) -> Result<(), CreateError> {
+    async fn make_room_for(&self, live: &Arc<LiveKernel>) -> Result<(), CreateError> {
         let (running, other) = {
-            let t = self.lock();
-            let running = t.live.values().filter(|l| !l.is_hibernated()).count() + t.reserved;
+            let t = self.kernels.lock();
+            let running = t.live.values().filter(|l| !l.hibernated()).count() + t.reserved;
             let mut idle: Vec<_> = t
                 .live
                 .values()
-                .filter(|l| l.owner() == live.owner() && l.id() != live.id() && !l.is_hibernated())
+                .filter(|l| l.owner() == live.owner() && l.id() != live.id() && !l.hibernated())
                 .cloned()
                 .collect();
-            idle.sort_by_key(|l| l.relay.last_activity());
+            idle.sort_by_key(|l| l.relay.activity().last_activity);
             (running, idle)
         };
-        if running < self.settings.max_kernels {
+        if running < self.kernels.settings.max_kernels {
             return Ok(());
         }
         for candidate in other {
@@ -261,7 +283,7 @@ impl Kernels {
             }
         }
         Err(CreateError::TooMany {
-            max: self.settings.max_kernels,
+            max: self.kernels.settings.max_kernels,
         })
     }
 
@@ -283,9 +305,9 @@ impl Kernels {
             stdin: ExecStdin::File(tar.to_owned()),
             stdout: None,
             max_stdout: 4096,
-            timeout: self.settings.hibernate.command_timeout,
+            timeout: self.kernels.settings.hibernate.command_timeout,
         };
-        let out = self.backend.exec(handle, request).await?;
+        let out = self.kernels.backend.exec(handle, request).await?;
         if out.exit_code != 0 {
             return Err(CreateError::Resume(format!(
                 "cannot put the state of kernel {} into its new process: {}",
@@ -297,7 +319,7 @@ impl Kernels {
     }
 
     async fn drop_process(&self, handle: &str) {
-        if let Err(e) = self.backend.remove(handle).await {
+        if let Err(e) = self.kernels.backend.remove(handle).await {
             tracing::warn!(container = %handle, error = %e, "cannot remove a kernel process that failed to resume");
         }
     }
@@ -305,8 +327,8 @@ impl Kernels {
     /// Hibernated kernels an earlier run of this gateway left in `--hibernate-dir` are
     /// listed again; a state whose kernel still runs (the earlier run died between commit
     /// and removal) is dropped, the container has it all.
-    pub(in crate::kernels) async fn restore_hibernated(self: &Arc<Self>) {
-        let root = self.settings.hibernate.dir.clone();
+    pub(in crate::kernels) async fn restore_hibernated(&self) {
+        let root = self.kernels.settings.hibernate.dir.clone();
         let Ok(mut entries) = tokio::fs::read_dir(&root).await else {
             return;
         };
@@ -334,7 +356,7 @@ impl Kernels {
             {
                 Some(meta)
                     if meta.id == name
-                        && meta.runtime_dir == self.settings.hibernate.runtime_dir =>
+                        && meta.runtime_dir == self.kernels.settings.hibernate.runtime_dir =>
                 {
                     meta
                 }
@@ -347,16 +369,19 @@ impl Kernels {
                     continue;
                 }
             };
-            if self.get(&meta.id).is_some() {
+            if self.kernels.get(&meta.id).is_some() {
                 tracing::info!(kernel = %meta.id, "the kernel still runs; its saved state is dropped");
                 forget(&path).await;
                 continue;
             }
-            let live = self.hibernated_kernel(&meta);
-            self.lock().live.insert(meta.id.clone(), live.clone());
-            if let Some(ledger) = &self.settings.ledger {
+            let live = self.hibernated_kernel(&meta).await;
+            self.kernels
+                .lock()
+                .live
+                .insert(meta.id.clone(), live.clone());
+            if let Some(ledger) = &self.kernels.settings.ledger {
                 ledger.adopt(&meta.id, &meta.owner, &meta.spec, false);
-                ledger.hibernated(&meta.id, true).await;
+                ledger.hibernated(&meta.id, live.hibernated()).await;
             }
             tracing::info!(kernel = %meta.id, "hibernated kernel of an earlier run listed again");
             self.wake_on_request(&live);
@@ -364,15 +389,15 @@ impl Kernels {
     }
 
     /// A table entry for a hibernated kernel with no process.
-    fn hibernated_kernel(self: &Arc<Self>, meta: &Meta) -> Arc<LiveKernel> {
+    async fn hibernated_kernel(&self, meta: &Meta) -> Arc<LiveKernel> {
         let relay = crate::relay::Relay::new(
             &meta.id,
-            self.settings.limits,
-            self.settings.audit.clone(),
-            self.settings.guard.clone(),
+            self.kernels.settings.limits,
+            self.kernels.settings.audit.clone(),
+            self.kernels.settings.guard.clone(),
         );
-        relay.set_hibernated();
-        relay.set_last_activity(meta.last_activity);
+        let _ = relay.step(Event::Hibernated).await;
+        relay.touch(meta.last_activity);
         let live = Arc::new(LiveKernel::new(
             relay,
             &meta.spec,
@@ -384,7 +409,7 @@ impl Kernels {
                     &meta.spec,
                 ),
             },
-            self.cancel.child_token(),
+            self.kernels.cancel.child_token(),
         ));
         let _ = live.owner.set(meta.owner.clone());
         let _ = live.origin.set((
@@ -398,7 +423,7 @@ impl Kernels {
             let _ = live.max_hibernated.set(max);
         }
         live.sleep().since = Some((meta.hibernated_at, meta.bytes));
-        self.watch(&live);
+        self.kernels.supervisor().watch(&live);
         live
     }
 }

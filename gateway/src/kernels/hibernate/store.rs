@@ -1,7 +1,9 @@
 //! A hibernated kernel's state on the host: the kernel's files as the gateway keeps them,
 //! committed atomically, private, deleted when done.
 
-use super::*;
+use super::{HibernateError, MANIFEST, META, TAR};
+use serde::Deserialize;
+use std::path::{Component, Path, PathBuf};
 
 /// What of a kernel's home was kept: the bytes of its tar, rewritten with only directories
 /// and regular files under relative paths, and what was left out.

@@ -5,6 +5,7 @@
 //! Usage: bench [--out FILE.json] [--md FILE.md] [--venv DIR] [--rounds N] [--pool-size N]
 //!              [--idle-kernels N] [--quick] [--mcp-only] [--stages-only] [--walls-only]
 //!              [--restart-only] [--cluster-only] [--hibernate-only] [--packages-only]
+//!              [--e2b-only] [--engines-only] [--versions-only --baseline-bin PATH]
 //!
 //! Kernelgate runs each kernel in a Docker container under runc (ipc sockets
 //! bind-mounted), then, in a table of its own, under runc and both gVisor runtimes beside
@@ -13,6 +14,8 @@
 
 mod cluster;
 mod conn;
+mod e2b;
+mod engines;
 mod hibernate;
 mod mcp;
 mod packages;
@@ -21,6 +24,7 @@ mod report;
 mod restart;
 mod stages;
 mod stats;
+mod versions;
 mod walls;
 
 use anyhow::{bail, Context, Result};
@@ -65,6 +69,12 @@ struct Opts {
     hibernate_only: bool,
     /// Only installing allowlisted packages.
     packages_only: bool,
+    /// Two builds of the gateway side by side: `--baseline-bin` against this one.
+    versions_only: bool,
+    baseline_bin: Option<PathBuf>,
+    e2b_only: bool,
+    /// Only the engines: Docker+runc, Docker+gVisor and the gVisor engine.
+    engines_only: bool,
     /// Hibernate-resume rounds of the kernel holding only `x = 1` (and warm creates).
     hibernate_rounds: usize,
     /// Hibernate-resume rounds of the kernel holding 100 MiB.
@@ -96,6 +106,10 @@ impl Opts {
             cluster_only: false,
             hibernate_only: false,
             packages_only: false,
+            versions_only: false,
+            baseline_bin: None,
+            e2b_only: false,
+            engines_only: false,
             hibernate_rounds: 10,
             hibernate_large_rounds: 5,
             render: None,
@@ -118,6 +132,10 @@ impl Opts {
                 "--cluster-only" => o.cluster_only = true,
                 "--hibernate-only" => o.hibernate_only = true,
                 "--packages-only" => o.packages_only = true,
+                "--versions-only" => o.versions_only = true,
+                "--baseline-bin" => o.baseline_bin = Some(val()?.into()),
+                "--e2b-only" => o.e2b_only = true,
+                "--engines-only" => o.engines_only = true,
                 "--render" => o.render = Some(val()?.into()),
                 "--quick" => {
                     // For trying the bench out, not for numbers.
@@ -139,6 +157,9 @@ impl Opts {
                 other => bail!("unknown argument {other:?}\n{USAGE}"),
             }
         }
+        if o.versions_only && o.baseline_bin.is_none() {
+            bail!("--versions-only needs --baseline-bin PATH (`make bench-versions` builds one)");
+        }
         if o.pool_size == 0 || o.rounds == 0 || o.creates == 0 {
             bail!("--pool-size and --rounds must be at least 1");
         }
@@ -149,7 +170,7 @@ impl Opts {
 const USAGE: &str = "usage: bench [--out FILE.json] [--md FILE.md] [--venv DIR] [--rounds N] \
                      [--pool-size N] [--idle-kernels N] [--quick] [--mcp-only] [--stages-only] \
                      [--walls-only] [--restart-only] [--cluster-only] [--hibernate-only] [--packages-only] \
-                     [--render BENCH-RESULTS.json]";
+                     [--e2b-only] [--versions-only --baseline-bin PATH] [--render BENCH-RESULTS.json]";
 
 /// One target's kernels and client connections during the run.
 #[derive(Debug)]
@@ -217,6 +238,9 @@ async fn main() -> Result<()> {
         && !opts.cluster_only
         && !opts.hibernate_only
         && !opts.packages_only
+        && !opts.versions_only
+        && !opts.e2b_only
+        && !opts.engines_only
         && !venv.join("bin/jupyter-kernelgateway").exists()
     {
         bail!(
@@ -259,6 +283,9 @@ async fn main() -> Result<()> {
             "cluster_only": opts.cluster_only,
             "hibernate_only": opts.hibernate_only,
             "packages_only": opts.packages_only,
+            "versions_only": opts.versions_only,
+            "e2b_only": opts.e2b_only,
+            "engines_only": opts.engines_only,
             "hibernate_rounds": opts.hibernate_rounds,
             "hibernate_large_rounds": opts.hibernate_large_rounds,
         },
@@ -298,6 +325,15 @@ async fn measure_all(opts: &Opts, paths: &Paths, results: &mut Results) -> Resul
     }
     if opts.packages_only {
         return packages::compare(opts, paths, results).await;
+    }
+    if let (true, Some(baseline)) = (opts.versions_only, &opts.baseline_bin) {
+        return versions::compare(opts, paths, baseline, results).await;
+    }
+    if opts.e2b_only {
+        return e2b::compare(opts, paths, results).await;
+    }
+    if opts.engines_only {
+        return engines::compare(opts, paths, results).await;
     }
     log(format!(
         "starting Kernelgate (warm pool {}) and JKG",
@@ -350,7 +386,8 @@ async fn measure_all(opts: &Opts, paths: &Paths, results: &mut Results) -> Resul
     restart::compare(opts, paths, results).await?;
     cluster::compare(opts, paths, results).await?;
     hibernate::compare(opts, paths, results).await?;
-    packages::compare(opts, paths, results).await
+    packages::compare(opts, paths, results).await?;
+    e2b::compare(opts, paths, results).await
 }
 
 async fn measure(

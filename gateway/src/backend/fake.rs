@@ -1,13 +1,19 @@
-//! For unit tests of the kernel table: a backend that runs no container but an in-process
-//! mock kernel per launch. The mock binds the five ZeroMQ sockets (ipc, in a temporary
+//! The second engine, for unit tests: runs no container but an in-process mock kernel per
+//! launch, and passes the backend's contract tests ([`super::contract`]). The mock binds the five ZeroMQ sockets (ipc, in a temporary
 //! directory) and answers like ipykernel does for what the table needs: `kernel_info` and
 //! `execute` requests, each wrapped in `busy`/`idle` status messages, and heartbeat
 //! echoes. Tests kill, hang, count and inspect kernels through [`FakeBackend`].
 //! Launching, restarting and removing take [`RUNTIME_LATENCY`], as a container runtime's
 //! calls take time: a caller that goes away can leave them half done.
+//! Commands (one-shot and interactive) are make-believe: `echo` prints its arguments,
+//! `cat` copies its input, `false` fails, anything else succeeds silently; each one-shot
+//! run is recorded ([`FakeBackend::runs`]). It has no labels of its own: it keeps them.
 
-use crate::backend::{
-    BackendError, ExecOutput, Exit, Found, ImageFacts, KernelBackend, LaunchRequest, Launched,
+use super::sandbox::{RunOnce, RunOutput, SandboxSpec, KERNEL_HOME};
+use super::{
+    BackendError, Capabilities, ExecOutput, Exit, Found, ImageFacts, Interactive,
+    InteractiveControl, InteractiveRequest, KernelBackend, Labelled, LaunchRequest, Launched,
+    Output, Signal, TarStream, TtySize,
 };
 use bytes::Bytes;
 use futures::future::BoxFuture;
@@ -43,6 +49,14 @@ pub struct Record {
     pub serves: Option<String>,
     pub owner: Option<String>,
     pub renamed_to: Option<String>,
+    /// The spec it was created from ([`KernelBackend::create`]), not a launch.
+    pub spec: Option<SandboxSpec>,
+    /// Its labels, kept by the fake (a launch has none).
+    pub labels: BTreeMap<String, String>,
+    /// Signals sent to its main process, stops included (as SIGTERM).
+    pub signals: Vec<Signal>,
+    /// Trees put into it: where, and the tar.
+    pub trees: Vec<(String, Bytes)>,
 }
 
 /// The memory limit the fake reports for its kernels.
@@ -60,20 +74,23 @@ struct Running {
     process: Option<tokio::task::JoinHandle<()>>,
 }
 
+/// The fake engine's running kernels, by handle.
 #[derive(Default)]
-struct Kernels(Mutex<HashMap<String, Running>>);
+struct Processes(Mutex<HashMap<String, Running>>);
 
-impl Kernels {
+impl Processes {
     fn lock(&self) -> MutexGuard<'_, HashMap<String, Running>> {
         self.0.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
 pub struct FakeBackend {
-    kernels: Arc<Kernels>,
+    kernels: Arc<Processes>,
     dir: PathBuf,
     /// This many of the next processes started run out of memory before they answer.
     doomed: AtomicU32,
+    /// Every one-shot run asked for, in order.
+    runs: Mutex<Vec<RunOnce>>,
 }
 
 impl Drop for FakeBackend {
@@ -94,7 +111,34 @@ impl FakeBackend {
             kernels: Arc::default(),
             dir,
             doomed: AtomicU32::new(0),
+            runs: Mutex::default(),
         })
+    }
+
+    /// The one-shot runs asked for so far.
+    pub fn runs(&self) -> Vec<RunOnce> {
+        self.runs.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// A new sandbox entry, its process not started.
+    fn add(&self, record: Record) -> (String, ConnectionInfo) {
+        let handle = format!("fake-{}", uuid::Uuid::new_v4().simple());
+        let prefix = self.dir.join(&handle[5..17]);
+        let connection = ConnectionInfo::ipc(
+            &prefix.display().to_string(),
+            SigningKey::generate_hex(),
+            &record.kernel_name,
+        );
+        let running = Running {
+            record,
+            connection: connection.clone(),
+            stop: CancellationToken::new(),
+            exit: watch::channel(None).0,
+            ooms: watch::channel(0).0,
+            process: None,
+        };
+        self.kernels.lock().insert(handle.clone(), running);
+        (handle, connection)
     }
 
     /// Every kernel ever launched, by handle.
@@ -251,29 +295,14 @@ impl KernelBackend for FakeBackend {
     ) -> BoxFuture<'a, Result<Launched, BackendError>> {
         Box::pin(async move {
             tokio::time::sleep(RUNTIME_LATENCY).await;
-            let handle = format!("fake-{}", uuid::Uuid::new_v4().simple());
-            let prefix = self.dir.join(&handle[5..17]);
-            let connection = ConnectionInfo::ipc(
-                &prefix.display().to_string(),
-                SigningKey::generate_hex(),
-                &req.kernel_name,
-            );
-            let running = Running {
-                record: Record {
-                    kernel_id: req.kernel_id.clone(),
-                    kernel_name: req.kernel_name.clone(),
-                    image: req.image.clone(),
-                    preload: req.preload,
-                    env: req.env.clone(),
-                    ..Record::default()
-                },
-                connection: connection.clone(),
-                stop: CancellationToken::new(),
-                exit: watch::channel(None).0,
-                ooms: watch::channel(0).0,
-                process: None,
-            };
-            self.kernels.lock().insert(handle.clone(), running);
+            let (handle, connection) = self.add(Record {
+                kernel_id: req.kernel_id.clone(),
+                kernel_name: req.kernel_name.clone(),
+                image: req.image.clone(),
+                preload: req.preload,
+                env: req.env.clone(),
+                ..Record::default()
+            });
             self.start_process(&handle).await?;
             Ok(Launched { handle, connection })
         })
@@ -336,7 +365,7 @@ impl KernelBackend for FakeBackend {
     fn exec<'a>(
         &'a self,
         _handle: &'a str,
-        _request: crate::backend::ExecRequest,
+        _request: super::ExecRequest,
     ) -> BoxFuture<'a, Result<ExecOutput, BackendError>> {
         Box::pin(async {
             Err(BackendError::Runtime(
@@ -414,6 +443,247 @@ impl KernelBackend for FakeBackend {
             self.update(handle, |r| r.record.renamed_to = Some(kernel_id.to_owned()))
         })
     }
+
+    fn engine(&self) -> &'static str {
+        "fake"
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            sandboxes: true,
+            engine_labels: false,
+            interactive_exec: true,
+            run_once: true,
+            files: true,
+            checkpoint: false,
+            restore: false,
+            clone: false,
+        }
+    }
+
+    fn create<'a>(&'a self, spec: &'a SandboxSpec) -> BoxFuture<'a, Result<String, BackendError>> {
+        Box::pin(async move {
+            tokio::time::sleep(RUNTIME_LATENCY).await;
+            let (handle, _) = self.add(Record {
+                kernel_id: spec.name.clone().unwrap_or_default(),
+                kernel_name: "python3".to_owned(),
+                image: spec.image.clone(),
+                env: spec.env.iter().cloned().collect(),
+                labels: spec.labels.clone(),
+                spec: Some(spec.clone()),
+                ..Record::default()
+            });
+            Ok(handle)
+        })
+    }
+
+    fn start<'a>(&'a self, handle: &'a str) -> BoxFuture<'a, Result<(), BackendError>> {
+        Box::pin(async move {
+            tokio::time::sleep(RUNTIME_LATENCY).await;
+            self.update(handle, |_| {})?;
+            self.start_process(handle).await
+        })
+    }
+
+    fn signal<'a>(
+        &'a self,
+        handle: &'a str,
+        signal: Signal,
+    ) -> BoxFuture<'a, Result<(), BackendError>> {
+        Box::pin(async move {
+            self.update(handle, |r| {
+                r.record.signals.push(signal);
+                if signal == Signal::Interrupt {
+                    r.record.interrupts += 1;
+                }
+            })?;
+            if signal != Signal::Interrupt {
+                self.end(handle, exited(128 + i64::from(signal.number())));
+            }
+            Ok(())
+        })
+    }
+
+    fn stop<'a>(
+        &'a self,
+        handle: &'a str,
+        _grace: Duration,
+    ) -> BoxFuture<'a, Result<(), BackendError>> {
+        Box::pin(async move {
+            tokio::time::sleep(RUNTIME_LATENCY).await;
+            self.update(handle, |r| r.record.signals.push(Signal::Terminate))?;
+            let running = self
+                .kernels
+                .lock()
+                .get(handle)
+                .is_some_and(|r| r.exit.borrow().is_none());
+            if running {
+                self.end(handle, exited(128 + 15));
+            }
+            Ok(())
+        })
+    }
+
+    fn list_labelled<'a>(
+        &'a self,
+        labels: &'a BTreeMap<String, String>,
+    ) -> BoxFuture<'a, Result<Vec<Labelled>, BackendError>> {
+        Box::pin(async move {
+            Ok(self
+                .kernels
+                .lock()
+                .iter()
+                .filter(|(_, r)| !r.record.removed)
+                .filter(|(_, r)| {
+                    labels
+                        .iter()
+                        .all(|(k, v)| r.record.labels.get(k) == Some(v))
+                })
+                .map(|(handle, r)| Labelled {
+                    handle: handle.clone(),
+                    labels: r.record.labels.clone(),
+                    running: r.process.is_some() && r.exit.borrow().is_none(),
+                })
+                .collect())
+        })
+    }
+
+    fn exec_interactive<'a>(
+        &'a self,
+        handle: &'a str,
+        request: InteractiveRequest,
+    ) -> BoxFuture<'a, Result<Interactive, BackendError>> {
+        Box::pin(async move {
+            self.update(handle, |_| {})?;
+            Ok(interactive(request))
+        })
+    }
+
+    fn run_once(&self, request: RunOnce) -> BoxFuture<'_, Result<RunOutput, BackendError>> {
+        Box::pin(async move {
+            tokio::time::sleep(RUNTIME_LATENCY).await;
+            self.runs
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(request.clone());
+            let (code, stdout) = pretend(&request.argv, b"");
+            Ok(RunOutput {
+                exit_code: code,
+                stdout,
+                stderr: Vec::new(),
+            })
+        })
+    }
+
+    fn read_home<'a>(&'a self, handle: &'a str) -> BoxFuture<'a, Result<TarStream, BackendError>> {
+        Box::pin(async move {
+            let mut home = None;
+            self.update(handle, |r| {
+                home = r
+                    .record
+                    .trees
+                    .iter()
+                    .rev()
+                    .find(|(dest, _)| dest == KERNEL_HOME)
+                    .map(|(_, tar)| tar.clone());
+            })?;
+            // An empty archive: two zero blocks.
+            let tar = home.unwrap_or_else(|| Bytes::from(vec![0u8; 1024]));
+            let stream: TarStream = Box::pin(futures::stream::iter([Ok(tar)]));
+            Ok(stream)
+        })
+    }
+
+    fn put_tree<'a>(
+        &'a self,
+        handle: &'a str,
+        dest: &'a str,
+        tree: Bytes,
+    ) -> BoxFuture<'a, Result<(), BackendError>> {
+        Box::pin(
+            async move { self.update(handle, |r| r.record.trees.push((dest.to_owned(), tree))) },
+        )
+    }
+}
+
+/// What a make-believe command does with `input`: its exit code and output.
+fn pretend(argv: &[String], input: &[u8]) -> (i64, Vec<u8>) {
+    match argv.first().map(String::as_str) {
+        Some("echo") => (0, format!("{}\n", argv[1..].join(" ")).into_bytes()),
+        Some("cat") => (0, input.to_vec()),
+        Some("false") => (1, Vec::new()),
+        _ => (0, Vec::new()),
+    }
+}
+
+/// A make-believe interactive command: reads its input to the end, then answers as
+/// [`pretend`] says; a signal ends it at once with 128 + the signal's number.
+fn interactive(request: InteractiveRequest) -> Interactive {
+    use tokio::io::AsyncReadExt;
+    let (stdin, mut reader) = tokio::io::duplex(64 * 1024);
+    let (out_tx, out_rx) = tokio::sync::mpsc::channel(16);
+    let exit = Arc::new(watch::channel(None::<i64>).0);
+    let signalled = CancellationToken::new();
+    let ended = exit.clone();
+    let stop = signalled.clone();
+    tokio::spawn(async move {
+        let mut input = Vec::new();
+        let code = tokio::select! {
+            _ = reader.read_to_end(&mut input) => {
+                let (code, out) = pretend(&request.argv, &input);
+                if !out.is_empty() {
+                    let _ = out_tx.send(Ok(Output::Stdout(Bytes::from(out)))).await;
+                }
+                code
+            }
+            () = stop.cancelled() => return,
+        };
+        ended.send_replace(Some(code));
+    });
+    Interactive {
+        stdin: Box::pin(stdin),
+        output: Box::pin(tokio_stream_of(out_rx)),
+        control: Box::new(FakeControl { exit, signalled }),
+    }
+}
+
+fn tokio_stream_of<T: Send + 'static>(
+    rx: tokio::sync::mpsc::Receiver<T>,
+) -> impl futures::Stream<Item = T> + Send {
+    futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|x| (x, rx)) })
+}
+
+struct FakeControl {
+    exit: Arc<watch::Sender<Option<i64>>>,
+    signalled: CancellationToken,
+}
+
+impl InteractiveControl for FakeControl {
+    fn signal(&self, signal: Signal) -> BoxFuture<'_, Result<(), BackendError>> {
+        Box::pin(async move {
+            if self.exit.borrow().is_none() {
+                self.signalled.cancel();
+                self.exit
+                    .send_replace(Some(128 + i64::from(signal.number())));
+            }
+            Ok(())
+        })
+    }
+
+    fn resize(&self, _size: TtySize) -> BoxFuture<'_, Result<(), BackendError>> {
+        Box::pin(async { Ok(()) })
+    }
+
+    fn wait(&self) -> BoxFuture<'_, Result<i64, BackendError>> {
+        Box::pin(async move {
+            let mut rx = self.exit.subscribe();
+            let code = rx
+                .wait_for(Option::is_some)
+                .await
+                .map_err(|_| BackendError::Runtime("the command vanished".to_owned()))?;
+            Ok(code.unwrap_or(-1))
+        })
+    }
 }
 
 fn exited(code: i64) -> Exit {
@@ -434,7 +704,7 @@ fn out_of_memory() -> Exit {
 
 /// One mock kernel process.
 struct Mock {
-    kernels: Arc<Kernels>,
+    kernels: Arc<Processes>,
     handle: String,
     key: SigningKey,
     session: String,

@@ -5,6 +5,8 @@
 
 use serde_json::Value;
 
+mod engines;
+
 fn num(v: &Value) -> Option<f64> {
     v.as_f64().filter(|x| x.is_finite())
 }
@@ -157,6 +159,15 @@ pub fn markdown(doc: &Value) -> String {
     if doc["settings"]["packages_only"] == Value::Bool(true) {
         return packages_table(m);
     }
+    if doc["settings"]["versions_only"] == Value::Bool(true) {
+        return versions_table(m);
+    }
+    if doc["settings"]["e2b_only"] == Value::Bool(true) {
+        return e2b_table(m);
+    }
+    if doc["settings"]["engines_only"] == Value::Bool(true) {
+        return engines::table(m);
+    }
     let mut out = String::new();
     out.push_str("| metric | Kernelgate | JKG | direct ZMQ | ratio vs direct | target | met? |\n");
     out.push_str("|---|---:|---:|---:|---:|---|---|\n");
@@ -232,6 +243,9 @@ pub fn markdown(doc: &Value) -> String {
     out.push_str(&cluster_table(m));
     out.push_str(&hibernate_table(m));
     out.push_str(&packages_table(m));
+    if m["e2b"].is_object() {
+        out.push_str(&e2b_table(m));
+    }
     out.push_str(&readme_markdown(doc));
     out
 }
@@ -707,6 +721,92 @@ fn walls_table(m: &Value) -> String {
          in it), runs {} `1+1` round trips and one {} MiB stream on one kernel, and {} kernels \
          in parallel for {} s, every wall in turn.\n",
         s["rounds"], s["rt_runs"], s["stream_mib"], s["parallel_kernels"], s["parallel_seconds"],
+    ));
+    out
+}
+
+/// Two builds of the gateway, ratio of this one over the baseline per round.
+fn versions_table(m: &Value) -> String {
+    let v = &m["versions"];
+    let rows: [(&str, &str); 4] = [
+        (
+            "create from the warm pool, to `kernel_info` answered (lower is better)",
+            "warm_create_ms",
+        ),
+        (
+            "cold create, to `kernel_info` answered (lower is better)",
+            "cold_create_ms",
+        ),
+        ("`1+1` round trip p50 (lower is better)", "rt_ms"),
+        ("20 MiB stream (higher is better)", "stream_mib_s"),
+    ];
+    let mut out = String::from(
+        "\n| two builds, median of the rounds | baseline | current | current / baseline (median, min-max) |\n|---|---:|---:|---:|\n",
+    );
+    for (label, metric) in rows {
+        out.push_str(&format!(
+            "| {label} | {} | {} | {} |\n",
+            fmt(num(&v["baseline"][metric]["median"]), 2),
+            fmt(num(&v["current"][metric]["median"]), 2),
+            ratio_cell(&v["current"][metric]["ratio"]),
+        ));
+    }
+    let s = &v["settings"];
+    out.push_str(&format!(
+        "\nBaseline: {}; current: {}. One release gateway each, {} (warm pool of {}), the same \
+         flags; {} rounds, each round both builds in turn: a create from the full pool, a cold \
+         create (a `KERNEL_*` variable no warm kernel has), {} `1+1` round trips and one {} \
+         MiB stream on a kernel that stays. Times in ms, the stream in MiB/s.\n",
+        v["baseline"]["version"].as_str().unwrap_or("?"),
+        v["current"]["version"].as_str().unwrap_or("?"),
+        s["runtime"].as_str().unwrap_or("runc"),
+        s["pool_size"],
+        s["rounds"],
+        s["rt_runs"],
+        s["stream_mib"],
+    ));
+    out
+}
+
+/// E2B's SDK next to the gateway's own API on one gateway.
+fn e2b_table(m: &Value) -> String {
+    let e = &m["e2b"];
+    if e["skipped"].is_string() {
+        return "\nE2B: the test venv with the SDK is missing (`make python-venv`), so it was \
+                not measured.\n"
+            .to_owned();
+    }
+    let rows: [(&str, &str); 2] = [
+        (
+            "create, from the warm pool: `Sandbox.create` / `POST /api/kernels`",
+            "create",
+        ),
+        (
+            "`1+1`: `run_code` / `POST /api/kernels/{id}/execute`",
+            "run_code",
+        ),
+    ];
+    let mut out = String::from(
+        "\n| E2B SDK against the gateway's API (ms, median) | SDK | API | SDK / API (median, min-max) |\n|---|---:|---:|---:|\n",
+    );
+    for (label, key) in rows {
+        out.push_str(&format!(
+            "| {label} | {} | {} | {} |\n",
+            fmt(num(&e[key]["sdk_ms"]), 1),
+            fmt(num(&e[key]["api_ms"]), 1),
+            ratio_cell(&e[key]["ratio"]),
+        ));
+    }
+    let s = &e["settings"];
+    out.push_str(&format!(
+        "\nOne release gateway, {} (warm pool of {}); {} rounds, each a create both ways and {} \
+         `1+1` runs both ways, one after the other; the SDK is E2B's unmodified \
+         `e2b-code-interpreter` (tests/python/bench_e2b.py), the API calls plain HTTP from the \
+         same script.\n",
+        s["runtime"].as_str().unwrap_or("runc"),
+        s["pool_size"],
+        s["rounds"],
+        s["runs_per_round"],
     ));
     out
 }

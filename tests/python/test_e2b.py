@@ -1,0 +1,329 @@
+"""E2B's own SDKs (`e2b`, `e2b-code-interpreter`, unmodified, pinned in requirements.txt)
+against the gateway's E2B-compatible surface (docs/e2b.md): the SDK is pointed at the
+gateway with E2B_API_URL and E2B_SANDBOX_URL, its API key is a Kernelgate key.
+
+One gateway (warm pool of 2) serves the module; each test makes the sandboxes it needs."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import requests
+
+from conftest import ARTIFACTS, Gateway, start_gateway, stop_gateway
+
+from e2b import (
+    AuthenticationException,
+    InvalidArgumentException,
+    NotFoundException,
+    SandboxException,
+    SandboxQuery,
+    TimeoutException,
+)
+from e2b_code_interpreter import Sandbox
+
+KEYS = """
+[[key]]
+name = "alice"
+token_sha256 = "{alice}"
+
+[[key]]
+name = "bob"
+token_sha256 = "{bob}"
+"""
+
+
+def sha256(text: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def gw(tmp_path_factory) -> Iterator[Gateway]:
+    artifacts = ARTIFACTS / "test_e2b"
+    artifacts.mkdir(parents=True, exist_ok=True)
+    keys = tmp_path_factory.mktemp("keys") / "keys.toml"
+    keys.write_text(KEYS.format(alice=sha256("alice-key"), bob=sha256("bob-key")))
+    gw = start_gateway(artifacts / "gateway.log", ["--pool-size", "2", "--keys", str(keys)])
+    try:
+        yield gw
+    finally:
+        stop_gateway(gw)
+
+
+def opts(gw: Gateway, key: str) -> dict:
+    """What E2B_API_URL, E2B_SANDBOX_URL and E2B_API_KEY would say, as the SDK's options."""
+    return {"api_url": gw.url, "sandbox_url": gw.url, "api_key": key}
+
+
+@pytest.fixture
+def sbx(gw: Gateway) -> Iterator[Sandbox]:
+    sandbox = Sandbox.create(**opts(gw, gw.token))
+    yield sandbox
+    try:
+        sandbox.kill()
+    except Exception:
+        pass
+
+
+def test_create_with_metadata_and_envs_then_list_info_and_kill(gw: Gateway):
+    o = opts(gw, "alice-key")
+    run = os.urandom(4).hex()
+    sandbox = Sandbox.create(metadata={"run": run, "who": "a b"}, envs={"GREETING": "hi there"}, **o)
+    try:
+        out = sandbox.run_code("import os; os.environ['GREETING']")
+        assert out.error is None, out.error
+        assert out.text == "'hi there'"
+        info = sandbox.get_info()
+        assert info.sandbox_id == sandbox.sandbox_id
+        assert info.metadata == {"run": run, "who": "a b"}
+        listed = Sandbox.list(query=SandboxQuery(metadata={"run": run}), **o).next_items()
+        assert [s.sandbox_id for s in listed] == [sandbox.sandbox_id]
+        assert Sandbox.list(query=SandboxQuery(metadata={"run": "other"}), **o).next_items() == []
+        # The sandbox is the kernel of the same id.
+        r = gw.request("GET", f"/api/kernels/{sandbox.sandbox_id}")
+        assert r.status_code == 200, r.text
+    finally:
+        sandbox.kill()
+    assert gw.request("GET", f"/api/kernels/{sandbox.sandbox_id}").status_code == 404
+    with pytest.raises(NotFoundException):
+        Sandbox.get_info(sandbox.sandbox_id, **o)
+
+
+def test_run_code_is_stateful_and_streams_while_the_cell_runs(sbx: Sandbox):
+    assert sbx.run_code("x = 41").error is None
+    assert sbx.run_code("x + 1").text == "42"
+    seen: list[tuple[float, str]] = []
+    started = time.monotonic()
+    out = sbx.run_code(
+        "import time, sys\nprint('first', flush=True)\ntime.sleep(1.5)\n"
+        "print('oops', file=sys.stderr, flush=True)\nprint('last')",
+        on_stdout=lambda m: seen.append((time.monotonic() - started, m.line)),
+        on_stderr=lambda m: seen.append((time.monotonic() - started, "err:" + m.line)),
+    )
+    total = time.monotonic() - started
+    assert [text for _, text in seen] == ["first\n", "err:oops\n", "last\n"]
+    # The first line arrived while the cell was still sleeping.
+    assert seen[0][0] < total - 1.0, (seen, total)
+    assert out.logs.stdout == ["first\n", "last\n"]
+    assert out.execution_count and out.execution_count > 1
+
+
+def test_errors_charts_and_dataframes(sbx: Sandbox):
+    out = sbx.run_code("1/0")
+    assert out.error is not None
+    assert out.error.name == "ZeroDivisionError"
+    assert out.error.value == "division by zero"
+    assert "ZeroDivisionError" in out.error.traceback
+    out = sbx.run_code(
+        "import matplotlib.pyplot as plt\nplt.plot([1, 2, 3], [1, 4, 9])\nplt.show()"
+    )
+    assert out.error is None, out.error
+    pngs = [r.png for r in out.results if r.png]
+    assert pngs and pngs[0].startswith("iVBORw0KGgo"), out.results
+    out = sbx.run_code("import pandas as pd\npd.DataFrame({'a': [1, 2], 'b': [3, 4]})")
+    assert out.error is None, out.error
+    main = [r for r in out.results if r.is_main_result][0]
+    assert "<table" in main.html and "a" in main.text
+
+
+def test_a_run_the_sdk_gives_up_on_is_interrupted(sbx: Sandbox):
+    started = time.monotonic()
+    with pytest.raises(TimeoutException):
+        sbx.run_code("import time\ntime.sleep(60)\nafter = True", timeout=2)
+    # The kernel was interrupted, not left sleeping: the next run comes at once.
+    out = sbx.run_code("'after' in globals()")
+    assert out.text == "False"
+    assert time.monotonic() - started < 30
+
+
+def test_a_retried_create_gets_the_same_sandbox(gw: Gateway):
+    headers = {"X-API-KEY": gw.token, "Idempotency-Key": os.urandom(8).hex()}
+    body = {"templateID": "code-interpreter-v1", "timeout": 60}
+    first = requests.post(gw.url + "/v2/sandboxes", json=body, headers=headers, timeout=60)
+    again = requests.post(gw.url + "/v2/sandboxes", json=body, headers=headers, timeout=60)
+    assert first.status_code == again.status_code == 201, (first.text, again.text)
+    assert first.json()["sandboxID"] == again.json()["sandboxID"]
+    assert first.json()["envdAccessToken"] == again.json()["envdAccessToken"]
+    other = requests.post(gw.url + "/v2/sandboxes", json=body, headers={"X-API-KEY": gw.token}, timeout=60)
+    assert other.json()["sandboxID"] != first.json()["sandboxID"]
+    for sid in {first.json()["sandboxID"], other.json()["sandboxID"]}:
+        Sandbox.kill(sid, **opts(gw, gw.token))
+
+
+def test_refused_languages_and_run_env_vars(sbx: Sandbox):
+    with pytest.raises(SandboxException, match="language"):
+        sbx.run_code("1", language="r")
+    out = sbx.run_code("import os; os.environ.get('ONLY_NOW')", envs={"ONLY_NOW": "yes"})
+    assert out.text == "'yes'"
+    assert sbx.run_code("import os; os.environ.get('ONLY_NOW')").text is None
+
+
+def test_contexts_share_files_but_not_variables(sbx: Sandbox):
+    ctx = sbx.create_code_context()
+    assert ctx.language == "python" and ctx.cwd == "/home/user"
+    assert sbx.run_code("secret = 7\nopen('shared.txt', 'w').write('from ctx')", context=ctx).error is None
+    out = sbx.run_code("secret", context=ctx)
+    assert out.text == "7"
+    out = sbx.run_code("secret")
+    assert out.error is not None and out.error.name == "NameError"
+    assert sbx.run_code("open('shared.txt').read()").text == "'from ctx'"
+    ids = [c.id for c in sbx.list_code_contexts()]
+    assert ctx.id in ids
+    sbx.restart_code_context(ctx)
+    assert sbx.run_code("secret", context=ctx).error.name == "NameError"
+    sbx.remove_code_context(ctx)
+    assert ctx.id not in [c.id for c in sbx.list_code_contexts()]
+
+
+def test_contexts_across_a_hibernation(gw: Gateway, sbx: Sandbox):
+    """A hibernation keeps the default context's variables and the files; another context
+    stays listed, its variables are gone, and its first run after the resume says why."""
+    ctx = sbx.create_code_context()
+    assert sbx.run_code("kept = 6 * 7\nopen('kept.txt', 'w').write('on disk')").error is None
+    assert sbx.run_code("lost = 'ctx'", context=ctx).error is None
+    assert sbx.run_code("lost", context=ctx).text == "'ctx'"
+
+    r = gw.request("POST", f"/api/kernels/{sbx.sandbox_id}/hibernate")
+    assert r.status_code == 200, r.text
+    assert r.json()["hibernated"] is True
+
+    # The next run wakes the kernel: the default namespace and the files are back.
+    assert sbx.run_code("kept").text == "42"
+    assert ctx.id in [c.id for c in sbx.list_code_contexts()]
+    # The other context sees the files, starts empty again, and its first run after the
+    # resume says so on stderr, naming the context and the hibernation; later runs do not.
+    first = sbx.run_code("open('kept.txt').read()", context=ctx)
+    assert first.text == "'on disk'"
+    said = "".join(first.logs.stderr)
+    assert f"code context {ctx.id} starts empty again" in said, first.logs
+    assert "hibernated and resumed" in said, said
+    out = sbx.run_code("lost", context=ctx)
+    assert out.error is not None and out.error.name == "NameError"
+    assert out.logs.stderr == [], "said once"
+    assert sbx.run_code("lost = 2\nlost", context=ctx).text == "2"
+    # A context restarted on purpose is not a lost one: nothing is said.
+    sbx.restart_code_context(ctx)
+    out = sbx.run_code("'fresh'", context=ctx)
+    assert out.text == "'fresh'" and out.logs.stderr == [], out.logs
+
+
+def test_files_through_the_sdk(sbx: Sandbox):
+    sbx.files.write("/home/user/notes/a.txt", "hello")
+    assert sbx.files.read("/home/user/notes/a.txt") == "hello"
+    blob = os.urandom(300 * 1024)
+    sbx.files.write("data.bin", blob)
+    assert bytes(sbx.files.read("/home/user/data.bin", format="bytes")) == blob
+    sbx.files.write_files([
+        {"path": "/home/user/many/one.txt", "data": "1"},
+        {"path": "/home/user/many/two.txt", "data": b"2"},
+    ])
+    names = sorted(e.name for e in sbx.files.list("/home/user/many"))
+    assert names == ["one.txt", "two.txt"]
+    assert sbx.run_code("open('many/two.txt').read()").text == "'2'"
+    info = sbx.files.get_info("/home/user/data.bin")
+    assert info.size == len(blob) and info.type.value == "file"
+    assert sbx.files.make_dir("/home/user/empty") is True
+    assert sbx.files.make_dir("/home/user/empty") is False
+    sbx.files.rename("/home/user/notes/a.txt", "/home/user/notes/b.txt")
+    assert not sbx.files.exists("/home/user/notes/a.txt")
+    assert sbx.files.read("/home/user/notes/b.txt") == "hello"
+    sbx.files.remove("/home/user/notes")
+    assert not sbx.files.exists("/home/user/notes/b.txt")
+    for outside in ["/etc/passwd", "/home/user/../../etc/passwd", "/tmp/x", "/home/username/x"]:
+        with pytest.raises(InvalidArgumentException):
+            sbx.files.read(outside)
+        with pytest.raises(InvalidArgumentException):
+            sbx.files.write(outside, "x")
+        with pytest.raises(InvalidArgumentException):
+            sbx.files.list(outside)
+
+
+def test_options_without_a_network_are_refused_by_name(gw: Gateway):
+    with pytest.raises(SandboxException, match="no network by design"):
+        Sandbox.create(allow_internet_access=True, **opts(gw, gw.token))
+
+
+def test_set_timeout_and_expiry(gw: Gateway):
+    sandbox = Sandbox.create(timeout=120, **opts(gw, gw.token))
+    before = sandbox.get_info().end_at
+    sandbox.set_timeout(3)
+    assert sandbox.get_info().end_at < before
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and sandbox.is_running():
+        time.sleep(0.5)
+    assert not sandbox.is_running()
+    assert gw.request("GET", f"/api/kernels/{sandbox.sandbox_id}").status_code == 404
+
+
+def test_keys_tokens_and_other_keys_sandboxes(gw: Gateway):
+    with pytest.raises(AuthenticationException):
+        Sandbox.create(**opts(gw, "wrong-key"))
+    alice = Sandbox.create(**opts(gw, "alice-key"))
+    try:
+        with pytest.raises(NotFoundException):
+            Sandbox.get_info(alice.sandbox_id, **opts(gw, "bob-key"))
+        assert Sandbox.kill(alice.sandbox_id, **opts(gw, "bob-key")) is False
+        assert alice.sandbox_id not in [s.sandbox_id for s in Sandbox.list(**opts(gw, "bob-key")).next_items()]
+        # The sandbox plane wants the sandbox's own token.
+        headers = {"E2b-Sandbox-Id": alice.sandbox_id, "E2b-Sandbox-Port": "49999",
+                   "X-Access-Token": "0" * 64}
+        r = requests.post(gw.url + "/execute", json={"code": "1"}, headers=headers, timeout=30)
+        assert r.status_code == 401, r.text
+        del headers["X-Access-Token"]
+        r = requests.post(gw.url + "/execute", json={"code": "1"}, headers=headers, timeout=30)
+        assert r.status_code == 401, r.text
+        # Code contexts too: the SDK sends them E2B-Traffic-Access-Token, checked the same way.
+        for token in ({}, {"E2B-Traffic-Access-Token": "0" * 64}):
+            r = requests.get(gw.url + "/contexts", headers={**headers, **token}, timeout=30)
+            assert r.status_code == 401, r.text
+            r = requests.post(gw.url + "/contexts", json={"language": "python"},
+                              headers={**headers, **token}, timeout=30)
+            assert r.status_code == 401, r.text
+        assert alice.traffic_access_token
+        r = requests.get(gw.url + "/contexts", timeout=30,
+                         headers={**headers, "E2B-Traffic-Access-Token": alice.traffic_access_token})
+        assert r.status_code == 200, r.text
+        assert alice.run_code("1+1").text == "2"
+        # Wrong keys are throttled and audited as on every other route; a valid key is not.
+        statuses = [
+            requests.get(gw.url + "/v2/sandboxes", headers={"X-API-KEY": f"guess-{i}"}, timeout=30)
+            for i in range(12)
+        ]
+        # (The wrong sandbox tokens above count against this address too.)
+        assert statuses[0].status_code == 401
+        assert statuses[-1].status_code == 429 and "Retry-After" in statuses[-1].headers
+        assert statuses[-1].json()["code"] == 429
+        # A wrong sandbox token is a refused credential like a wrong key: throttled now.
+        r = requests.post(gw.url + "/execute", json={"code": "1"}, timeout=30,
+                          headers={**headers, "X-Access-Token": "1" * 64})
+        assert r.status_code == 429 and "Retry-After" in r.headers, r.text
+        assert alice.is_running()
+        audit = gw.log_path.with_name(gw.log_path.stem + "-audit.log").read_text()
+        assert "/v2/sandboxes" in audit
+        refused_tokens = [line for line in audit.splitlines()
+                          if '"auth_refused"' in line and alice.sandbox_id in line]
+        assert len(refused_tokens) >= 2, audit[-2000:]
+    finally:
+        alice.kill()
+
+
+def test_the_host_form_of_the_sandbox_url(gw: Gateway, sbx: Sandbox):
+    port = gw.url.rsplit(":", 1)[1]
+    token = sbx._envd_access_token
+    host = f"49999-{sbx.sandbox_id}.sandbox.localhost:{port}"
+    r = requests.post(gw.url + "/execute", json={"code": "6*7"},
+                      headers={"Host": host, "X-Access-Token": token}, timeout=30)
+    assert r.status_code == 200, r.text
+    lines = [l for l in r.text.splitlines() if l]
+    assert '"text":"42"' in lines[0].replace(" ", "")
+    assert '"number_of_executions"' in lines[-1]
+    r = requests.get(gw.url + "/health",
+                     headers={"Host": f"49983-{sbx.sandbox_id}.sandbox.localhost", "X-Access-Token": token}, timeout=30)
+    assert r.status_code == 204

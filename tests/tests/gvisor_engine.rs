@@ -1,0 +1,423 @@
+//! End to end under `--engine gvisor`: the gateway runs kernels in runsc sandboxes itself,
+//! from the image store, with no container of Docker's. Needs root and runsc (`make
+//! gvisor`); the image is saved from Docker once and imported with `kernelgate image import`.
+
+use anyhow::{bail, ensure, Context, Result};
+use kernelgate_tests::{image, Gateway};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// The engine's suite runs once, beside the Docker suite under gVisor (`make e2e-gvisor`):
+/// the engine does not take Docker's runtime.
+fn skipped() -> bool {
+    if kernelgate_tests::runtime() != "runsc" {
+        eprintln!("skipped: the gVisor engine's suite runs with the suite under gVisor");
+        return true;
+    }
+    false
+}
+
+/// The image store holding `image` (filled from Docker by the harness).
+fn image_store(image: &str) -> Result<PathBuf> {
+    kernelgate_tests::engine::image_store(&[image])
+}
+
+/// The sandboxes runsc knows under the gateway's root.
+fn runsc_sandboxes(runtime_dir: &Path) -> Result<Vec<String>> {
+    Ok(kernelgate_tests::engine::runsc_sandboxes(runtime_dir)?
+        .into_iter()
+        .map(|(id, _)| id)
+        .collect())
+}
+
+async fn stdout_of(gw: &Gateway, id: &str, code: &str) -> Result<String> {
+    let answer = gw.execute(id, code).await?;
+    match answer["stdout"].as_str() {
+        Some(out) => Ok(out.to_owned()),
+        None => bail!("no stdout for {code:?}: {answer}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kernel_runs_in_a_runsc_sandbox_without_docker() -> Result<()> {
+    if skipped() {
+        return Ok(());
+    }
+    let images = image_store(&image())?;
+    let images = images.display().to_string();
+    // The gateway runs in a mount namespace of its own in which /run is an empty tmpfs: no
+    // Docker socket exists there, so nothing it does can go through Docker. Its runtime
+    // directory is outside /run, for the test to look into.
+    let runtime_dir = std::env::temp_dir().join(format!(
+        "kg-engine-{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..8]
+    ));
+    let runtime_flag = runtime_dir.display().to_string();
+    let gw = Gateway::start_through(
+        &[
+            "unshare",
+            "--mount",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            "mount -t tmpfs -o size=1m kernelgate-no-docker /run && exec \"$@\"",
+            "sh",
+        ],
+        &[
+            "--engine",
+            "gvisor",
+            "--image-store",
+            &images,
+            "--kernel-disk-mb",
+            "256",
+            "--runtime-dir",
+            &runtime_flag,
+        ],
+    )
+    .await?;
+    let pid = gw.pid().context("the gateway's pid")?;
+    // (/var/run is a link to /run, which a path through /proc/PID/root would follow on
+    // this side.)
+    let root = PathBuf::from(format!("/proc/{pid}/root"));
+    assert!(Path::new("/run/docker.sock").exists(), "Docker serves here");
+    assert!(
+        !root.join("run/docker.sock").exists(),
+        "the Docker socket exists in the gateway's mount namespace"
+    );
+    assert_eq!(
+        std::fs::read_link(root.join("var/run"))?,
+        Path::new("/run"),
+        "/var/run leads to the hidden /run"
+    );
+    let kernel = gw.create_kernel().await?;
+    let id = kernel["id"].as_str().context("kernel id")?.to_owned();
+    // Docker holds no container of this gateway's.
+    let containers = Command::new("docker")
+        .args(["ps", "-aq", "--filter"])
+        .arg(format!("label=org.kernelgate.runtime_dir={runtime_flag}"))
+        .output()?;
+    assert_eq!(String::from_utf8_lossy(&containers.stdout).trim(), "");
+
+    gw.execute(&id, "x = 1").await?;
+    assert_eq!(stdout_of(&gw, &id, "print(x + 1)").await?, "2\n");
+    assert_eq!(
+        stdout_of(&gw, &id, "import os; print(os.getuid(), os.getgid())").await?,
+        "1000 1000\n",
+        "the kernel's user"
+    );
+    assert_eq!(
+        stdout_of(&gw, &id, "print(os.statvfs('/').f_flag & os.ST_RDONLY)").await?,
+        "1\n",
+        "a read-only root"
+    );
+    let interfaces = stdout_of(
+        &gw,
+        &id,
+        "print(sorted(l.split(':')[0].strip() for l in open('/proc/net/dev').readlines()[2:]))",
+    )
+    .await?;
+    assert_eq!(interfaces, "['lo']\n", "only loopback");
+    let status = stdout_of(
+        &gw,
+        &id,
+        "print(*[l.split(':')[1].strip() for l in open('/proc/self/status') \
+           if l.split(':')[0] in ('CapEff', 'CapBnd', 'CapPrm', 'Seccomp')], \
+           __import__('ctypes').CDLL(None).prctl(39, 0, 0, 0, 0))",
+    )
+    .await?;
+    assert_eq!(
+        status, "0000000000000000 0000000000000000 0000000000000000 2 1\n",
+        "no capabilities, no new privileges, the launcher's syscall filter"
+    );
+    let sizes = stdout_of(
+        &gw,
+        &id,
+        "print(*[os.statvfs(p).f_blocks * os.statvfs(p).f_frsize >> 20 for p in ('/tmp', '.')])",
+    )
+    .await?;
+    assert_eq!(sizes, "64 256\n", "bounded /tmp and home");
+    assert_eq!(
+        runsc_sandboxes(&gw.runtime_dir)?.len(),
+        1,
+        "one sandbox, under the gateway's runsc root"
+    );
+
+    assert_eq!(gw.delete_kernel(&id).await?, 204);
+    assert_eq!(
+        runsc_sandboxes(&gw.runtime_dir)?,
+        Vec::<String>::new(),
+        "no sandbox left behind"
+    );
+    let engine_dir = gw.runtime_dir.join("gvisor");
+    assert!(
+        !engine_dir.exists(),
+        "no bundle left, nor the engine's directories"
+    );
+    let runtime_dir = gw.runtime_dir.clone();
+    gw.stop().await?;
+    let _ = std::fs::remove_dir_all(&runtime_dir);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn limits_hold_from_the_host_cgroup_and_an_out_of_memory_death_is_named() -> Result<()> {
+    if skipped() {
+        return Ok(());
+    }
+    let images = image_store(&image())?;
+    let images = images.display().to_string();
+    let gw = Gateway::start(&[
+        "--engine",
+        "gvisor",
+        "--image-store",
+        &images,
+        "--kernel-memory-mb",
+        "256",
+        "--kernel-cpus",
+        "0.5",
+    ])
+    .await?;
+    let kernel = gw.create_kernel().await?;
+    let id = kernel["id"].as_str().context("kernel id")?.to_owned();
+    gw.execute(&id, "x = 1").await?;
+    let sandboxes = runsc_sandboxes(&gw.runtime_dir)?;
+    let [sandbox] = sandboxes.as_slice() else {
+        bail!("one sandbox: {sandboxes:?}")
+    };
+    let read = |controller: &str, file: &str| -> Result<String> {
+        let path = format!("/sys/fs/cgroup/{controller}/kernelgate/{sandbox}/{file}");
+        Ok(std::fs::read_to_string(&path)
+            .with_context(|| path.clone())?
+            .trim()
+            .to_owned())
+    };
+    assert_eq!(
+        read("memory", "memory.limit_in_bytes")?,
+        (256u64 << 20).to_string()
+    );
+    assert_eq!(read("cpu", "cpu.cfs_quota_us")?, "50000");
+    assert_eq!(read("cpu", "cpu.cfs_period_us")?, "100000");
+    assert_eq!(read("pids", "pids.max")?, "256");
+
+    let answer = gw
+        .execute(
+            &id,
+            "import time\nblob = bytearray(512 << 20)\ntime.sleep(30)",
+        )
+        .await?;
+    assert_eq!(answer["status"], "error", "{answer}");
+    assert_eq!(answer["error"]["ename"], "KernelDied", "{answer}");
+    assert!(
+        answer["error"]["evalue"]
+            .as_str()
+            .is_some_and(|e| e.contains("ran out of memory (limit 256 MiB)")),
+        "{answer}"
+    );
+    assert_eq!(gw.delete_kernel(&id).await?, 204);
+    let runtime_dir = gw.runtime_dir.clone();
+    gw.stop().await?;
+    assert_eq!(runsc_sandboxes(&runtime_dir)?, Vec::<String>::new());
+    let _ = std::fs::remove_dir_all(&runtime_dir);
+    Ok(())
+}
+
+/// `kernelgate serve --engine gvisor` with `extra`, as `setpriv` args say: what it printed
+/// on stderr, once it exited (it must, at once).
+fn refused(setpriv: &[&str], extra: &[&str]) -> Result<String> {
+    let binary = kernelgate_tests::binary();
+    let mut cmd = if setpriv.is_empty() {
+        Command::new(&binary)
+    } else {
+        let mut c = Command::new("setpriv");
+        c.args(setpriv).arg(&binary);
+        c
+    };
+    let out = cmd
+        .args([
+            "serve",
+            "--engine",
+            "gvisor",
+            "--token",
+            "t",
+            "--listen",
+            "127.0.0.1:0",
+        ])
+        .args(extra)
+        .env("RUST_BACKTRACE", "0")
+        .output()?;
+    ensure!(!out.status.success(), "it refused to start: {out:?}");
+    Ok(String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+#[test]
+fn the_engine_refuses_to_start_without_root_or_runsc_and_names_the_fix() -> Result<()> {
+    if skipped() {
+        return Ok(());
+    }
+    let as_nobody = ["--reuid", "65534", "--regid", "65534", "--clear-groups"];
+    let text = refused(&as_nobody, &["--runtime-dir", "/tmp/kg-gvisor-nobody"])?;
+    assert!(text.contains("needs root"), "{text}");
+    assert!(
+        text.contains("namespaces") && text.contains("cgroups"),
+        "{text}"
+    );
+    assert!(text.contains("--engine docker"), "{text}");
+    let dir = format!("/run/kg-gvisor-norunsc-{}", std::process::id());
+    let text = refused(
+        &[],
+        &["--runtime-dir", &dir, "--runsc", "/nonexistent/runsc"],
+    )?;
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(
+        text.contains("runsc not found at /nonexistent/runsc"),
+        "{text}"
+    );
+    assert!(
+        text.contains("make gvisor") && text.contains("--runsc PATH"),
+        "{text}"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_killed_and_restarted_re_adopts_its_sandboxes_with_their_state() -> Result<()> {
+    if skipped() {
+        return Ok(());
+    }
+    let images = image_store(&image())?;
+    let images = images.display().to_string();
+    let flags = ["--engine", "gvisor", "--image-store", images.as_str()];
+    let gw = Gateway::start(&flags).await?;
+    let kernel = gw.create_kernel().await?;
+    let id = kernel["id"].as_str().context("kernel id")?.to_owned();
+    gw.execute(&id, "x = 41").await?;
+    let runtime_dir = gw.runtime_dir.clone();
+    let crashed = gw.crash().await?;
+    assert_eq!(
+        runsc_sandboxes(&runtime_dir)?.len(),
+        1,
+        "the sandbox outlives the gateway"
+    );
+    let gw = crashed.restart(&flags).await?;
+    assert_eq!(stdout_of(&gw, &id, "print(x + 1)").await?, "42\n");
+    assert_eq!(gw.delete_kernel(&id).await?, 204);
+    gw.stop().await?;
+    assert_eq!(runsc_sandboxes(&runtime_dir)?, Vec::<String>::new());
+    let _ = std::fs::remove_dir_all(&runtime_dir);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kernel_hibernates_and_resumes_with_its_variables_and_files() -> Result<()> {
+    if skipped() {
+        return Ok(());
+    }
+    let images = image_store(&image())?;
+    let images = images.display().to_string();
+    let gw = Gateway::start(&["--engine", "gvisor", "--image-store", &images]).await?;
+    let kernel = gw.create_kernel().await?;
+    let id = kernel["id"].as_str().context("kernel id")?.to_owned();
+    gw.execute(&id, "x = 41\nopen('notes.txt', 'w').write('kept\\n')")
+        .await?;
+    let (status, hibernated) = gw
+        .post_json(
+            &format!("/api/kernels/{id}/hibernate"),
+            serde_json::json!({}),
+        )
+        .await?;
+    assert_eq!(status, 200, "{hibernated}");
+    assert_eq!(hibernated["hibernated"], true, "{hibernated}");
+    assert_eq!(
+        runsc_sandboxes(&gw.runtime_dir)?,
+        Vec::<String>::new(),
+        "the sandbox is gone while the kernel hibernates"
+    );
+    assert_eq!(
+        stdout_of(&gw, &id, "print(x + 1, open('notes.txt').read().strip())").await?,
+        "42 kept\n",
+        "state and files came back"
+    );
+    assert_eq!(gw.delete_kernel(&id).await?, 204);
+    let runtime_dir = gw.runtime_dir.clone();
+    gw.stop().await?;
+    let _ = std::fs::remove_dir_all(&runtime_dir);
+    Ok(())
+}
+
+/// The host Python whose pip `packages sync` uses: the test venv's (`make test-tools`).
+fn host_python() -> PathBuf {
+    std::env::var_os("KERNELGATE_TEST_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../.venv-tests/bin/python"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_allowed_package_installs_from_the_wheelhouse_in_a_sandbox() -> Result<()> {
+    if skipped() {
+        return Ok(());
+    }
+    let images = image_store(&image())?;
+    let images = images.display().to_string();
+    // A wheelhouse synced for the image through the engine: its throwaway sandboxes are
+    // runsc's, from the store, with Docker out of reach (DOCKER_HOST names no daemon).
+    let dir = tempfile::Builder::new().prefix("kg-wheelhouse").tempdir()?;
+    let wheels = dir.path().join("fixture-wheels");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("packages/make_wheels.py");
+    let built = Command::new(host_python())
+        .arg(&script)
+        .arg(&wheels)
+        .output()
+        .context("run make_wheels.py with the test venv's Python")?;
+    ensure!(built.status.success(), "make_wheels.py: {built:?}");
+    let allowlist = dir.path().join("allowed.txt");
+    std::fs::write(&allowlist, "kgfix-hello\n")?;
+    let wheelhouse = dir.path().join("wheelhouse");
+    let synced = Command::new(kernelgate_tests::binary())
+        .args(["packages", "sync", "--packages"])
+        .arg(&allowlist)
+        .arg("--wheelhouse")
+        .arg(&wheelhouse)
+        .arg("--find-links")
+        .arg(&wheels)
+        .args(["--image", &image(), "--python"])
+        .arg(host_python())
+        .args(["--engine", "gvisor", "--image-store", &images])
+        .env("DOCKER_HOST", "unix:///nonexistent/docker.sock")
+        .output()?;
+    ensure!(synced.status.success(), "packages sync: {synced:?}");
+    let stdout = String::from_utf8_lossy(&synced.stdout);
+    assert!(
+        stdout.contains("synced 1 of 1 allowed packages"),
+        "{stdout}"
+    );
+    let allowlist = allowlist.display().to_string();
+    let wheelhouse = wheelhouse.display().to_string();
+    let gw = Gateway::start(&[
+        "--engine",
+        "gvisor",
+        "--image-store",
+        &images,
+        "--packages",
+        &allowlist,
+        "--wheelhouse",
+        &wheelhouse,
+    ])
+    .await?;
+    let kernel = gw.create_kernel().await?;
+    let id = kernel["id"].as_str().context("kernel id")?.to_owned();
+    let installed = stdout_of(&gw, &id, "%pip install kgfix-hello").await?;
+    assert!(
+        installed.contains("Successfully installed kgfix-hello-1.0"),
+        "{installed}"
+    );
+    assert_eq!(
+        stdout_of(&gw, &id, "import kgfix_hello\nprint(kgfix_hello.greet())").await?,
+        "hello from the wheelhouse\n"
+    );
+    assert_eq!(gw.delete_kernel(&id).await?, 204);
+    let runtime_dir = gw.runtime_dir.clone();
+    gw.stop().await?;
+    let _ = std::fs::remove_dir_all(&runtime_dir);
+    Ok(())
+}
