@@ -32,11 +32,15 @@ run: image build
 ## Python suite (its widget tests once more under gVisor), then a check that no test left
 ## work behind.
 TEST_STAMP := target/.test-started
+# Each long step prints when it starts and ends, so a log shows where the time went.
+CLOCK = @echo "[$$(date +%T)] $@ $(1)"
 test: test-stamp lint unit fuzz-smoke
+	$(call CLOCK,starts the end-to-end suites)
 	$(MAKE) --no-print-directory -j2 --output-sync=target E2E_THREADS=2 e2e-runc e2e-gvisor e2e-engine
 	$(MAKE) --no-print-directory python-tests
 	$(MAKE) --no-print-directory python-tests-gvisor
 	$(MAKE) --no-print-directory leftovers
+	$(call CLOCK,done)
 
 ## Fails when a test left a container, runtime directory, log or network namespace behind.
 leftovers:
@@ -44,6 +48,7 @@ leftovers:
 
 test-stamp:
 	@mkdir -p target && touch $(TEST_STAMP)
+	$(call CLOCK,starts make test)
 
 lint:
 	$(CARGO) fmt --all --check
@@ -70,9 +75,12 @@ E2E = KERNELGATE_IMAGE=$(KERNEL_IMAGE) KERNELGATE_RUNTIME=$(1) \
 e2e: e2e-runc e2e-gvisor
 
 e2e-runc: image debug-build test-tools fixture-image
+	$(call CLOCK,starts)
 	$(call E2E,runc)
+	$(call CLOCK,done)
 
 e2e-gvisor: gvisor image debug-build test-tools fixture-image
+	$(call CLOCK,starts)
 	KERNELGATE_IMAGE=$(KERNEL_IMAGE) $(CARGO) test -p kernelgate --lib -- --ignored --exact \
 		backend::contract::gvisor_engine_passes_the_contract
 	$(call E2E,runsc)
@@ -86,9 +94,11 @@ e2e-gvisor: gvisor image debug-build test-tools fixture-image
 # kernel image imported into the tests' image store (tests/src/engine.rs).
 ENGINE_SUITES := second_wall hostile_kernels gateway recovery agent packages policy
 e2e-engine: gvisor image debug-build test-tools fixture-image
+	$(call CLOCK,starts)
 	KERNELGATE_IMAGE=$(KERNEL_IMAGE) KERNELGATE_FIXTURE_IMAGE=$(FIXTURE_IMAGE) \
 	KERNELGATE_RUNTIME=runsc KERNELGATE_ENGINE=gvisor $(CARGO) test -p kernelgate-tests \
 		--no-fail-fast $(addprefix --test ,$(ENGINE_SUITES)) -- --test-threads=$(E2E_THREADS)
+	$(call CLOCK,done)
 
 # Not part of `make test`: the same suite under Debian's runsc on ptrace, the slower wall
 # `make gvisor` keeps registered beside the new one.

@@ -33,15 +33,19 @@ $(PY_STAMP): $(PY_REQUIREMENTS)
 	@touch '$@'
 
 python-tests: python-venv
+	$(call CLOCK,starts)
 	cd '$(PYTHON_ROOT)' && KERNELGATE_RUNTIME=$${KERNELGATE_RUNTIME:-runc} KERNELGATE_IMAGE='$(or $(KERNEL_IMAGE),kernelgate-kernel:latest)' KERNELGATE_FIXTURE_IMAGE='$(FIXTURE_IMAGE)' \
 		'$(PY_VENV)/bin/python' -m pytest tests/python -v \
-		--timeout=$(PYTEST_TIMEOUT) -p no:cacheprovider $(PYTEST_ARGS)
+		--timeout=$(PYTEST_TIMEOUT) --durations=15 -p no:cacheprovider $(PYTEST_ARGS)
+	$(call CLOCK,done)
 
 # The widget tests and E2B's SDKs once more with every kernel under gVisor (the rest of the
 # Python suite runs under runc): JupyterLab's widget manager, the comm round trips and the E2B
 # surface under both runtimes.
 PY_GVISOR_TESTS := tests/python/test_widgets.py tests/python/test_jupyterlab_widgets.py tests/python/test_e2b.py
 python-tests-gvisor: python-venv
+	$(call CLOCK,starts)
 	cd '$(PYTHON_ROOT)' && KERNELGATE_RUNTIME=runsc KERNELGATE_IMAGE='$(or $(KERNEL_IMAGE),kernelgate-kernel:latest)' KERNELGATE_FIXTURE_IMAGE='$(FIXTURE_IMAGE)' \
 		'$(PY_VENV)/bin/python' -m pytest $(PY_GVISOR_TESTS) -v \
-		--timeout=$(PYTEST_TIMEOUT) -p no:cacheprovider
+		--timeout=$(PYTEST_TIMEOUT) --durations=10 -p no:cacheprovider
+	$(call CLOCK,done)

@@ -323,7 +323,19 @@ impl Hibernation {
                 tracing::debug!(kernel = %live.id(), error = %e, "cannot remove the state a kernel saved");
             }
         }
-        put_away
+        // Work that came in meanwhile changed the home under the copy (a cell writing a
+        // file the copy then found too large, say): what stopped this try says nothing
+        // of the kernel as it is now, so it is not its reason not to hibernate.
+        match put_away {
+            Err(HibernateError::Blocked(_) | HibernateError::Failed(_))
+                if live.relay.activity().client_sends != since =>
+            {
+                Err(HibernateError::Busy(
+                    "work came in while its state was saved".into(),
+                ))
+            }
+            other => other,
+        }
     }
 
     /// Takes the state the kernel saved out of its container, seals the kernel (unless
