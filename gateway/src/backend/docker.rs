@@ -3,11 +3,14 @@
 //! sockets live in a host directory bind-mounted at `/run/kernel` ([`socket_dir`]); the
 //! engine-neutral sandbox spec (its hardening from `backend/sandbox.rs`) becomes a
 //! container in [`spec`]; the other sandbox calls (one-shot runs, interactive commands,
-//! files, sandboxes by label) are in [`sandboxes`]; out-of-memory events of every kernel
-//! come from one shared subscription ([`events`]).
+//! files, sandboxes by label) are in [`sandboxes`], the gateway's commands in a container
+//! in [`exec`], what a restarted gateway finds in [`found`]; out-of-memory events of every
+//! kernel come from one shared subscription ([`events`]).
 
 mod errors;
 mod events;
+mod exec;
+mod found;
 pub mod lock;
 mod runtime;
 pub(crate) mod sandboxes;
@@ -15,6 +18,8 @@ pub(crate) mod socket_dir;
 pub(crate) mod spec;
 
 use errors::{force, gone, map_handle_error, runtime, status, unavailable};
+pub(crate) use exec::EXEC_TAG;
+use found::{kernel_file, owner_file, write_record};
 pub use runtime::{Runtime, RUNSC_RUNTIME};
 pub use sandboxes::{isolation_of, one_shot_body};
 pub use spec::LAUNCHER_EXEC;
@@ -26,10 +31,8 @@ use super::{
 };
 use crate::config::{Config, RuntimeChoice};
 use crate::metrics;
-use bollard::container::LogOutput;
 use bollard::errors::Error as DockerError;
-use bollard::exec::{CreateExecOptions, StartExecResults};
-use bollard::models::ContainerSummaryStateEnum;
+
 use bollard::query_parameters::{
     CreateContainerOptionsBuilder, EventsOptionsBuilder, InspectContainerOptions,
     KillContainerOptionsBuilder, ListContainersOptionsBuilder, RenameContainerOptions,
@@ -41,17 +44,10 @@ use futures::stream::BoxStream;
 use futures::{FutureExt, StreamExt};
 use kernelgate_protocol::ConnectionInfo;
 use socket_dir::{Ids, Ownership};
-use spec::{ContainerSpec, LABEL_KERNEL_ID, LABEL_MANAGED, LABEL_RUNTIME_DIR};
+use spec::{ContainerSpec, LABEL_KERNEL_ID, LABEL_RUNTIME_DIR};
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 use std::sync::Mutex;
-
-/// An exec attached to its stdin and output, with its id.
-type AttachedExec = (
-    String,
-    std::pin::Pin<Box<dyn futures::Stream<Item = Result<LogOutput, DockerError>> + Send>>,
-    std::pin::Pin<Box<dyn tokio::io::AsyncWrite + Send>>,
-);
 
 /// What kernel containers are made from and may use.
 #[derive(Debug, Clone)]
@@ -218,128 +214,6 @@ impl DockerBackend {
         })
     }
 
-    async fn exec_inner(
-        &self,
-        handle: &str,
-        request: ExecRequest,
-    ) -> Result<ExecOutput, BackendError> {
-        use bollard::container::LogOutput;
-        /// Error text is for people; more than this is noise.
-        const MAX_STDERR: usize = 16 * 1024;
-
-        let ExecRequest {
-            argv,
-            stdin,
-            stdout: sink,
-            max_stdout,
-            timeout,
-        } = request;
-        let what = describe_argv(&argv);
-        // Killed inside the sandbox: Docker has no call that stops an exec.
-        let seconds = timeout.as_secs().max(1);
-        let tag = uuid::Uuid::new_v4().simple().to_string();
-        let cmd = ["timeout", "-s", "KILL", &seconds.to_string()]
-            .into_iter()
-            .map(str::to_owned)
-            .chain(argv)
-            .collect();
-        let config = CreateExecOptions {
-            attach_stdin: Some(true),
-            attach_stdout: Some(true),
-            attach_stderr: Some(true),
-            cmd: Some(cmd),
-            env: Some(vec![
-                format!("KERNELGATE_WORKDIR={}", spec::KERNEL_HOME),
-                format!("{EXEC_TAG}={tag}"),
-            ]),
-            user: Some(spec::kernel_user()),
-            // Never the kernel's home: nothing there can shadow what the command imports.
-            working_dir: Some("/".to_owned()),
-            ..Default::default()
-        };
-        let started_at = tokio::time::Instant::now();
-        let (exec_id, mut output, input) = self.start_attached(handle, config).await?;
-        let feed = super::files::feed(stdin, input);
-        let drain = async {
-            let mut out = ExecOutput::default();
-            let mut seen = 0usize;
-            let mut stop = false;
-            while let Some(item) = output.next().await {
-                match item.map_err(|e| runtime(handle, e))? {
-                    LogOutput::StdOut { message } => {
-                        let room = max_stdout.saturating_sub(seen);
-                        if message.len() > room {
-                            // Reading stops at the cap; the command is stopped below.
-                            out.truncated = true;
-                            stop = true;
-                        }
-                        let kept = message.slice(..message.len().min(room));
-                        seen += kept.len();
-                        match &sink {
-                            Some(sink) if !kept.is_empty() => {
-                                if sink.send(kept).await.is_err() {
-                                    // The reader gave up (its own error, which it reports):
-                                    // stop too.
-                                    stop = true;
-                                }
-                            }
-                            Some(_) => {}
-                            None => out.stdout.extend_from_slice(&kept),
-                        }
-                        if stop {
-                            break;
-                        }
-                    }
-                    LogOutput::StdErr { message } if out.stderr.len() < MAX_STDERR => {
-                        out.stderr.push_str(&String::from_utf8_lossy(&message));
-                    }
-                    _ => {}
-                }
-            }
-            Ok::<_, BackendError>((out, stop))
-        };
-        // The sandbox's own timeout ends the command; the gateway waits a little longer
-        // and then stops reading and kills the command's process group itself.
-        let bounded =
-            tokio::time::timeout(timeout + EXEC_GRACE, async { tokio::join!(feed, drain).1 }).await;
-        drop(sink);
-        let (mut out, stopped) = match bounded {
-            Ok(Ok(drained)) => drained,
-            Ok(Err(e)) => {
-                self.kill_exec(handle, &tag).await;
-                return Err(e);
-            }
-            Err(_) => {
-                self.kill_exec(handle, &tag).await;
-                return Err(BackendError::TimedOut {
-                    what,
-                    after: timeout,
-                });
-            }
-        };
-        if stopped {
-            self.kill_exec(handle, &tag).await;
-            out.exit_code = 0;
-            return Ok(out);
-        }
-        let inspected = self
-            .docker
-            .inspect_exec(&exec_id)
-            .await
-            .map_err(|e| map_handle_error(handle, e))?;
-        out.exit_code = inspected.exit_code.unwrap_or(-1);
-        // `timeout` answers 124, or 137 when its KILL reached it too.
-        if matches!(out.exit_code, 124 | 137) && started_at.elapsed() + EXEC_GRACE / 4 >= timeout {
-            return Err(BackendError::TimedOut {
-                what,
-                after: timeout,
-            });
-        }
-        Ok(out)
-    }
-
-    /// Kills, inside the sandbox, every process of the exec tagged `tag` with its process
-    /// group: what `timeout` may have left behind (a child in another group).
     /// Every container (running or not) that carries all of `labels` (`key=value`).
     async fn containers_labelled(
         &self,
@@ -355,72 +229,6 @@ impl DockerBackend {
             .list_containers(Some(options))
             .await
             .map_err(|e| runtime("list", e))
-    }
-
-    /// Creates and starts an exec attached to its stdin and output: its id, output and
-    /// stdin.
-    async fn start_attached(
-        &self,
-        handle: &str,
-        config: CreateExecOptions<String>,
-    ) -> Result<AttachedExec, BackendError> {
-        let created = self
-            .docker
-            .create_exec(handle, config)
-            .await
-            .map_err(|e| map_handle_error(handle, e))?;
-        let started = self
-            .docker
-            .start_exec(&created.id, None)
-            .await
-            .map_err(|e| map_handle_error(handle, e))?;
-        let StartExecResults::Attached { output, input } = started else {
-            return Err(BackendError::Runtime("exec started detached".to_owned()));
-        };
-        Ok((created.id, output, input))
-    }
-
-    async fn kill_exec(&self, handle: &str, tag: &str) {
-        let config = CreateExecOptions {
-            attach_stdout: Some(true),
-            attach_stderr: Some(true),
-            cmd: Some(
-                [
-                    "timeout",
-                    "-s",
-                    "KILL",
-                    "10",
-                    "python3",
-                    "-P",
-                    "-c",
-                    KILL_SCRIPT,
-                    tag,
-                ]
-                .map(str::to_owned)
-                .to_vec(),
-            ),
-            user: Some(spec::kernel_user()),
-            working_dir: Some("/".to_owned()),
-            ..Default::default()
-        };
-        let run = async {
-            let created = self.docker.create_exec(handle, config).await?;
-            if let StartExecResults::Attached { mut output, .. } =
-                self.docker.start_exec(&created.id, None).await?
-            {
-                while output.next().await.is_some() {}
-            }
-            Ok::<_, DockerError>(())
-        };
-        match tokio::time::timeout(EXEC_GRACE * 2, run).await {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => {
-                tracing::warn!(container = %handle, error = %e, "cannot stop a command in a kernel's sandbox")
-            }
-            Err(_) => {
-                tracing::warn!(container = %handle, "stopping a command in a kernel's sandbox took too long")
-            }
-        }
     }
 
     /// The connection file of a kernel this gateway's runtime directory holds, rewritten
@@ -847,79 +655,7 @@ impl KernelBackend for DockerBackend {
     }
 
     fn list(&self) -> BoxFuture<'_, Result<Vec<Found>, BackendError>> {
-        counted("list", async move {
-            let containers = self
-                .containers_labelled([
-                    format!("{LABEL_MANAGED}=true"),
-                    format!("{LABEL_RUNTIME_DIR}={}", self.runtime_dir_label()),
-                ])
-                .await?;
-            // What the images are now: a warm kernel of a tag rebuilt since is stale.
-            let mut image_ids = HashMap::new();
-            for c in &containers {
-                if let Some(image) = c.image.as_deref() {
-                    if !image_ids.contains_key(image) {
-                        let id = self
-                            .docker
-                            .inspect_image(image)
-                            .await
-                            .ok()
-                            .and_then(|i| i.id);
-                        image_ids.insert(image.to_owned(), id);
-                    }
-                }
-            }
-            let limits = spec::limits_label(
-                self.settings.memory_mb,
-                self.settings.cpus,
-                self.settings.pids,
-                self.settings.disk_mb,
-            );
-            let record = |kernel_id: &str, file: fn(&std::path::Path) -> PathBuf| {
-                let dir = socket_dir::path(&self.settings.runtime_dir, kernel_id)?;
-                let text = std::fs::read_to_string(file(&dir)).ok()?;
-                Some(text.trim().to_owned()).filter(|t| !t.is_empty())
-            };
-            let found: Vec<Found> = containers
-                .into_iter()
-                .filter_map(|c| {
-                    let handle = c.id?;
-                    let mut labels = c.labels.unwrap_or_default();
-                    let Some(label_id) = labels.remove(LABEL_KERNEL_ID) else {
-                        tracing::warn!(container = %handle, "managed container without a kernel id label");
-                        return None;
-                    };
-                    // Its sockets live under the id it was started for, whatever it serves.
-                    let connection = self.host_connection(&label_id);
-                    let owner = labels
-                        .remove(spec::LABEL_OWNER)
-                        .or_else(|| record(&label_id, owner_file));
-                    let served = record(&label_id, kernel_file)
-                        .filter(|id| socket_dir::path(&self.settings.runtime_dir, id).is_some());
-                    let image = c.image.unwrap_or_default();
-                    let current = labels.get(spec::LABEL_LIMITS) == Some(&limits)
-                        && labels.get(spec::LABEL_RUNTIME).map(String::as_str)
-                            == Some(self.runtime.name())
-                        && c.image_id.is_some()
-                        && image_ids.get(&image).cloned().flatten() == c.image_id;
-                    Some(Found {
-                        handle,
-                        pooled: labels.contains_key(spec::LABEL_POOL)
-                            && owner.is_none()
-                            && served.is_none(),
-                        current,
-                        image,
-                        owner,
-                        kernel_name: labels.remove(spec::LABEL_KERNEL_NAME).unwrap_or_default(),
-                        moved: served.is_some(),
-                        kernel_id: served.unwrap_or(label_id),
-                        running: c.state == Some(ContainerSummaryStateEnum::RUNNING),
-                        connection,
-                    })
-                })
-                .collect();
-            Ok(found)
-        })
+        counted("list", self.found())
     }
 }
 
@@ -933,74 +669,6 @@ fn memory_mb(host: Option<&bollard::models::HostConfig>) -> Option<u64> {
         .and_then(|m| u64::try_from(m).ok())
         .filter(|m| *m > 0)
         .map(|m| m >> 20)
-}
-
-/// Writes a small record beside a socket directory, in the gateway's runtime directory,
-/// out of the kernel's reach.
-fn write_record(path: &std::path::Path, text: &str) -> Result<(), BackendError> {
-    use std::io::Write;
-    use std::os::unix::fs::OpenOptionsExt;
-    let written = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(0o600)
-        .open(path)
-        .and_then(|mut f| f.write_all(text.as_bytes()));
-    written.map_err(|source| BackendError::SocketDir {
-        path: path.display().to_string(),
-        source,
-    })
-}
-
-/// Which kernel a container started for the warm pool serves since a restart moved one
-/// into it, beside its socket directory.
-fn kernel_file(socket_dir: &std::path::Path) -> PathBuf {
-    socket_dir.with_extension("kernel")
-}
-
-/// Where the owner of a kernel handed out from the warm pool is recorded: beside its socket
-/// directory, in the gateway's runtime directory, out of the kernel's reach.
-fn owner_file(socket_dir: &std::path::Path) -> PathBuf {
-    socket_dir.with_extension("owner")
-}
-
-/// The environment variable that tags the processes of one exec, for [`KILL_SCRIPT`].
-pub(crate) const EXEC_TAG: &str = "KERNELGATE_EXEC";
-/// How long the gateway waits past a command's own timeout before it kills it itself.
-const EXEC_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
-/// Kills every process whose environment carries `KERNELGATE_EXEC=<argv[1]>`, with its
-/// process group. Run with `python3 -P` from `/`: nothing of the kernel's can shadow it.
-const KILL_SCRIPT: &str = r#"
-import os, signal, sys
-tag = ("KERNELGATE_EXEC=" + sys.argv[1]).encode()
-for pid in os.listdir("/proc"):
-    if not pid.isdigit() or int(pid) == os.getpid():
-        continue
-    try:
-        with open("/proc/%s/environ" % pid, "rb") as f:
-            if tag not in f.read().split(b"\0"):
-                continue
-        try:
-            os.killpg(os.getpgid(int(pid)), signal.SIGKILL)
-        finally:
-            os.kill(int(pid), signal.SIGKILL)
-    except OSError:
-        pass
-"#;
-
-/// A short name of a command for messages: the program and, for Python, what it runs.
-fn describe_argv(argv: &[String]) -> String {
-    let program = argv.first().map(String::as_str).unwrap_or("a command");
-    let named = argv
-        .iter()
-        .position(|a| a == "-m")
-        .and_then(|i| argv.get(i + 1))
-        .map(|m| format!("{program} -m {m}"));
-    format!(
-        "the gateway's command ({}) in the kernel's sandbox",
-        named.unwrap_or_else(|| program.to_owned())
-    )
 }
 
 /// Counts a failed Docker call in the metrics.
