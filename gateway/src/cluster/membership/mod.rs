@@ -10,19 +10,13 @@
 //! create-if-absent, so re-registering never takes a kernel another node claimed meanwhile.
 
 use super::registry::{Change, Compare, Event, Lease, Registry, RegistryError, Revision};
-use super::{kernel_key, node_key, quota_key, KernelRecord, Key, NodeRecord, PREFIX};
+use super::{kernel_key, node_key, KernelRecord, Key, NodeRecord};
 use crate::kernels::ledger::{ClaimRefused, Ledger, Reservation};
 use futures::future::BoxFuture;
-use futures::StreamExt;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::time::Instant;
-use tokio_util::sync::CancellationToken;
-
-/// How a quota slot reserved by a create under way starts (then this node's id, a colon
-/// and a random token): never a kernel id.
-const PENDING: &str = "creating:";
 
 /// How often a transaction that found the keys changed under it is tried again.
 const ATTEMPTS: usize = 4;
@@ -227,9 +221,6 @@ struct Quota {
     slot: Option<String>,
 }
 
-/// The `max_kernels` of a key, from the keys in force.
-pub type QuotaOf = Box<dyn Fn(&str) -> Option<usize> + Send + Sync>;
-
 /// Where the membership reads each key's `max_kernels` (the keys file in force).
 struct Quotas(Mutex<Option<QuotaOf>>);
 
@@ -237,22 +228,6 @@ impl std::fmt::Debug for Quotas {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("Quotas")
     }
-}
-
-/// The prefix of `tenant`'s quota slots.
-fn quota_prefix(tenant: &str) -> String {
-    format!("{PREFIX}quota/{tenant}/")
-}
-
-/// The slots of `tenant` below `max` that `listing` (of its prefix) shows free.
-fn free_slots<'a>(
-    listing: &'a super::Listing,
-    tenant: &'a str,
-    max: usize,
-) -> impl Iterator<Item = String> + 'a {
-    (0..max)
-        .map(move |n| quota_key(tenant, n))
-        .filter(move |key| !listing.entries.iter().any(|e| e.key == *key))
 }
 
 /// Why a kernel could not be claimed.
@@ -310,17 +285,6 @@ impl<R: Registry + Clone> Membership<R> {
             view: Mutex::new(View::default()),
             quotas: Quotas(Mutex::new(None)),
         })
-    }
-
-    /// Where each key's `max_kernels` is read from: a kernel re-adopted at start takes
-    /// back a quota slot of its key by it.
-    pub fn set_quotas(&self, quota_of: QuotaOf) {
-        *self.quotas.0.lock().unwrap_or_else(|e| e.into_inner()) = Some(quota_of);
-    }
-
-    fn quota_of(&self, tenant: &str) -> Option<usize> {
-        let quotas = self.quotas.0.lock().unwrap_or_else(|e| e.into_inner());
-        quotas.as_ref().and_then(|f| f(tenant))
     }
 
     /// Whether a kernel record is this node's (of this run or an earlier one).
@@ -492,84 +456,6 @@ impl<R: Registry + Clone> Membership<R> {
         )))
     }
 
-    /// Takes one of `tenant`'s `max` quota slots for a create under way, as `holder`: a
-    /// key per slot, claimed with create-if-absent, so that creates through different
-    /// nodes at the same moment never hold more slots than the key may have. `Ok(false)`
-    /// when every slot is taken.
-    async fn reserve_slot(
-        &self,
-        tenant: &str,
-        max: usize,
-        holder: &str,
-    ) -> Result<bool, ClaimError> {
-        let lease = self.own().lease.ok_or(ClaimError::CutOff)?;
-        // Known before its slot is: a reconcile meanwhile leaves the slot alone.
-        self.own().quotas.insert(
-            holder.to_owned(),
-            Quota {
-                tenant: tenant.to_owned(),
-                max,
-                slot: None,
-            },
-        );
-        let reserved = self.try_reserve(tenant, max, holder, lease).await;
-        let mut own = self.own();
-        match &reserved {
-            Ok(Some(slot)) => {
-                if let Some(q) = own.quotas.get_mut(holder) {
-                    q.slot = Some(slot.clone());
-                }
-            }
-            _ => {
-                own.quotas.remove(holder);
-            }
-        }
-        reserved
-            .map(|slot| slot.is_some())
-            .map_err(ClaimError::from)
-    }
-
-    /// The slot `holder` took, `None` when every slot is held.
-    async fn try_reserve(
-        &self,
-        tenant: &str,
-        max: usize,
-        holder: &str,
-        lease: Lease,
-    ) -> Result<Option<String>, RegistryError> {
-        for _ in 0..ATTEMPTS {
-            let listing = self.registry.list(&quota_prefix(tenant)).await?;
-            let mut any = false;
-            for slot in free_slots(&listing, tenant, max) {
-                any = true;
-                if self
-                    .registry
-                    .create(&slot, holder.as_bytes(), lease)
-                    .await?
-                {
-                    return Ok(Some(slot));
-                }
-            }
-            if !any {
-                return Ok(None);
-            }
-        }
-        Ok(None)
-    }
-
-    /// Gives back the slot a create held, if it still does.
-    async fn cancel_reservation(&self, reservation: Reservation) {
-        let Some(holder) = reservation.holder else {
-            return;
-        };
-        let slot = self.own().quotas.remove(&holder).and_then(|q| q.slot);
-        if let Some(slot) = slot {
-            if let Err(e) = self.registry.delete_if(&slot, holder.as_bytes()).await {
-                tracing::warn!(%slot, error = %e, "cannot give a quota slot back; it goes with this node's lease");
-            }
-        }
-    }
-
     /// Keeps kernel `id`'s record without registering it now (re-adoption at start: the
     /// lease loop registers it with the rest).
     pub fn adopt(&self, id: &str, record: &KernelRecord) {
@@ -680,341 +566,13 @@ impl<R: Registry + Clone> Membership<R> {
         }
         Ok(())
     }
-
-    /// Gets a lease and registers the node and its kernels under it. What it could not
-    /// keep (a kernel another node claimed meanwhile, one whose key is at its quota by now)
-    /// is dropped from this node's records and returned, for the caller to deal with.
-    async fn register(&self) -> Result<Lost, RegistryError> {
-        self.register_for(self.ttl).await
-    }
-
-    /// This node stops and will return (SIGTERM in cluster mode): its record, marked away,
-    /// and its kernels' records and quota slots move to a lease of `away_for`. Until the
-    /// node is back (and takes them over) or that lease ends, the others answer 503 with
-    /// Retry-After for its kernels, not 404, and its keys' quotas hold.
-    pub async fn step_away(&self, away_for: Duration) -> Result<(), RegistryError> {
-        self.own().node.away = true;
-        let lost = self.register_for(away_for).await?;
-        if !lost.is_empty() {
-            tracing::warn!(?lost, "kernels not kept for this node's return");
-        }
-        Ok(())
-    }
-
-    /// This node leaves the cluster for good, now: its lease ends and everything under it
-    /// (its record, and those of kernels it still had) with it.
-    pub async fn leave(&self) -> Result<(), RegistryError> {
-        let lease = self.own().lease.take();
-        match lease {
-            Some(lease) => self.registry.revoke(lease).await,
-            None => Ok(()),
-        }
-    }
-
-    /// Registers everything of this node's under a new lease of `ttl`: the node record,
-    /// each kernel's record with its quota slot (taken back from an earlier run, or a free
-    /// one), and the slots of creates under way.
-    async fn register_for(&self, ttl: Duration) -> Result<Lost, RegistryError> {
-        let lease = self.registry.grant(ttl).await?;
-        let (node, kernels, quotas) = {
-            let own = self.own();
-            (
-                serde_json::to_vec(&own.node).unwrap_or_default(),
-                own.kernels.clone(),
-                own.quotas.clone(),
-            )
-        };
-        self.registry
-            .put(&node_key(&self.node_id), &node, lease)
-            .await?;
-        let mut lost = Lost::default();
-        let mut slots = Vec::new();
-        for (id, bytes) in &kernels {
-            let quota = quotas.get(id);
-            match self.register_kernel(id, bytes, lease, quota, id).await? {
-                Registered::Held { slot } => slots.push((id.clone(), slot)),
-                Registered::Taken => lost.taken.push(id.clone()),
-                Registered::OverQuota { key, .. } => lost.over_quota.push((id.clone(), key)),
-            }
-        }
-        for (holder, quota) in quotas.iter().filter(|(h, _)| !kernels.contains_key(*h)) {
-            let Some(slot) = &quota.slot else { continue };
-            let ours = |held: &[u8]| held == holder.as_bytes();
-            if !self.take(slot, holder.as_bytes(), lease, ours).await? {
-                tracing::warn!(%slot, "a quota slot a create held was taken while this node was cut off; the create will be refused");
-            }
-        }
-        let mut own = self.own();
-        for (id, slot) in slots {
-            if let Some(q) = own.quotas.get_mut(&id) {
-                q.slot = slot;
-            }
-        }
-        for id in lost
-            .taken
-            .iter()
-            .chain(lost.over_quota.iter().map(|(id, _)| id))
-        {
-            own.kernels.remove(id);
-            own.quotas.remove(id);
-        }
-        own.lease = Some(lease);
-        own.renewed = Some(Instant::now());
-        Ok(lost)
-    }
-
-    /// Compares the registry with `local`, the kernels this node runs now (id, owner,
-    /// spec), both ways: a record of this node's whose kernel is gone is removed, a kernel
-    /// the registry does not name is registered; a kernel of a key with a quota that holds
-    /// no slot is given one (or reported, when its key has none free), and a slot that
-    /// names a kernel no node has is freed. Returns how many of each it fixed.
-    pub async fn reconcile(
-        &self,
-        local: &[(String, String, String)],
-    ) -> Result<Reconciled, RegistryError> {
-        let Some(lease) = self.own().lease else {
-            return Ok(Reconciled::default());
-        };
-        let mut fixed = Reconciled::default();
-        // One listing: records and slots as of one revision.
-        let listing = self.registry.list(PREFIX).await?;
-        let quota_prefix_all = format!("{PREFIX}quota/");
-        let slots: Vec<&super::Entry> = listing
-            .entries
-            .iter()
-            .filter(|e| e.key.starts_with(&quota_prefix_all))
-            .collect();
-        let is_local = |id: &str| local.iter().any(|(l, _, _)| l == id);
-        let mut records = std::collections::HashSet::new();
-        for entry in &listing.entries {
-            let Some(Key::Kernel(id)) = Key::parse(&entry.key) else {
-                continue;
-            };
-            records.insert(id.to_owned());
-            let gone = self.is_ours(&entry.value) && !is_local(id);
-            if gone && self.registry.delete_if(&entry.key, &entry.value).await? {
-                let mut own = self.own();
-                own.kernels.remove(id);
-                own.quotas.remove(id);
-                drop(own);
-                records.remove(id);
-                fixed.stale_records += 1;
-            }
-        }
-        for (id, owner, spec) in local {
-            let record = listing.entries.iter().find(|e| e.key == kernel_key(id));
-            if record.is_some_and(|r| !self.is_ours(&r.value)) {
-                // Another node's: not this node's to fix.
-                continue;
-            }
-            let quota = self.own().quotas.get(id).cloned();
-            let has_slot = quota.is_none() || slots.iter().any(|e| e.value == id.as_bytes());
-            if record.is_some() && has_slot {
-                continue;
-            }
-            let known = self.own().kernels.get(id).cloned();
-            let bytes = known.unwrap_or_else(|| {
-                serde_json::to_vec(&self.record_of(owner, spec)).unwrap_or_default()
-            });
-            match self
-                .register_kernel(id, &bytes, lease, quota.as_ref(), id)
-                .await?
-            {
-                Registered::Held { slot } => {
-                    let mut own = self.own();
-                    own.kernels.insert(id.clone(), bytes);
-                    if let Some(q) = own.quotas.get_mut(id) {
-                        q.slot = slot;
-                    }
-                    records.insert(id.clone());
-                    fixed.unregistered_kernels += u64::from(record.is_none());
-                    fixed.missing_slots += u64::from(!has_slot);
-                }
-                Registered::Taken => {}
-                Registered::OverQuota { key, max } => {
-                    tracing::warn!(kernel = %id, %key, max, "a kernel of this node holds no quota slot and its key has none free: the key runs more kernels than its max_kernels until one ends");
-                    fixed.over_quota += 1;
-                }
-            }
-        }
-        let mine = format!("{PENDING}{}:", self.node_id);
-        for slot in slots {
-            let holder = String::from_utf8_lossy(&slot.value);
-            let stale = match holder.strip_prefix(PENDING) {
-                // A create of this node's that ended without giving its slot back; other
-                // nodes' creates go with their leases.
-                Some(_) => holder.starts_with(&mine) && !self.own().quotas.contains_key(&*holder),
-                None => !records.contains(&*holder) && !is_local(&holder),
-            };
-            if !stale {
-                continue;
-            }
-            let unchanged = [Compare::Unchanged(slot.key.clone(), slot.revision)];
-            if self
-                .registry
-                .txn(&unchanged, &[Change::Delete(slot.key.clone())])
-                .await?
-            {
-                fixed.stale_slots += 1;
-            }
-        }
-        Ok(fixed)
-    }
-
-    /// Puts `key` under `lease` if it is free, or if what holds it is `ours` (this node's
-    /// own record from before a restart, under its old lease); false if another node's.
-    async fn take(
-        &self,
-        key: &str,
-        value: &[u8],
-        lease: Lease,
-        ours: impl Fn(&[u8]) -> bool,
-    ) -> Result<bool, RegistryError> {
-        if self.registry.create(key, value, lease).await? {
-            return Ok(true);
-        }
-        let listing = self.registry.list(key).await?;
-        match listing.entries.iter().find(|e| e.key == key) {
-            Some(held) if !ours(&held.value) => Ok(false),
-            _ => {
-                self.registry.put(key, value, lease).await?;
-                Ok(true)
-            }
-        }
-    }
-
-    /// The lease loop, until `cancel`: registers, renews every TTL/3, registers again when
-    /// the lease is lost. `on_lost` hears of kernels it could not register: claimed by
-    /// another node while this one was cut off, or (re-adopted at start) refused by their
-    /// key's quota. Does not revoke the lease when cancelled (a stopping node's kernels stay
-    /// registered until it returns or its lease runs out).
-    pub async fn keep(self: Arc<Self>, cancel: CancellationToken, on_lost: impl Fn(Lost) + Send) {
-        let period = self.ttl / 3;
-        let mut first = true;
-        loop {
-            if !first {
-                tokio::select! {
-                    _ = cancel.cancelled() => return,
-                    _ = tokio::time::sleep(period) => {}
-                }
-            }
-            first = false;
-            let lease = self.own().lease;
-            match lease {
-                None => match self.register().await {
-                    Ok(lost) => {
-                        tracing::info!(node = %self.node_id, "registered in the cluster registry");
-                        if !lost.is_empty() {
-                            on_lost(lost);
-                        }
-                    }
-                    Err(e) => {
-                        tracing::warn!(error = %e, "cannot register in the cluster registry; retrying")
-                    }
-                },
-                Some(lease) => match self.registry.keep_alive(lease).await {
-                    Ok(true) => self.own().renewed = Some(Instant::now()),
-                    Ok(false) => {
-                        tracing::warn!(node = %self.node_id, "cluster lease lost; registering again");
-                        let mut own = self.own();
-                        own.lease = None;
-                        own.reregistrations += 1;
-                        drop(own);
-                        first = true;
-                    }
-                    Err(e) => {
-                        let stale = self.own().renewed.is_none_or(|t| t.elapsed() >= self.ttl);
-                        tracing::warn!(error = %e, stale, "cannot renew the cluster lease");
-                        if stale {
-                            let mut own = self.own();
-                            own.lease = None;
-                            own.reregistrations += 1;
-                        }
-                    }
-                },
-            }
-        }
-    }
-
-    /// The watch loop, until `cancel`: lists, then follows changes from the listing's
-    /// revision; resumes after a lost connection, lists again after compaction.
-    pub async fn follow(self: Arc<Self>, cancel: CancellationToken) {
-        let mut from: Option<Revision> = None;
-        let retry = Duration::from_millis(500);
-        loop {
-            if cancel.is_cancelled() {
-                return;
-            }
-            let start = match from {
-                Some(r) => r,
-                None => match self.registry.list(PREFIX).await {
-                    Ok(listing) => {
-                        let mut view = View {
-                            revision: listing.revision,
-                            ..View::default()
-                        };
-                        for entry in listing.entries {
-                            view.apply(&Event::Put(entry));
-                        }
-                        view.revision = listing.revision;
-                        *self.view.lock().unwrap_or_else(|e| e.into_inner()) = view;
-                        listing.revision + 1
-                    }
-                    Err(e) => {
-                        tracing::debug!(error = %e, "cannot list the cluster registry; retrying");
-                        tokio::select! {
-                            _ = cancel.cancelled() => return,
-                            _ = tokio::time::sleep(retry) => continue,
-                        }
-                    }
-                },
-            };
-            from = Some(start);
-            let mut stream = match self.registry.watch(PREFIX, start).await {
-                Ok(s) => s,
-                Err(RegistryError::Compacted { .. }) => {
-                    from = None;
-                    continue;
-                }
-                Err(e) => {
-                    tracing::debug!(error = %e, "cannot watch the cluster registry; retrying");
-                    tokio::select! {
-                        _ = cancel.cancelled() => return,
-                        _ = tokio::time::sleep(retry) => continue,
-                    }
-                }
-            };
-            loop {
-                let next = tokio::select! {
-                    _ = cancel.cancelled() => return,
-                    n = stream.next() => n,
-                };
-                match next {
-                    Some(Ok(events)) => {
-                        let mut view = self.view.lock().unwrap_or_else(|e| e.into_inner());
-                        for event in &events {
-                            view.apply(event);
-                        }
-                        from = Some(view.revision + 1);
-                    }
-                    Some(Err(RegistryError::Compacted { .. })) => {
-                        from = None;
-                        break;
-                    }
-                    Some(Err(e)) => {
-                        tracing::debug!(error = %e, "cluster watch lost; resuming");
-                        break;
-                    }
-                    None => break,
-                }
-            }
-            tokio::select! {
-                _ = cancel.cancelled() => return,
-                _ = tokio::time::sleep(retry) => {}
-            }
-        }
-    }
 }
+
+mod lease;
+mod quota;
+mod watch;
+pub use quota::QuotaOf;
+use quota::{free_slots, quota_prefix, PENDING};
 
 #[cfg(test)]
 mod tests;

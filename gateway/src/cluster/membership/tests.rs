@@ -2,6 +2,8 @@
 //! outages, a restarted node's records, the reconcile.
 use super::*;
 use crate::cluster::memory::Memory;
+use crate::cluster::{quota_key, PREFIX};
+use tokio_util::sync::CancellationToken;
 
 fn node(address: &str) -> NodeRecord {
     NodeRecord {
