@@ -4,6 +4,7 @@
 use super::fake::FakeBackend;
 use super::tests::{admin, eventually, settings, specs, table, tenant};
 use super::*;
+use crate::kernelspecs::DEFAULT_SPEC;
 
 type Member = Arc<crate::cluster::membership::Membership<crate::cluster::memory::Memory>>;
 

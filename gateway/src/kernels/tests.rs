@@ -3,6 +3,8 @@
 
 use super::fake::FakeBackend;
 use super::*;
+use crate::kernelspecs::DEFAULT_SPEC;
+use crate::tenants::Tenant;
 use futures::FutureExt;
 use std::future::Future;
 
