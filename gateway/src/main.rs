@@ -12,16 +12,12 @@ use kernelgate::backend::docker::{DockerBackend, DockerSettings};
 use kernelgate::backend::gvisor::{GvisorEngine, GvisorSettings, ImageResolver};
 use kernelgate::backend::KernelBackend;
 use kernelgate::cluster::node::{ClusterNode, Offer, AWAY_FOR};
-use kernelgate::config::{
-    Cli, Command, Config, EngineChoice, KeysAction, KeysArgs, LogFormat, McpArgs,
-};
+use kernelgate::config::{Cli, Command, Config, EngineChoice, LogFormat, McpArgs};
 use kernelgate::kernels::{HeartbeatCheck, Kernels, Settings};
 use kernelgate::kernelspecs::KernelSpecs;
 use kernelgate::packages::Packages;
 use kernelgate::relay::clients::ClientLimits;
-use kernelgate::tenants::{
-    generate_token, token_digest, KeyEntry, Keys, KeysFile, Tenant, TOKEN_KEY,
-};
+use kernelgate::tenants::{generate_token, Keys, Tenant, TOKEN_KEY};
 use std::io::IsTerminal;
 use std::sync::Arc;
 use std::time::Duration;
@@ -45,7 +41,7 @@ async fn main() -> anyhow::Result<()> {
         Command::Serve(config) => serve(*config).await,
         Command::Mcp(args) => mcp_stdio(*args).await,
         Command::Run(args) => Ok(kernelgate_client::notebook::run(args.into_client()).await?),
-        Command::Keys(args) => keys_command(args),
+        Command::Keys(args) => kernelgate::tenants::keys_command(args),
         Command::Audit(args) => kernelgate::audit::read_back(&args),
         Command::Packages(args) => kernelgate::packages::cli::run(args).await,
         Command::Image(args) => kernelgate::images::cli::run(args),
@@ -654,69 +650,6 @@ async fn reload_on_sighup(
             }
         }
     }
-}
-
-/// `kernelgate keys add|list|remove`.
-fn keys_command(args: KeysArgs) -> anyhow::Result<()> {
-    let mut file = KeysFile::read(&args.file).map_err(anyhow::Error::msg)?;
-    match args.action {
-        KeysAction::Add {
-            name,
-            admin,
-            max_kernels,
-            max_hibernated,
-            max_memory_mb,
-            max_cpus,
-        } => {
-            if file.key.iter().any(|k| k.name == name) {
-                bail!(
-                    "a key named {name:?} exists already in {}; remove it first",
-                    args.file.display()
-                );
-            }
-            let token = generate_token();
-            file.key.push(KeyEntry {
-                name,
-                token_sha256: hex::encode(token_digest(&token)),
-                admin,
-                max_kernels,
-                max_hibernated,
-                max_memory_mb,
-                max_cpus,
-            });
-            file.write(&args.file).map_err(anyhow::Error::msg)?;
-            // Checks the new entry as the gateway will.
-            KeysFile::read(&args.file).map_err(anyhow::Error::msg)?;
-            println!("{token}");
-        }
-        KeysAction::List => {
-            let limit = |v: Option<String>| v.unwrap_or_else(|| "-".to_owned());
-            println!(
-                "{:<24} {:<6} {:>11} {:>13} {:>8}",
-                "NAME", "ADMIN", "MAX_KERNELS", "MAX_MEMORY_MB", "MAX_CPUS"
-            );
-            for k in &file.key {
-                println!(
-                    "{:<24} {:<6} {:>11} {:>13} {:>8}",
-                    k.name,
-                    if k.admin { "yes" } else { "no" },
-                    limit(k.max_kernels.map(|v| v.to_string())),
-                    limit(k.max_memory_mb.map(|v| v.to_string())),
-                    limit(k.max_cpus.map(|v| v.to_string())),
-                );
-            }
-        }
-        KeysAction::Remove { name } => {
-            let before = file.key.len();
-            file.key.retain(|k| k.name != name);
-            if file.key.len() == before {
-                bail!("no key named {name:?} in {}", args.file.display());
-            }
-            file.write(&args.file).map_err(anyhow::Error::msg)?;
-            eprintln!("removed {name:?}; send SIGHUP to a running gateway to revoke it");
-        }
-    }
-    Ok(())
 }
 
 async fn stop_signal() {

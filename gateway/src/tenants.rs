@@ -6,6 +6,8 @@
 //! changed, is revoked at once: its token is refused, its WebSockets close (its
 //! [`Tenant::revoked`] is cancelled) and the caller removes its kernels.
 
+use crate::config::{KeysAction, KeysArgs};
+use anyhow::bail;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use std::collections::HashMap;
@@ -316,6 +318,69 @@ impl Keys {
 /// A new random token: 256 bits, hex.
 pub fn generate_token() -> String {
     kernelgate_protocol::SigningKey::generate_hex()
+}
+
+/// `kernelgate keys add|list|remove`.
+pub fn keys_command(args: KeysArgs) -> anyhow::Result<()> {
+    let mut file = KeysFile::read(&args.file).map_err(anyhow::Error::msg)?;
+    match args.action {
+        KeysAction::Add {
+            name,
+            admin,
+            max_kernels,
+            max_hibernated,
+            max_memory_mb,
+            max_cpus,
+        } => {
+            if file.key.iter().any(|k| k.name == name) {
+                bail!(
+                    "a key named {name:?} exists already in {}; remove it first",
+                    args.file.display()
+                );
+            }
+            let token = generate_token();
+            file.key.push(KeyEntry {
+                name,
+                token_sha256: hex::encode(token_digest(&token)),
+                admin,
+                max_kernels,
+                max_hibernated,
+                max_memory_mb,
+                max_cpus,
+            });
+            file.write(&args.file).map_err(anyhow::Error::msg)?;
+            // Checks the new entry as the gateway will.
+            KeysFile::read(&args.file).map_err(anyhow::Error::msg)?;
+            println!("{token}");
+        }
+        KeysAction::List => {
+            let limit = |v: Option<String>| v.unwrap_or_else(|| "-".to_owned());
+            println!(
+                "{:<24} {:<6} {:>11} {:>13} {:>8}",
+                "NAME", "ADMIN", "MAX_KERNELS", "MAX_MEMORY_MB", "MAX_CPUS"
+            );
+            for k in &file.key {
+                println!(
+                    "{:<24} {:<6} {:>11} {:>13} {:>8}",
+                    k.name,
+                    if k.admin { "yes" } else { "no" },
+                    limit(k.max_kernels.map(|v| v.to_string())),
+                    limit(k.max_memory_mb.map(|v| v.to_string())),
+                    limit(k.max_cpus.map(|v| v.to_string())),
+                );
+            }
+        }
+        KeysAction::Remove { name } => {
+            let before = file.key.len();
+            file.key.retain(|k| k.name != name);
+            if file.key.len() == before {
+                bail!("no key named {name:?} in {}", args.file.display());
+            }
+            file.write(&args.file).map_err(anyhow::Error::msg)?;
+            eprintln!("removed {name:?}; send SIGHUP to a running gateway to revoke it");
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
