@@ -1,0 +1,297 @@
+//! What the audit log holds: one record per event, a JSON object per line (docs/audit.md).
+
+use serde::Serialize;
+use serde_json::{Map, Value};
+
+/// Characters of output kept in an execution's `finished` record.
+pub const OUTPUT_PREVIEW_CHARS: usize = 500;
+
+/// Who sent a client message: the start of every record about one.
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
+pub struct Sender {
+    /// The name of the key that sent it.
+    pub key: String,
+    /// The message header's `username`.
+    pub username: String,
+    /// The header's `agent_id` (the agent API sets it from its `agent_id` field).
+    pub agent_id: Option<Value>,
+    pub kernel: String,
+    pub session: String,
+    pub msg_id: String,
+}
+
+/// How a created kernel came to be.
+#[derive(Debug, Clone, Copy, Serialize, utoipa::ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum Source {
+    /// Handed out from the warm pool.
+    Pool,
+    /// Started for this create.
+    Cold,
+}
+
+/// What happened to a file of a kernel's working directory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FileEvent {
+    Listed,
+    Read,
+    Written,
+    Deleted,
+}
+
+/// One audit record: every event the trail knows, with its fields, written here once. A
+/// record is one JSON object per line: `time`, `event` (the variant's name in snake case),
+/// then the fields; optional fields are left out when empty. `docs/audit.md` lists them and
+/// a unit test keeps it in step with this enum.
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
+#[serde(tag = "event", rename_all = "snake_case")]
+pub enum Record {
+    /// A kernel was created for a key.
+    KernelCreated {
+        kernel: String,
+        key: String,
+        spec: String,
+        source: Source,
+    },
+    /// A kernel was deleted: asked for by `key`, or by the gateway for `reason` (a revoked
+    /// key, an ended MCP session).
+    KernelDeleted {
+        kernel: String,
+        owner: String,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        key: Option<String>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        reason: Option<String>,
+    },
+    /// A kernel was restarted as `key` asked (REST, MCP).
+    KernelRestarted {
+        kernel: String,
+        owner: String,
+        key: String,
+    },
+    /// A restart gave up after its tries; `why` is the last try's failure.
+    KernelRestartFailed {
+        kernel: String,
+        owner: String,
+        tries: u32,
+        why: String,
+    },
+    /// A kernel's process ended on its own: `why` names the cause (out of memory and the
+    /// limit, a signal, an exit code, a silent heartbeat).
+    KernelDied {
+        kernel: String,
+        owner: String,
+        why: String,
+        restarting: bool,
+    },
+    /// An idle kernel was removed (`--cull-idle-timeout`).
+    KernelCulled { kernel: String },
+    /// A kernel hibernated: its state (`bytes` on disk) was saved and its container
+    /// removed; `dropped` names what could not be kept (`--hibernate-lossy`).
+    KernelHibernated {
+        kernel: String,
+        owner: String,
+        bytes: u64,
+        took_ms: u64,
+        #[serde(skip_serializing_if = "Vec::is_empty")]
+        dropped: Vec<String>,
+    },
+    /// A hibernated kernel runs again, its saved state confirmed loaded into a fresh process.
+    KernelResumed {
+        kernel: String,
+        owner: String,
+        took_ms: u64,
+    },
+    /// A hibernated kernel's saved state did not load into its new process (`reason` says
+    /// why): the state is kept and the kernel hibernates again.
+    KernelResumeFailed {
+        kernel: String,
+        owner: String,
+        reason: String,
+    },
+    /// A key discarded a hibernated kernel's saved variables: it runs again as a fresh
+    /// process with its saved files.
+    KernelStateDiscarded {
+        kernel: String,
+        owner: String,
+        key: String,
+    },
+    /// Code is on its way to the kernel (written before it is sent).
+    ExecutionRequested {
+        #[serde(flatten)]
+        sender: Sender,
+        code: String,
+        code_sha256: String,
+        user_expressions: Map<String, Value>,
+        silent: bool,
+    },
+    /// An execution ended: its reply (written before it is forwarded), or the gateway's
+    /// answer in its place (`ran` false: refused, or its kernel died or gave up first;
+    /// `reason` says why).
+    ExecutionFinished {
+        key: String,
+        kernel: String,
+        msg_id: Option<String>,
+        session: Option<String>,
+        code_sha256: Option<String>,
+        status: String,
+        ename: Option<String>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        reason: Option<String>,
+        duration_ms: u64,
+        output_bytes: usize,
+        output: String,
+        truncated: bool,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        ran: Option<bool>,
+    },
+    /// Output an execution produced after its reply, in total, at its `idle`.
+    ExecutionOutput {
+        key: String,
+        kernel: String,
+        msg_id: String,
+        output_bytes: usize,
+        output: String,
+        truncated: bool,
+    },
+    /// A `debug_request` (control channel) went to the kernel.
+    DebugRequest {
+        #[serde(flatten)]
+        sender: Sender,
+        request: Value,
+    },
+    /// A comm message went to the kernel (its data only as a hash).
+    Comm {
+        #[serde(flatten)]
+        sender: Sender,
+        msg_type: String,
+        comm_id: Option<Value>,
+        target_name: Option<Value>,
+        data_sha256: String,
+    },
+    /// The execution policy decided on a message: `deny` or `ask` (with the rule), then for
+    /// an asked one `approved`, `denied` (`by` whom), `timed_out` or `cancelled`.
+    PolicyDecision {
+        #[serde(flatten)]
+        sender: Sender,
+        msg_type: String,
+        decision: String,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        rule: Option<usize>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        reason: Option<String>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        matched: Option<String>,
+        approval_id: Option<String>,
+        by: Option<String>,
+    },
+    /// The gateway ran an install in a kernel (`install_packages`, `POST
+    /// /api/kernels/{id}/packages`). It vouches for what was asked for and the allowlist's
+    /// lines that let it through (`allowed`); `kernel_reported` is the kernel's installer's
+    /// own word (`installed`, `already`, `refused`, `exit_code`), not checked by the gateway.
+    PackagesInstalled {
+        key: String,
+        kernel: String,
+        requested: Vec<String>,
+        allowed: Vec<String>,
+        kernel_reported: KernelReportedInstall,
+    },
+    /// The kernel reported an install asked for from inside it (`%pip`, `!pip`), written
+    /// just before the record of the cell it ran in. The kernel's own word: `trusted` is
+    /// always false.
+    PackagesReported {
+        key: String,
+        kernel: String,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        msg_id: Option<String>,
+        argv: Vec<String>,
+        requested: Vec<String>,
+        installed: Vec<PackageVersion>,
+        #[serde(skip_serializing_if = "Vec::is_empty")]
+        refused: Vec<PackageRefusal>,
+        trusted: bool,
+    },
+    /// The working directory was listed.
+    FileListed(FileAccess),
+    /// A file was read (`offset` and `length` for a part).
+    FileRead(FileAccess),
+    /// A file was written.
+    FileWritten(FileAccess),
+    /// A file was deleted.
+    FileDeleted(FileAccess),
+    /// A request without a valid key was refused.
+    AuthRefused {
+        client: Option<String>,
+        path: String,
+    },
+    /// A request with internal `x-kernelgate-*` headers was refused: a node-to-node call
+    /// that does not check out (forged, replayed, for another node or body) or a client's.
+    /// One record per client address and minute: `unrecorded` counts the address's earlier
+    /// refusals that got none (the log has each).
+    InternalHeadersRefused {
+        client: Option<String>,
+        path: String,
+        reason: String,
+        unrecorded: u32,
+    },
+    /// Cluster mode: the owner accepted a call another node forwarded, for the client's key
+    /// `key` that reached node `entry`; the records the call then makes name the same key.
+    ForwardedCall {
+        key: String,
+        entry: String,
+        request_id: String,
+        method: String,
+        path: String,
+    },
+}
+
+/// What a kernel's installer said it did: the kernel's word.
+#[derive(Debug, Clone, Serialize, serde::Deserialize, PartialEq, Eq, utoipa::ToSchema)]
+pub struct KernelReportedInstall {
+    pub installed: Vec<PackageVersion>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub already: Vec<PackageVersion>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub refused: Vec<PackageRefusal>,
+    pub exit_code: i64,
+}
+
+/// A package and the version a kernel got.
+#[derive(Debug, Clone, Serialize, serde::Deserialize, PartialEq, Eq, utoipa::ToSchema)]
+pub struct PackageVersion {
+    pub name: String,
+    pub version: String,
+}
+
+/// A requirement that was not installed, and why.
+#[derive(Debug, Clone, Serialize, serde::Deserialize, PartialEq, Eq, utoipa::ToSchema)]
+pub struct PackageRefusal {
+    pub requirement: String,
+    pub reason: String,
+}
+
+/// Who touched which file of a kernel's working directory.
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
+pub struct FileAccess {
+    pub key: String,
+    pub kernel: String,
+    pub path: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bytes: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub offset: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub length: Option<usize>,
+}
+
+impl Record {
+    /// The record of a file access.
+    pub fn file(event: FileEvent, access: FileAccess) -> Record {
+        match event {
+            FileEvent::Listed => Record::FileListed(access),
+            FileEvent::Read => Record::FileRead(access),
+            FileEvent::Written => Record::FileWritten(access),
+            FileEvent::Deleted => Record::FileDeleted(access),
+        }
+    }
+}
