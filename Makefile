@@ -26,19 +26,17 @@ RUN_FLAGS := $(if $(LISTEN),--listen $(LISTEN)) $(if $(KERNELGATE_IMAGE),,--imag
 run: image build
 	./target/release/kernelgate serve $(strip $(RUN_FLAGS) $(ARGS))
 
-## Everything CI checks: format, lints, unit tests, fuzzing, end-to-end tests (the Rust
-## suite once under runc and once under gVisor, side by side, and the suites of the gVisor
-## engine as soon as one of them is done; `make gvisor` sets gVisor up first), then the
-## Python suite (its widget tests once more under gVisor), then a check that no test left
-## work behind.
+## Everything CI checks: format, lints, unit tests, fuzzing, then two at a time: the
+## end-to-end Rust suite under runc and under gVisor (`make gvisor` sets it up first), the
+## Python suite, the gVisor engine's suites and the Python suite's widget and E2B tests
+## under gVisor; then a check that no test left work behind.
 TEST_STAMP := target/.test-started
 # Each long step prints when it starts and ends, so a log shows where the time went.
 CLOCK = @echo "[$$(date +%T)] $@ $(1)"
 test: test-stamp lint unit fuzz-smoke
 	$(call CLOCK,starts the end-to-end suites)
-	$(MAKE) --no-print-directory -j2 --output-sync=target E2E_THREADS=2 e2e-runc e2e-gvisor e2e-engine
-	$(MAKE) --no-print-directory python-tests
-	$(MAKE) --no-print-directory python-tests-gvisor
+	$(MAKE) --no-print-directory -j2 --output-sync=target E2E_THREADS=2 \
+		e2e-runc e2e-gvisor python-tests e2e-engine python-tests-gvisor
 	$(MAKE) --no-print-directory leftovers
 	$(call CLOCK,done)
 
@@ -61,16 +59,23 @@ unit:
 debug-build:
 	$(CARGO) build -p kernelgate
 
-# The same suite under each runtime: KERNELGATE_RUNTIME picks it for every gateway the
-# tests start (tests/src/lib.rs). First the backend's contract against the Docker engine
-# under that runtime (the fake engine passes the same checks among the unit tests); under
-# gVisor, the gVisor engine's (runsc driven directly, no Docker) before it, and the engine's
-# own end-to-end suite (tests/tests/gvisor_engine.rs) runs with that suite.
+# The suite under each runtime: KERNELGATE_RUNTIME picks it for every gateway the tests
+# start (tests/src/lib.rs). First the backend's contract against the Docker engine under
+# that runtime (the fake engine passes the same checks among the unit tests); under gVisor,
+# the gVisor engine's (runsc driven directly, no Docker) before it. Under runc every suite
+# runs; under gVisor the suites where the runtime changes what happens (GVISOR_SUITES: the
+# sandbox's walls and limits, deaths, files, packages, hibernation, the network, containers
+# that come and go, and the engine's own suites). The others check the gateway's own logic
+# (HTTP errors, the policy, keys and tenants, audit, metrics, browsers' requests, the
+# cluster registry, notebooks, custom images' specs), the same whatever runs the kernels.
 E2E_THREADS ?= 3
+GVISOR_SUITES := agent environment gateway gvisor_container gvisor_engine hibernation \
+	hostile_kernels image lifecycle output_limits packages recovery second_wall testnet
 E2E = KERNELGATE_IMAGE=$(KERNEL_IMAGE) KERNELGATE_RUNTIME=$(1) \
 	$(CARGO) test -p kernelgate --lib -- --ignored --exact backend::contract::docker_engine_passes_the_contract && \
 	KERNELGATE_IMAGE=$(KERNEL_IMAGE) KERNELGATE_FIXTURE_IMAGE=$(FIXTURE_IMAGE) \
-	KERNELGATE_RUNTIME=$(1) $(CARGO) test -p kernelgate-tests --no-fail-fast -- --test-threads=$(E2E_THREADS)
+	KERNELGATE_RUNTIME=$(1) $(CARGO) test -p kernelgate-tests --no-fail-fast $(addprefix --test ,$(2)) \
+		-- --test-threads=$(E2E_THREADS)
 
 e2e: e2e-runc e2e-gvisor
 
@@ -83,16 +88,16 @@ e2e-gvisor: gvisor image debug-build test-tools fixture-image
 	$(call CLOCK,starts)
 	KERNELGATE_IMAGE=$(KERNEL_IMAGE) $(CARGO) test -p kernelgate --lib -- --ignored --exact \
 		backend::contract::gvisor_engine_passes_the_contract
-	$(call E2E,runsc)
+	$(call E2E,runsc,$(GVISOR_SUITES))
 
 # The gVisor engine (`--engine gvisor`: no Docker, the gateway runs runsc itself) under the
 # suites that hold the sandbox to its promises: the second wall and the CPU quota read from
 # the host's cgroup (second_wall), hostile kernels and the gateway's memory budget against
 # them (hostile_kernels), the sandbox and isolation checks (gateway), deaths named with
-# their cause and recovery (recovery), files (agent), packages, and the execution policy.
+# their cause and recovery (recovery), files (agent) and packages.
 # KERNELGATE_ENGINE=gvisor makes every gateway the tests start run on the engine, with the
 # kernel image imported into the tests' image store (tests/src/engine.rs).
-ENGINE_SUITES := second_wall hostile_kernels gateway recovery agent packages policy
+ENGINE_SUITES := second_wall hostile_kernels gateway recovery agent packages
 e2e-engine: gvisor image debug-build test-tools fixture-image
 	$(call CLOCK,starts)
 	KERNELGATE_IMAGE=$(KERNEL_IMAGE) KERNELGATE_FIXTURE_IMAGE=$(FIXTURE_IMAGE) \
