@@ -26,17 +26,16 @@ RUN_FLAGS := $(if $(LISTEN),--listen $(LISTEN)) $(if $(KERNELGATE_IMAGE),,--imag
 run: image build
 	./target/release/kernelgate serve $(strip $(RUN_FLAGS) $(ARGS))
 
-## Everything CI checks: format, lints, unit tests, fuzzing, then two at a time: the
-## end-to-end Rust suite under runc and under gVisor (`make gvisor` sets it up first), the
-## Python suite, the gVisor engine's suites and the Python suite's widget and E2B tests
-## under gVisor; then a check that no test left work behind.
+## Everything CI checks: format, lints, unit tests, fuzzing, then the end-to-end suites two
+## at a time: the Rust suite under runc and under gVisor (`make gvisor` sets it up first), the
+## Python suite, the gVisor engine's suites and the Python suite's widget and E2B tests under
+## gVisor; then a check that no test left work behind.
 TEST_STAMP := target/.test-started
 # Each long step prints when it starts and ends, so a log shows where the time went.
 CLOCK = @echo "[$$(date +%T)] $@ $(1)"
-test: test-stamp lint unit fuzz-smoke
+test: test-stamp lint unit fuzz-smoke e2e-prep
 	$(call CLOCK,starts the end-to-end suites)
-	$(MAKE) --no-print-directory -j2 --output-sync=target E2E_THREADS=2 \
-		e2e-runc e2e-gvisor python-tests e2e-engine python-tests-gvisor
+	$(MAKE) --no-print-directory -k -j2 --output-sync=target E2E_THREADS=2 $(E2E_ORDER)
 	$(MAKE) --no-print-directory leftovers
 	$(call CLOCK,done)
 
@@ -59,56 +58,82 @@ unit:
 debug-build:
 	$(CARGO) build -p kernelgate
 
-# The suite under each runtime: KERNELGATE_RUNTIME picks it for every gateway the tests
-# start (tests/src/lib.rs). First the backend's contract against the Docker engine under
-# that runtime (the fake engine passes the same checks among the unit tests); under gVisor,
-# the gVisor engine's (runsc driven directly, no Docker) before it. Under runc every suite
-# runs; under gVisor the suites where the runtime changes what happens (GVISOR_SUITES: the
-# sandbox's walls and limits, deaths, files, packages, hibernation, the network, containers
-# that come and go, and the engine's own suites). The others check the gateway's own logic
-# (HTTP errors, the policy, keys and tenants, audit, metrics, browsers' requests, the
-# cluster registry, notebooks, custom images' specs), the same whatever runs the kernels.
+# Everything the end-to-end suites need, built once before they run side by side.
+e2e-prep: gvisor image debug-build test-tools fixture-image python-venv
+	$(CARGO) test -p kernelgate-tests --no-run
+	$(CARGO) test -p kernelgate --lib --no-run
+
+# Every suite is a target of its own (e2e-<runtime>-<suite>), so that `make -j2` packs
+# them onto the two cores as they end. KERNELGATE_RUNTIME picks the runtime for every
+# gateway the tests start (tests/src/lib.rs); KERNELGATE_ENGINE=gvisor runs every gateway on
+# the gVisor engine (runsc driven directly, no Docker) with the kernel image imported into
+# the tests' image store (tests/src/engine.rs). Each runtime and engine first has the
+# backend's contract checked against it (contract-*; the fake engine passes the same checks
+# among the unit tests).
+#
+# Under runc every suite runs. Under gVisor, the suites where the runtime changes what
+# happens (GVISOR_SUITES: the sandbox's walls and limits, deaths, files, packages,
+# hibernation, the network, containers that come and go, and the engine's own suites). The
+# others check the gateway's own logic (HTTP errors, the policy, keys and tenants, audit,
+# metrics, browsers' requests, the cluster registry, notebooks, custom images' specs), the
+# same whatever runs the kernels. On the gVisor engine, the suites that hold the sandbox to
+# its promises (ENGINE_SUITES): the second wall and the CPU quota read from the host's cgroup
+# (second_wall), hostile kernels and the gateway's memory budget against them
+# (hostile_kernels), the sandbox and isolation checks (gateway), deaths named with their
+# cause and recovery (recovery), files (agent) and packages.
 E2E_THREADS ?= 3
+SUITES := $(basename $(notdir $(wildcard tests/tests/*.rs)))
 GVISOR_SUITES := agent environment gateway gvisor_container gvisor_engine hibernation \
 	hostile_kernels image lifecycle output_limits packages recovery second_wall testnet
-E2E = KERNELGATE_IMAGE=$(KERNEL_IMAGE) KERNELGATE_RUNTIME=$(1) \
-	$(CARGO) test -p kernelgate --lib -- --ignored --exact backend::contract::docker_engine_passes_the_contract && \
+ENGINE_SUITES := second_wall hostile_kernels gateway recovery agent packages
+RUNC_TARGETS := $(addprefix e2e-runc-,$(SUITES))
+GVISOR_TARGETS := $(addprefix e2e-runsc-,$(GVISOR_SUITES))
+ENGINE_TARGETS := $(addprefix e2e-engine-,$(ENGINE_SUITES))
+# The order `make test` starts them in: the longest first (as measured by the CLOCK lines of
+# a full run, docs/testing.md), so that the two slots end close together.
+E2E_LONGEST := python-tests e2e-runc-cluster e2e-runsc-hibernation e2e-runc-hibernation \
+	e2e-runsc-gateway e2e-runc-gateway e2e-engine-gateway e2e-engine-hostile_kernels \
+	e2e-engine-recovery e2e-engine-packages e2e-runsc-hostile_kernels e2e-runc-hostile_kernels
+E2E_ORDER := contract-runc contract-runsc contract-engine $(E2E_LONGEST) \
+	$(filter-out $(E2E_LONGEST),$(RUNC_TARGETS) $(GVISOR_TARGETS) $(ENGINE_TARGETS)) \
+	python-tests-gvisor
+.PHONY: e2e-prep contract-runc contract-runsc contract-engine \
+	$(RUNC_TARGETS) $(GVISOR_TARGETS) $(ENGINE_TARGETS)
+
+CONTRACT = KERNELGATE_IMAGE=$(KERNEL_IMAGE) KERNELGATE_RUNTIME=$(1) $(CARGO) test -p kernelgate \
+	--lib -- --ignored --exact backend::contract::$(2)_passes_the_contract
+contract-runc: e2e-prep
+	$(call CONTRACT,runc,docker_engine)
+contract-runsc: e2e-prep
+	$(call CONTRACT,runsc,docker_engine)
+contract-engine: e2e-prep
+	$(call CONTRACT,runsc,gvisor_engine)
+
+# $(call SUITE,runtime,suite,extra environment)
+SUITE = echo "[$$(date +%T)] $@ starts"; \
 	KERNELGATE_IMAGE=$(KERNEL_IMAGE) KERNELGATE_FIXTURE_IMAGE=$(FIXTURE_IMAGE) \
-	KERNELGATE_RUNTIME=$(1) $(CARGO) test -p kernelgate-tests --no-fail-fast $(addprefix --test ,$(2)) \
-		-- --test-threads=$(E2E_THREADS)
+	KERNELGATE_RUNTIME=$(1) $(3) $(CARGO) test -p kernelgate-tests --test $(2) \
+		-- --test-threads=$(E2E_THREADS); \
+	status=$$?; echo "[$$(date +%T)] $@ done"; exit $$status
+$(RUNC_TARGETS): e2e-runc-%: e2e-prep
+	@$(call SUITE,runc,$*)
+$(GVISOR_TARGETS): e2e-runsc-%: e2e-prep
+	@$(call SUITE,runsc,$*)
+$(ENGINE_TARGETS): e2e-engine-%: e2e-prep
+	@$(call SUITE,runsc,$*,KERNELGATE_ENGINE=gvisor)
 
 e2e: e2e-runc e2e-gvisor
-
-e2e-runc: image debug-build test-tools fixture-image
-	$(call CLOCK,starts)
-	$(call E2E,runc)
-	$(call CLOCK,done)
-
-e2e-gvisor: gvisor image debug-build test-tools fixture-image
-	$(call CLOCK,starts)
-	KERNELGATE_IMAGE=$(KERNEL_IMAGE) $(CARGO) test -p kernelgate --lib -- --ignored --exact \
-		backend::contract::gvisor_engine_passes_the_contract
-	$(call E2E,runsc,$(GVISOR_SUITES))
-
-# The gVisor engine (`--engine gvisor`: no Docker, the gateway runs runsc itself) under the
-# suites that hold the sandbox to its promises: the second wall and the CPU quota read from
-# the host's cgroup (second_wall), hostile kernels and the gateway's memory budget against
-# them (hostile_kernels), the sandbox and isolation checks (gateway), deaths named with
-# their cause and recovery (recovery), files (agent) and packages.
-# KERNELGATE_ENGINE=gvisor makes every gateway the tests start run on the engine, with the
-# kernel image imported into the tests' image store (tests/src/engine.rs).
-ENGINE_SUITES := second_wall hostile_kernels gateway recovery agent packages
-e2e-engine: gvisor image debug-build test-tools fixture-image
-	$(call CLOCK,starts)
-	KERNELGATE_IMAGE=$(KERNEL_IMAGE) KERNELGATE_FIXTURE_IMAGE=$(FIXTURE_IMAGE) \
-	KERNELGATE_RUNTIME=runsc KERNELGATE_ENGINE=gvisor $(CARGO) test -p kernelgate-tests \
-		--no-fail-fast $(addprefix --test ,$(ENGINE_SUITES)) -- --test-threads=$(E2E_THREADS)
-	$(call CLOCK,done)
+e2e-runc: contract-runc $(RUNC_TARGETS)
+e2e-gvisor: contract-runsc $(GVISOR_TARGETS)
+e2e-engine: contract-engine $(ENGINE_TARGETS)
 
 # Not part of `make test`: the same suite under Debian's runsc on ptrace, the slower wall
 # `make gvisor` keeps registered beside the new one.
-e2e-gvisor-ptrace: gvisor image debug-build test-tools fixture-image
-	$(call E2E,runsc-ptrace)
+e2e-gvisor-ptrace: e2e-prep
+	$(call CONTRACT,runsc-ptrace,docker_engine)
+	KERNELGATE_IMAGE=$(KERNEL_IMAGE) KERNELGATE_FIXTURE_IMAGE=$(FIXTURE_IMAGE) \
+	KERNELGATE_RUNTIME=runsc-ptrace $(CARGO) test -p kernelgate-tests --no-fail-fast \
+		-- --test-threads=$(E2E_THREADS)
 
 ## Registers gVisor with Docker: `kernelgate-runsc`, the newest runsc found (the release's
 ## backports on the host's own Debian mirror, unpacked into /usr/local/lib/kernelgate/runsc)

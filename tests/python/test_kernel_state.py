@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import secrets
 import subprocess
 import time
@@ -295,12 +296,23 @@ def start_kernel(tmp_path: Path, home: Path, names: list[str]):
     client = BlockingKernelClient()
     client.load_connection_info({**info, "ip": str(run_dir / "kernel")})
     client.start_channels()
-    try:
-        client.wait_for_ready(timeout=30)
-    except RuntimeError:
-        logs = subprocess.run(["docker", "logs", name], capture_output=True, text=True).stderr
-        pytest.fail(f"the kernel did not answer:\n{logs}")
-    return client
+    # Ready once a kernel_info request is answered. Not jupyter_client's wait_for_ready: on a
+    # loaded machine it takes one late heartbeat (over 1 s) for a dead kernel.
+    deadline = time.monotonic() + 60
+    while True:
+        client.kernel_info()
+        try:
+            if client.get_shell_msg(timeout=2)["msg_type"] == "kernel_info_reply":
+                return client
+        except queue.Empty:
+            pass
+        state = subprocess.run(
+            ["docker", "inspect", "-f", "{{.State.Status}}", name],
+            capture_output=True, text=True,
+        ).stdout.strip()
+        if state != "running" or time.monotonic() > deadline:
+            logs = subprocess.run(["docker", "logs", name], capture_output=True, text=True).stderr
+            pytest.fail(f"the kernel did not answer (container {state}):\n{logs}")
 
 
 def execute(client, code: str, silent: bool = False) -> tuple[dict, dict]:
