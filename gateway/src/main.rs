@@ -359,7 +359,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         }),
         runtime,
         guard,
-        mcp: Arc::new(kernelgate::mcp::http::Endpoint::new(
+        mcp: Arc::new(kernelgate::api::mcp::Endpoint::new(
             mcp,
             config.max_message_mb * 1024 * 1024,
         )),

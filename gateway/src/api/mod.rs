@@ -60,7 +60,7 @@ pub struct AppState {
     /// The execution policy, when `--policy` set one.
     pub guard: Option<Arc<crate::policy::Guard>>,
     /// The MCP server at `/mcp`.
-    pub mcp: Arc<crate::mcp::http::Endpoint>,
+    pub mcp: Arc<crate::api::mcp::Endpoint>,
     /// This gateway as a node of a cluster (`--etcd`); none for a single gateway.
     pub cluster: Option<Arc<crate::cluster::node::ClusterNode>>,
     /// The E2B-compatible surface's sandboxes and token secret.

@@ -422,7 +422,7 @@ mod tests {
         );
         AppState {
             kernels,
-            mcp: Arc::new(crate::mcp::http::Endpoint::new(mcp, 1 << 20)),
+            mcp: Arc::new(crate::api::mcp::Endpoint::new(mcp, 1 << 20)),
             keys: Arc::new(Keys::new(Some(TOKEN), None).expect("keys")),
             failures: Arc::default(),
             max_message_bytes: 1 << 20,

@@ -1,6 +1,6 @@
 //! The MCP (Model Context Protocol) server: the tools of [`tools`] over the same kernel
 //! table as the REST API, served by the official SDK (`rmcp`) over Streamable HTTP
-//! ([`http`], mounted at `/mcp`) and over stdio ([`stdio`], `kernelgate mcp`).
+//! (`api::mcp`, mounted at `/mcp`) and over stdio ([`stdio`], `kernelgate mcp`).
 //!
 //! State: a protocol session (the `initialize` handshake, one `Mcp-Session-Id` over HTTP;
 //! a whole stdio process) gets a kernel of its own, created on its first tool call and
@@ -19,7 +19,6 @@
 
 pub mod budget;
 mod content;
-pub mod http;
 pub mod local;
 pub mod remote;
 mod session;
@@ -43,7 +42,7 @@ use tools::ToolError;
 pub use session::Session;
 
 /// The header that names an HTTP session.
-const SESSION_HEADER: &str = "mcp-session-id";
+pub const SESSION_HEADER: &str = "mcp-session-id";
 
 const INSTRUCTIONS: &str = "Kernelgate runs Python for you in a persistent, sandboxed IPython \
     kernel (no network). Use run_python for code; variables persist between calls. Use \
@@ -200,6 +199,11 @@ impl Mcp {
         });
         tracker.spawn(mcp.clone().reap_idle_handles());
         mcp
+    }
+
+    /// Ends when the gateway stops: the HTTP transport's sessions end with it.
+    pub fn cancel_token(&self) -> &CancellationToken {
+        &self.cancel
     }
 
     /// How long an unused session or `start_kernel` kernel lives.
