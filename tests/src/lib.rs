@@ -17,7 +17,7 @@ use kernelgate_client::Channels;
 use kernelgate_protocol::websocket::{self, Encoding, Frame};
 use kernelgate_protocol::{Channel, Execution, Message, RawJson};
 use serde_json::{json, Map, Value};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -399,16 +399,16 @@ impl Gateway {
         Ok(body)
     }
 
-    /// The `/metrics` text, read with the gateway's token.
-    /// The records of this gateway's audit log whose `event` is `event`, in order.
+    /// The records of this gateway's audit log whose `event` is `event`, in order (read as
+    /// [`audit_values`] reads them).
     pub fn audited(&self, event: &str) -> Result<Vec<Value>> {
-        Ok(std::fs::read_to_string(&self.audit_log)?
-            .lines()
-            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        Ok(audit_values(&self.audit_log)?
+            .into_iter()
             .filter(|r| r["event"] == event)
             .collect())
     }
 
+    /// The `/metrics` text, read with the gateway's token.
     pub async fn metrics(&self) -> Result<String> {
         Ok(self
             .request(reqwest::Method::GET, "/metrics")
@@ -904,4 +904,29 @@ pub fn image_key() -> Result<String> {
     let id = id.trim().trim_start_matches("sha256:");
     anyhow::ensure!(id.len() >= 12, "no id for the image {}: {id:?}", image());
     Ok(id[..12].to_owned())
+}
+
+/// Every record of an audit log, read as the gateway's own type (`kernelgate audit` reads
+/// them so too): a whole line that is not a record fails. A last line without its newline
+/// is one the gateway is still writing, and is left out.
+pub fn audit_log(path: &Path) -> Result<Vec<kernelgate::audit::Entry>> {
+    let text = std::fs::read_to_string(path)?;
+    let whole = match text.rfind('\n') {
+        Some(end) => &text[..end],
+        None => "",
+    };
+    whole
+        .lines()
+        .filter_map(kernelgate::audit::Entry::parse)
+        .map(|entry| entry.with_context(|| format!("a record of {}", path.display())))
+        .collect()
+}
+
+/// [`audit_log`]'s records as the JSON objects they are written as (`time`, `event`, the
+/// fields), for assertions on their fields.
+pub fn audit_values(path: &Path) -> Result<Vec<Value>> {
+    audit_log(path)?
+        .iter()
+        .map(|entry| Ok(serde_json::to_value(entry)?))
+        .collect()
 }

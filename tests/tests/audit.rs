@@ -52,10 +52,7 @@ async fn every_replied_execution_survives_a_kill_9() -> Result<()> {
     // What the killed gateway left (its kernels among it) goes when the guard does.
     let _crashed = gw.crash().await?;
 
-    let records: Vec<Value> = std::fs::read_to_string(&path)?
-        .lines()
-        .map(serde_json::from_str)
-        .collect::<Result<_, _>>()?;
+    let records = kernelgate_tests::audit_values(&path)?;
     let mut requested: HashMap<String, &Value> = HashMap::new();
     let mut finished: HashMap<String, &Value> = HashMap::new();
     // Output that came after the reply is in a record of its own, written at idle.
@@ -182,10 +179,7 @@ async fn files_and_refused_logins_are_audited() -> Result<()> {
         .await?;
     assert_eq!(refused.status().as_u16(), 403);
     assert_eq!(gw.delete_kernel(&id).await?, 204);
-    let records: Vec<Value> = std::fs::read_to_string(&gw.audit_log)?
-        .lines()
-        .map(serde_json::from_str)
-        .collect::<Result<_, _>>()?;
+    let records = kernelgate_tests::audit_values(&gw.audit_log)?;
     let events: Vec<&str> = records.iter().filter_map(|r| r["event"].as_str()).collect();
     for e in [
         "kernel_created",

@@ -7,6 +7,7 @@
 use anyhow::{Context, Result};
 use base64::engine::general_purpose::STANDARD as B64;
 use base64::Engine;
+use kernelgate::audit::Record;
 use kernelgate::cluster::signing::{Forwarded, Signer};
 use kernelgate_client::mcp::{McpCalls, McpSession};
 use kernelgate_tests::etcd::EtcdServer;
@@ -524,9 +525,10 @@ impl Cluster {
     fn owner_of(&self, id: &str) -> Result<usize> {
         let owners: Vec<usize> = (0..self.nodes.len())
             .filter(|&n| {
-                std::fs::read_to_string(&self.nodes[n].audit_log).is_ok_and(|log| {
-                    log.lines()
-                        .any(|l| l.contains("\"event\":\"kernel_created\"") && l.contains(id))
+                kernelgate_tests::audit_log(&self.nodes[n].audit_log).is_ok_and(|log| {
+                    log.iter().any(|e| {
+                        matches!(&e.record, Record::KernelCreated { kernel, .. } if kernel == id)
+                    })
                 })
             })
             .collect();
@@ -583,24 +585,25 @@ async fn any_node_answers(bed: &Testbed) -> Result<()> {
     );
     // The owner's audit trail names the entry node and the caller's key of each
     // forwarded call.
-    let trail = std::fs::read_to_string(&c.nodes[2].audit_log)?;
-    let forwarded: Vec<serde_json::Value> = trail
-        .lines()
-        .filter_map(|l| serde_json::from_str(l).ok())
-        .filter(|r: &serde_json::Value| {
-            r["event"] == "forwarded_call"
-                && r["path"] == format!("/api/kernels/{id}/execute").as_str()
-        })
+    let trail = kernelgate_tests::audit_log(&c.nodes[2].audit_log)?;
+    let execute = format!("/api/kernels/{id}/execute");
+    let forwarded: Vec<&Record> = trail
+        .iter()
+        .map(|e| &e.record)
+        .filter(|r| matches!(r, Record::ForwardedCall { path, .. } if *path == execute))
         .collect();
     let entries: Vec<&str> = forwarded
         .iter()
-        .filter_map(|r| r["entry"].as_str())
+        .filter_map(|r| match r {
+            Record::ForwardedCall { entry, .. } => Some(entry.as_str()),
+            _ => None,
+        })
         .collect();
     assert_eq!(entries, ["node-0", "node-1"], "{forwarded:?}");
     assert!(
         forwarded
             .iter()
-            .all(|r| r["key"].as_str().is_some_and(|k| !k.is_empty())),
+            .all(|r| r.key().is_some_and(|k| !k.is_empty())),
         "{forwarded:?}"
     );
     // Hibernated through a node that does not own it: the owner keeps it, its record says

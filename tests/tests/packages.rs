@@ -260,10 +260,7 @@ async fn allowed_packages_install_offline_and_import_in_the_same_kernel() -> Res
     other_ws.close().await?;
 
     // The audit trail: each install the kernel reported, before its cell's record, untrusted.
-    let log: Vec<Value> = std::fs::read_to_string(&gw.audit_log)?
-        .lines()
-        .filter_map(|l| serde_json::from_str(l).ok())
-        .collect();
+    let log = kernelgate_tests::audit_values(&gw.audit_log)?;
     let reported: Vec<&Value> = log
         .iter()
         .filter(|r| r["event"] == "packages_reported")

@@ -60,10 +60,7 @@ async fn answer(gw: &Gateway, id: &str, approve: bool) -> Result<u16> {
 }
 
 fn audit_records(gw: &Gateway) -> Result<Vec<Value>> {
-    Ok(std::fs::read_to_string(&gw.audit_log)?
-        .lines()
-        .map(serde_json::from_str)
-        .collect::<Result<_, _>>()?)
+    kernelgate_tests::audit_values(&gw.audit_log)
 }
 
 fn evalue(o: &kernelgate_tests::Outcome) -> String {

@@ -1,6 +1,6 @@
 //! `kernelgate audit`: the log read back, filtered and printed.
 
-use serde_json::Value;
+use super::{Entry, Record};
 use std::io::Write;
 
 /// `kernelgate audit`: the log's records, filtered, as a table or JSON lines.
@@ -20,7 +20,25 @@ pub fn read_back(args: &crate::config::AuditArgs) -> anyhow::Result<()> {
         ),
         None => None,
     };
-    let mut out = std::io::stdout().lock();
+    let unknown = print(args, &text, since, &mut std::io::stdout().lock())?;
+    if unknown > 0 {
+        eprintln!(
+            "{unknown} line(s) of {} are not records this version of kernelgate knows \
+             (another version's, or damaged); `--json` does not show them either",
+            path.display()
+        );
+    }
+    Ok(())
+}
+
+/// The records of `text` (a log) that `args` asks for, as a table or JSON lines; how many
+/// lines were not records.
+pub(super) fn print(
+    args: &crate::config::AuditArgs,
+    text: &str,
+    since: Option<chrono::DateTime<chrono::Utc>>,
+    out: &mut impl Write,
+) -> std::io::Result<usize> {
     if !args.json {
         writeln!(
             out,
@@ -28,75 +46,85 @@ pub fn read_back(args: &crate::config::AuditArgs) -> anyhow::Result<()> {
             "TIME", "EVENT", "KEY", "KERNEL", "STATUS"
         )?;
     }
-    for line in text.lines().filter(|l| !l.trim().is_empty()) {
-        let Ok(r) = serde_json::from_str::<Value>(line) else {
-            continue;
+    let mut unknown = 0;
+    for line in text.lines() {
+        let entry = match Entry::parse(line) {
+            None => continue,
+            Some(Ok(entry)) => entry,
+            Some(Err(_)) => {
+                unknown += 1;
+                continue;
+            }
         };
-        let field = |name: &str| r[name].as_str().unwrap_or_default().to_owned();
-        if args.kernel.as_ref().is_some_and(|k| field("kernel") != *k)
-            || args
-                .key
-                .as_ref()
-                .is_some_and(|k| field("key") != *k && field("owner") != *k)
+        let r = &entry.record;
+        if args.kernel.as_ref().is_some_and(|k| r.kernel() != Some(k))
+            || args.key.as_ref().is_some_and(|k| !r.names_key(k))
         {
             continue;
         }
         if let Some(since) = since {
-            let at = chrono::DateTime::parse_from_rfc3339(&field("time"))
+            let at = chrono::DateTime::parse_from_rfc3339(&entry.time)
                 .map(|t| t.with_timezone(&chrono::Utc));
             if at.map_or(true, |t| t < since) {
                 continue;
             }
         }
         if args.json {
-            writeln!(out, "{line}")?;
+            writeln!(out, "{}", line.trim())?;
             continue;
         }
-        let detail = match field("event").as_str() {
-            "execution_requested" => one_line(&field("code"), 60),
-            "execution_finished" => format!(
-                "{} ms, {} bytes out{}{}",
-                r["duration_ms"],
-                r["output_bytes"],
-                if field("ename").is_empty() {
-                    String::new()
-                } else {
-                    format!(", {}", field("ename"))
-                },
-                if r["truncated"] == true {
-                    ", truncated"
-                } else {
-                    ""
-                }
-            ),
-            e if e.starts_with("file_") => field("path"),
-            "auth_refused" => format!("{} {}", field("client"), field("path")),
-            "internal_headers_refused" => format!(
-                "{} {} ({} unrecorded before)",
-                field("client"),
-                field("path"),
-                r["unrecorded"]
-            ),
-            "kernel_died" => field("why"),
-            _ => String::new(),
-        };
-        let key = if field("key").is_empty() {
-            field("owner")
-        } else {
-            field("key")
+        let status = match r {
+            Record::ExecutionFinished { status, .. } => status.as_str(),
+            _ => "",
         };
         writeln!(
             out,
             "{:<27} {:<20} {:<12} {:<36} {:<8} {}",
-            field("time"),
-            field("event"),
-            key,
-            field("kernel"),
-            field("status"),
-            detail
+            entry.time,
+            r.event(),
+            r.key().unwrap_or_default(),
+            r.kernel().unwrap_or_default(),
+            status,
+            detail(r)
         )?;
     }
-    Ok(())
+    Ok(unknown)
+}
+
+/// The table's last column: what the record says in a few words.
+fn detail(r: &Record) -> String {
+    match r {
+        Record::ExecutionRequested { code, .. } => one_line(code, 60),
+        Record::ExecutionFinished {
+            duration_ms,
+            output_bytes,
+            ename,
+            truncated,
+            ..
+        } => format!(
+            "{duration_ms} ms, {output_bytes} bytes out{}{}",
+            ename.as_ref().map(|e| format!(", {e}")).unwrap_or_default(),
+            if *truncated { ", truncated" } else { "" }
+        ),
+        Record::FileListed(a)
+        | Record::FileRead(a)
+        | Record::FileWritten(a)
+        | Record::FileDeleted(a) => a.path.clone(),
+        Record::AuthRefused { client, path } => {
+            format!("{} {path}", client.as_deref().unwrap_or_default())
+        }
+        Record::InternalHeadersRefused {
+            client,
+            path,
+            unrecorded,
+            ..
+        } => format!(
+            "{} {path} ({unrecorded} unrecorded before)",
+            client.as_deref().unwrap_or_default()
+        ),
+        Record::KernelDied { why, .. } => why.clone(),
+        _ => String::new(),
+    }
 }
 
 /// `text` on one line, cut to `max` characters.

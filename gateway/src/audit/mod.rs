@@ -25,8 +25,8 @@ mod cli;
 mod record;
 pub use cli::read_back;
 pub use record::{
-    FileAccess, FileEvent, KernelReportedInstall, PackageRefusal, PackageVersion, Record, Sender,
-    Source, OUTPUT_PREVIEW_CHARS,
+    Entry, FileAccess, FileEvent, KernelReportedInstall, PackageRefusal, PackageVersion, Record,
+    Sender, Source, OUTPUT_PREVIEW_CHARS,
 };
 
 #[derive(Debug)]
@@ -196,7 +196,7 @@ impl Audit {
         line.push('\n');
         let mut queue = inner.lock();
         if queue.tx.send(Command::Line(line)).is_err() {
-            tracing::error!(event = %event_name(record), "the audit writer has stopped; record lost");
+            tracing::error!(event = %record.event(), "the audit writer has stopped; record lost");
             return Written::default();
         }
         queue.made += 1;
@@ -301,18 +301,6 @@ fn line(record: &Record) -> String {
         object.extend(fields);
     }
     Value::Object(object).to_string()
-}
-
-/// A record's `event` name.
-fn event_name(record: &Record) -> String {
-    match serde_json::to_value(record) {
-        Ok(Value::Object(o)) => o
-            .get("event")
-            .and_then(Value::as_str)
-            .unwrap_or_default()
-            .to_owned(),
-        _ => String::new(),
-    }
 }
 
 /// Hex SHA-256 of some code.

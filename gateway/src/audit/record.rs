@@ -1,13 +1,13 @@
 //! What the audit log holds: one record per event, a JSON object per line (docs/audit.md).
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 /// Characters of output kept in an execution's `finished` record.
 pub const OUTPUT_PREVIEW_CHARS: usize = 500;
 
 /// Who sent a client message: the start of every record about one.
-#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct Sender {
     /// The name of the key that sent it.
     pub key: String,
@@ -21,7 +21,7 @@ pub struct Sender {
 }
 
 /// How a created kernel came to be.
-#[derive(Debug, Clone, Copy, Serialize, utoipa::ToSchema)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum Source {
     /// Handed out from the warm pool.
@@ -43,7 +43,7 @@ pub enum FileEvent {
 /// record is one JSON object per line: `time`, `event` (the variant's name in snake case),
 /// then the fields; optional fields are left out when empty. `docs/audit.md` lists them and
 /// a unit test keeps it in step with this enum.
-#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(tag = "event", rename_all = "snake_case")]
 pub enum Record {
     /// A kernel was created for a key.
@@ -93,7 +93,7 @@ pub enum Record {
         owner: String,
         bytes: u64,
         took_ms: u64,
-        #[serde(skip_serializing_if = "Vec::is_empty")]
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
         dropped: Vec<String>,
     },
     /// A hibernated kernel runs again, its saved state confirmed loaded into a fresh process.
@@ -207,7 +207,7 @@ pub enum Record {
         argv: Vec<String>,
         requested: Vec<String>,
         installed: Vec<PackageVersion>,
-        #[serde(skip_serializing_if = "Vec::is_empty")]
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
         refused: Vec<PackageRefusal>,
         trusted: bool,
     },
@@ -245,33 +245,52 @@ pub enum Record {
     },
 }
 
+/// A line of the log: when, and the record. `kernelgate audit` and the tests read the log
+/// back as these.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Entry {
+    /// ISO 8601, UTC, microseconds (`crate::time::iso`).
+    pub time: String,
+    #[serde(flatten)]
+    pub record: Record,
+}
+
+impl Entry {
+    /// One line of the log; `None` for a blank line, an error for one that is not a record
+    /// this version knows.
+    pub fn parse(line: &str) -> Option<serde_json::Result<Entry>> {
+        let line = line.trim();
+        (!line.is_empty()).then(|| serde_json::from_str(line))
+    }
+}
+
 /// What a kernel's installer said it did: the kernel's word.
-#[derive(Debug, Clone, Serialize, serde::Deserialize, PartialEq, Eq, utoipa::ToSchema)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, utoipa::ToSchema)]
 pub struct KernelReportedInstall {
     pub installed: Vec<PackageVersion>,
-    #[serde(skip_serializing_if = "Vec::is_empty")]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub already: Vec<PackageVersion>,
-    #[serde(skip_serializing_if = "Vec::is_empty")]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub refused: Vec<PackageRefusal>,
     pub exit_code: i64,
 }
 
 /// A package and the version a kernel got.
-#[derive(Debug, Clone, Serialize, serde::Deserialize, PartialEq, Eq, utoipa::ToSchema)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, utoipa::ToSchema)]
 pub struct PackageVersion {
     pub name: String,
     pub version: String,
 }
 
 /// A requirement that was not installed, and why.
-#[derive(Debug, Clone, Serialize, serde::Deserialize, PartialEq, Eq, utoipa::ToSchema)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, utoipa::ToSchema)]
 pub struct PackageRefusal {
     pub requirement: String,
     pub reason: String,
 }
 
 /// Who touched which file of a kernel's working directory.
-#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct FileAccess {
     pub key: String,
     pub kernel: String,
@@ -285,6 +304,84 @@ pub struct FileAccess {
 }
 
 impl Record {
+    /// Its `event` name, as the log writes it (`kernel_created`).
+    pub fn event(&self) -> String {
+        match serde_json::to_value(self) {
+            Ok(Value::Object(o)) => o
+                .get("event")
+                .and_then(Value::as_str)
+                .unwrap_or_default()
+                .to_owned(),
+            _ => String::new(),
+        }
+    }
+
+    /// The kernel it is about, if one.
+    pub fn kernel(&self) -> Option<&str> {
+        use Record::*;
+        match self {
+            KernelCreated { kernel, .. }
+            | KernelDeleted { kernel, .. }
+            | KernelRestarted { kernel, .. }
+            | KernelRestartFailed { kernel, .. }
+            | KernelDied { kernel, .. }
+            | KernelCulled { kernel }
+            | KernelHibernated { kernel, .. }
+            | KernelResumed { kernel, .. }
+            | KernelResumeFailed { kernel, .. }
+            | KernelStateDiscarded { kernel, .. }
+            | ExecutionFinished { kernel, .. }
+            | ExecutionOutput { kernel, .. }
+            | PackagesInstalled { kernel, .. }
+            | PackagesReported { kernel, .. } => Some(kernel),
+            ExecutionRequested { sender, .. }
+            | DebugRequest { sender, .. }
+            | Comm { sender, .. }
+            | PolicyDecision { sender, .. } => Some(&sender.kernel),
+            FileListed(a) | FileRead(a) | FileWritten(a) | FileDeleted(a) => Some(&a.kernel),
+            AuthRefused { .. } | InternalHeadersRefused { .. } | ForwardedCall { .. } => None,
+        }
+    }
+
+    /// The key that acted, else the key that owns the kernel, if either.
+    pub fn key(&self) -> Option<&str> {
+        use Record::*;
+        match self {
+            KernelCreated { key, .. }
+            | KernelRestarted { key, .. }
+            | KernelStateDiscarded { key, .. }
+            | ExecutionFinished { key, .. }
+            | ExecutionOutput { key, .. }
+            | PackagesInstalled { key, .. }
+            | PackagesReported { key, .. }
+            | ForwardedCall { key, .. } => Some(key),
+            KernelDeleted { owner, key, .. } => Some(key.as_deref().unwrap_or(owner)),
+            KernelRestartFailed { owner, .. }
+            | KernelDied { owner, .. }
+            | KernelHibernated { owner, .. }
+            | KernelResumed { owner, .. }
+            | KernelResumeFailed { owner, .. } => Some(owner),
+            ExecutionRequested { sender, .. }
+            | DebugRequest { sender, .. }
+            | Comm { sender, .. }
+            | PolicyDecision { sender, .. } => Some(&sender.key),
+            FileListed(a) | FileRead(a) | FileWritten(a) | FileDeleted(a) => Some(&a.key),
+            KernelCulled { .. } | AuthRefused { .. } | InternalHeadersRefused { .. } => None,
+        }
+    }
+
+    /// Whether `name` is its key or its kernel's owner.
+    pub fn names_key(&self, name: &str) -> bool {
+        use Record::*;
+        let owner = match self {
+            KernelDeleted { owner, .. }
+            | KernelRestarted { owner, .. }
+            | KernelStateDiscarded { owner, .. } => Some(owner.as_str()),
+            _ => None,
+        };
+        self.key() == Some(name) || owner == Some(name)
+    }
+
     /// The record of a file access.
     pub fn file(event: FileEvent, access: FileAccess) -> Record {
         match event {

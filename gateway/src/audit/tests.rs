@@ -237,3 +237,179 @@ fn previews_stop_at_500_characters() {
     assert_eq!(p.chars().count(), OUTPUT_PREVIEW_CHARS);
     assert!(p.ends_with('x') && p.starts_with('é'));
 }
+
+/// Records of every shape (flattened senders, a newtype variant, left-out empty fields,
+/// nested package records), as the writer writes them.
+fn samples() -> Vec<Record> {
+    let sender = Sender {
+        key: "alice".into(),
+        username: "u".into(),
+        agent_id: Some(Value::String("agent-7".into())),
+        kernel: "k1".into(),
+        session: "s".into(),
+        msg_id: "m1".into(),
+    };
+    vec![
+        Record::KernelCreated {
+            kernel: "k1".into(),
+            key: "alice".into(),
+            spec: "python3".into(),
+            source: Source::Cold,
+        },
+        Record::ExecutionRequested {
+            sender: sender.clone(),
+            code: "x = 1\nprint(x)".into(),
+            code_sha256: sha256("x = 1\nprint(x)"),
+            user_expressions: Map::new(),
+            silent: false,
+        },
+        Record::ExecutionFinished {
+            key: "alice".into(),
+            kernel: "k1".into(),
+            msg_id: Some("m1".into()),
+            session: None,
+            code_sha256: None,
+            status: "error".into(),
+            ename: Some("ZeroDivisionError".into()),
+            reason: None,
+            duration_ms: 12,
+            output_bytes: 3,
+            output: "1\n".into(),
+            truncated: true,
+            ran: None,
+        },
+        Record::FileRead(FileAccess {
+            key: "bob".into(),
+            kernel: "k2".into(),
+            path: "data.csv".into(),
+            bytes: Some(10),
+            offset: None,
+            length: None,
+        }),
+        Record::KernelHibernated {
+            kernel: "k2".into(),
+            owner: "bob".into(),
+            bytes: 4096,
+            took_ms: 80,
+            dropped: Vec::new(),
+        },
+        Record::KernelDeleted {
+            kernel: "k2".into(),
+            owner: "bob".into(),
+            key: None,
+            reason: Some("the key was revoked".into()),
+        },
+        Record::PackagesInstalled {
+            key: "alice".into(),
+            kernel: "k1".into(),
+            requested: vec!["six".into()],
+            allowed: vec!["six".into()],
+            kernel_reported: KernelReportedInstall {
+                installed: vec![PackageVersion {
+                    name: "six".into(),
+                    version: "1.16.0".into(),
+                }],
+                already: Vec::new(),
+                refused: vec![PackageRefusal {
+                    requirement: "evil".into(),
+                    reason: "not allowed".into(),
+                }],
+                exit_code: 0,
+            },
+        },
+        Record::PolicyDecision {
+            sender,
+            msg_type: "execute_request".into(),
+            decision: "deny".into(),
+            rule: Some(2),
+            reason: None,
+            matched: Some("os.system".into()),
+            approval_id: None,
+            by: None,
+        },
+        Record::AuthRefused {
+            client: Some("127.0.0.1".into()),
+            path: "/api/kernels".into(),
+        },
+    ]
+}
+
+#[tokio::test]
+async fn every_record_reads_back_as_the_one_written() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("audit.log");
+    let audit = Audit::open(&path, false).expect("open");
+    let written = samples();
+    for r in &written {
+        audit.record(r).await;
+    }
+    let text = std::fs::read_to_string(&path).expect("read");
+    let read: Vec<Entry> = text
+        .lines()
+        .map(|l| Entry::parse(l).expect("not blank").expect("a record"))
+        .collect();
+    assert_eq!(read.len(), written.len());
+    for (entry, record) in read.iter().zip(&written) {
+        assert_eq!(
+            serde_json::to_value(&entry.record).expect("json"),
+            serde_json::to_value(record).expect("json"),
+        );
+        assert!(entry.time.ends_with('Z'), "{}", entry.time);
+    }
+    assert_eq!(read[1].record.kernel(), Some("k1"));
+    assert_eq!(read[1].record.key(), Some("alice"));
+    assert_eq!(read[3].record.event(), "file_read");
+    assert_eq!(
+        read[5].record.key(),
+        Some("bob"),
+        "the owner when no key acted"
+    );
+    assert_eq!(read[8].record.kernel(), None);
+}
+
+#[tokio::test]
+async fn kernelgate_audit_filters_typed_records_and_counts_unknown_lines() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("audit.log");
+    let audit = Audit::open(&path, false).expect("open");
+    for r in &samples() {
+        audit.record(r).await;
+    }
+    let mut text = std::fs::read_to_string(&path).expect("read");
+    text.push_str("{\"time\":\"2026-01-01T00:00:00Z\",\"event\":\"from_the_future\"}\n\n");
+    let table = |kernel: Option<&str>, key: Option<&str>, json: bool| {
+        let args = crate::config::AuditArgs {
+            file: None,
+            kernel: kernel.map(Into::into),
+            key: key.map(Into::into),
+            since: None,
+            json,
+        };
+        let mut out = Vec::new();
+        let unknown = cli::print(&args, &text, None, &mut out).expect("print");
+        (String::from_utf8(out).expect("utf-8"), unknown)
+    };
+    let (all, unknown) = table(None, None, false);
+    assert_eq!(unknown, 1, "the unknown event is counted, not shown");
+    assert_eq!(all.lines().count(), 1 + samples().len(), "{all}");
+    assert!(all.lines().next().is_some_and(|h| h.starts_with("TIME")));
+    assert!(all.contains("x = 1⏎print(x)"), "{all}");
+    assert!(
+        all.contains("12 ms, 3 bytes out, ZeroDivisionError, truncated"),
+        "{all}"
+    );
+    let (bobs, _) = table(None, Some("bob"), false);
+    let events: Vec<&str> = bobs
+        .lines()
+        .skip(1)
+        .filter_map(|l| l.split_whitespace().nth(1))
+        .collect();
+    assert_eq!(events, ["file_read", "kernel_hibernated", "kernel_deleted"]);
+    let (k1, _) = table(Some("k1"), None, true);
+    let k1: Vec<Value> = k1
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a JSON line"))
+        .collect();
+    assert_eq!(k1.len(), 5, "{k1:?}");
+    assert!(k1.iter().all(|r| r["kernel"] == "k1"), "{k1:?}");
+}

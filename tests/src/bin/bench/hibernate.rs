@@ -327,11 +327,9 @@ fn memory(container: &str) -> Result<(u64, u64)> {
 
 /// The audit records `event` of kernel `id`.
 fn audit_records(audit_log: &Path, event: &str, id: &str) -> Result<Vec<Value>> {
-    let text = std::fs::read_to_string(audit_log)
-        .with_context(|| format!("reading {}", audit_log.display()))?;
-    Ok(text
-        .lines()
-        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+    Ok(kernelgate_tests::audit_values(audit_log)
+        .with_context(|| format!("reading {}", audit_log.display()))?
+        .into_iter()
         .filter(|r| r["event"] == event && r["kernel"] == id)
         .collect())
 }
