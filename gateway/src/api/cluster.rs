@@ -1,9 +1,10 @@
-//! Cluster mode in front of the handlers: a request about a kernel another node owns is
+//! Cluster mode in front of the handlers: the I/O of the decisions `cluster::route` makes
+//! from each route's declared rule. A request about a kernel another node owns is
 //! forwarded to it; a create goes to the node with the most free room; the kernel list and
 //! the approvals are the cluster's, and an approval is answered by the node that holds it.
 //! A call another node forwarded here is served here, as sent, unless this node has lost
-//! its lease while the entry node holds its own (503 until it is registered again). Single-node mode (no `--etcd`) passes
-//! every request straight through.
+//! its lease while the entry node holds its own (503 until it is registered again).
+//! Single-node mode (no `--etcd`) passes every request straight through.
 
 use super::auth::Caller;
 use super::error::ApiError;
@@ -12,39 +13,41 @@ use crate::cluster::forward::{never_left, Destination, ForwardError, Left};
 use crate::cluster::membership::View;
 use crate::cluster::node::ClusterNode;
 use crate::cluster::placement;
+use crate::cluster::route::{self, Ask, Decision, Fan, Owner, Rule, Unavailable};
 use crate::cluster::signing::Forwarded;
 use crate::cluster::NodeRecord;
 use axum::body::{to_bytes, Body};
-use axum::extract::{Request, State};
+use axum::extract::{MatchedPath, Request, State};
 use axum::http::{Method, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use futures::FutureExt;
 use serde_json::Value;
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
 /// How long the list waits for another node's kernels before it shows their registry rows.
 const LIST_TIMEOUT: Duration = Duration::from_secs(1);
 /// How long a create's answer waits for the new kernel to reach this node's view.
 const SEEN_TIMEOUT: Duration = Duration::from_secs(1);
-/// How often a forwarded call checks that its kernel's owner is still in the cluster.
-const OWNER_CHECK: Duration = Duration::from_millis(200);
 /// Seconds a client is told to wait when a node is not there now.
 const RETRY_AFTER: u32 = 3;
 /// The largest create body kept to retry on the next node.
 const MAX_CREATE_BODY: usize = 1 << 20;
 
-/// Middleware behind authentication: see the module's documentation.
+/// Each protected path's rule, as `surface` declares it.
+static RULES: LazyLock<HashMap<String, Rule>> =
+    LazyLock::new(|| super::surface().protected.rules().iter().cloned().collect());
+
+/// Middleware behind authentication: the route's rule and the registry decide
+/// ([`route::decide`]); this carries the decision out.
 pub async fn route(State(state): State<AppState>, req: Request, next: Next) -> Response {
     let Some(cluster) = state.cluster.clone() else {
         return next.run(req).await;
     };
     if let Some(who) = req.extensions().get::<Forwarded>() {
-        // Cut off from the registry while the entry node is not, this node may hold a
-        // kernel the others think gone: no work from them until it is registered again.
-        // With the registry down for everyone, the last view still serves.
-        if who.entry_registered && !cluster.membership.registered() {
+        if !route::serves_forwarded(who.entry_registered, cluster.membership.registered()) {
             return unavailable(
                 "this node is cut off from the cluster registry and takes no forwarded work now; try again shortly"
                     .into(),
@@ -55,57 +58,112 @@ pub async fn route(State(state): State<AppState>, req: Request, next: Next) -> R
     let Some(caller) = req.extensions().get::<Caller>().cloned() else {
         return next.run(req).await;
     };
-    let path = req.uri().path().to_owned();
-    if path == "/mcp" {
-        let session = req
-            .headers()
-            .get("mcp-session-id")
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_owned);
-        return match session {
-            Some(id) if !state.mcp.holds(&id) => {
-                mcp_elsewhere(&cluster, &caller, &id, state.max_message_bytes, req, next).await
+    let rule = req
+        .extensions()
+        .get::<MatchedPath>()
+        .and_then(|p| RULES.get(p.as_str()))
+        .copied()
+        .unwrap_or(Rule::Local);
+    let method = req.method().clone();
+    let mut req = req;
+    let mut kernel = None;
+    let mut session = None;
+    match rule {
+        Rule::Kernel => kernel = kernel_of(req.uri().path()).map(str::to_owned),
+        Rule::Mcp => {
+            session = req
+                .headers()
+                .get(crate::mcp::SESSION_HEADER)
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_owned);
+            if session.is_none() && method == Method::POST {
+                let (parts, bytes) = match buffered(req, state.max_message_bytes).await {
+                    Ok(read) => read,
+                    Err(refused) => return refused,
+                };
+                kernel = mcp_kernel(&bytes);
+                req = Request::from_parts(parts, Body::from(bytes));
             }
-            None if req.method() == Method::POST => {
-                mcp_by_kernel(&cluster, &caller, state.max_message_bytes, req, next).await
-            }
-            _ => next.run(req).await,
-        };
-    }
-    if let Some(id) = kernel_of(&path) {
-        if state.kernels.get(id).is_some() {
-            return next.run(req).await;
         }
-        return match owner_elsewhere(&cluster, id) {
-            Some(owner) => to_owner(&cluster, &caller, id, &owner, req).await,
-            // Unknown, or this node's own and not in its table: the handler's 404.
-            None => next.run(req).await,
-        };
+        _ => {}
     }
-    if path == "/api/kernels" && req.method() == Method::POST {
-        return place(&cluster, &caller, req, next).await;
+    let view = cluster.membership.view();
+    let owner = owner_of(&state, &cluster, &view, kernel.as_deref());
+    let ask = Ask {
+        method,
+        kernel: owner,
+        mcp_session: session.as_deref().map(|id| state.mcp.holds(id)),
+        registered: cluster.membership.registered(),
+    };
+    let id = kernel.as_deref().unwrap_or_default();
+    match route::decide(rule, &ask) {
+        Decision::Serve => next.run(req).await,
+        Decision::Forward(node) => match view.nodes.get(&node) {
+            Some(record) => to_owner(&cluster, &caller, &node, record, req).await,
+            None => unavailable(not_in_cluster(id, &node)),
+        },
+        Decision::Unavailable(Unavailable::OwnerAway(node)) => unavailable(format!(
+            "the node that runs kernel {id} ({node}) is restarting; try again shortly"
+        )),
+        Decision::Unavailable(Unavailable::OwnerGone(node)) => {
+            unavailable(not_in_cluster(id, &node))
+        }
+        Decision::Unavailable(Unavailable::CutOff) => unavailable(
+            "this node is cut off from the cluster registry and cannot place kernels now; try again shortly".into(),
+        ),
+        Decision::Place => place(&cluster, &caller, req, next).await,
+        Decision::FanOut(Fan::Kernels) => list(&cluster, &caller, req, next).await,
+        Decision::FanOut(Fan::Approvals) => approvals(&cluster, &caller, req, next).await,
+        Decision::HereThenOthers => answer(&cluster, &caller, req, next).await,
+        Decision::OthersThenHere => {
+            let session = session.unwrap_or_default();
+            mcp_elsewhere(&cluster, &caller, &session, state.max_message_bytes, req, next).await
+        }
     }
-    if path == "/api/kernels" && req.method() == Method::GET {
-        return list(&cluster, &caller, req, next).await;
+}
+
+fn not_in_cluster(id: &str, node: &str) -> String {
+    format!("the node that runs kernel {id} ({node}) is not in the cluster now; try again shortly")
+}
+
+/// What `view` says of kernel `id`, seen from this node.
+fn owner_of<'a>(
+    state: &AppState,
+    cluster: &ClusterNode,
+    view: &'a View,
+    id: Option<&str>,
+) -> Owner<'a> {
+    let Some(id) = id else {
+        return Owner::Unknown;
+    };
+    if state.kernels.get(id).is_some() {
+        return Owner::Here;
     }
-    if path == "/api/kernelgate/approvals" && req.method() == Method::GET {
-        return approvals(&cluster, &caller, req, next).await;
+    // This node's own and not in its table: the handler's 404.
+    let Some(record) = view.kernels.get(id).filter(|k| k.node != cluster.node_id) else {
+        return Owner::Unknown;
+    };
+    match view.nodes.get(&record.node) {
+        None => Owner::Gone(&record.node),
+        Some(node) if node.away => Owner::Away(&record.node),
+        Some(_) => Owner::Elsewhere(&record.node),
     }
-    if path.starts_with("/api/kernelgate/approvals/") && req.method() == Method::POST {
-        return answer(&cluster, &caller, req, next).await;
-    }
-    next.run(req).await
+}
+
+/// The kernel a sessionless MCP message names: a tool call's `kernel_id` (protocol
+/// 2026-07-28; `start_kernel` starts its kernel where it arrives).
+fn mcp_kernel(body: &[u8]) -> Option<String> {
+    let message = serde_json::from_slice::<Value>(body).ok()?;
+    (message["method"] == "tools/call")
+        .then(|| message["params"]["arguments"]["kernel_id"].as_str())
+        .flatten()
+        .map(str::to_owned)
 }
 
 /// Resolves once node `owner` is no longer in the registry (its lease ended). A kernel
 /// that leaves the registry does not count: a delete releases its record before it answers.
 async fn until_left(cluster: Arc<ClusterNode>, owner: String) {
-    loop {
-        tokio::time::sleep(OWNER_CHECK).await;
-        if !cluster.membership.has_node(&owner) {
-            return;
-        }
-    }
+    cluster.membership.until_node_gone(&owner).await;
 }
 
 /// The kernel id of a path about one kernel (`/api/kernels/{id}` and below).
@@ -209,10 +267,10 @@ async fn place(cluster: &ClusterNode, caller: &Caller, req: Request, next: Next)
         .ok()
         .and_then(|v| v.get("id").and_then(Value::as_str).map(str::to_owned))
     {
-        let deadline = tokio::time::Instant::now() + SEEN_TIMEOUT;
-        while !cluster.membership.knows_kernel(&id) && tokio::time::Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        cluster
+            .membership
+            .until_kernel_known(&id, SEEN_TIMEOUT)
+            .await;
     }
     Response::from_parts(parts, Body::from(bytes))
 }
@@ -489,46 +547,20 @@ async fn answer(cluster: &ClusterNode, caller: &Caller, req: Request, next: Next
 /// Most MCP sessions of other nodes remembered; past this the memory starts afresh.
 const MAX_REMEMBERED_SESSIONS: usize = 10_000;
 
-/// A request for an MCP session this node does not hold: the node that holds it answers
-/// (remembered once found; every other node is asked otherwise). A session no node holds
-/// gets this node's own answer (404, start a new one).
-/// The node that owns kernel `id`, when the registry names one other than this node.
-fn owner_elsewhere(cluster: &ClusterNode, id: &str) -> Option<String> {
-    cluster
-        .membership
-        .view()
-        .kernels
-        .get(id)
-        .filter(|k| k.node != cluster.node_id)
-        .map(|k| k.node.clone())
-}
-
-/// Forwards `req`, about kernel `id`, to its owner `owner`: 503 with Retry-After while that
-/// node is not there or restarting.
+/// Forwards `req`, about a kernel of node `owner` (whose record is `node`), to it. An owner
+/// cut off or partitioned away may never answer: once its lease ends and it leaves the
+/// view, the call (or its WebSocket) ends instead of waiting.
 async fn to_owner(
     cluster: &Arc<ClusterNode>,
     caller: &Caller,
-    id: &str,
     owner: &str,
+    node: &NodeRecord,
     req: Request,
 ) -> Response {
-    let node = cluster.membership.view().nodes.get(owner).cloned();
-    let Some(node) = node else {
-        return unavailable(format!(
-            "the node that runs kernel {id} ({owner}) is not in the cluster now; try again shortly"
-        ));
-    };
-    if node.away {
-        return unavailable(format!(
-            "the node that runs kernel {id} ({owner}) is restarting; try again shortly"
-        ));
-    }
-    // An owner cut off or partitioned away may never answer: once its lease ends and it
-    // leaves the view, the call (or its WebSocket) ends instead of waiting.
     let left = until_left(cluster.clone(), owner.to_owned())
         .boxed()
         .shared();
-    let to = destination(owner, &node);
+    let to = destination(owner, node);
     forward(
         cluster,
         &to,
@@ -538,44 +570,6 @@ async fn to_owner(
         left,
     )
     .await
-}
-
-/// A sessionless MCP call (protocol 2026-07-28): a tool call whose `kernel_id` names a
-/// kernel another node owns goes to that node whole (it is self-contained); anything else
-/// is served here (`start_kernel` starts its kernel on this node).
-async fn mcp_by_kernel(
-    cluster: &Arc<ClusterNode>,
-    caller: &Caller,
-    max_body: usize,
-    req: Request,
-    next: Next,
-) -> Response {
-    let (parts, bytes) = match buffered(req, max_body).await {
-        Ok(read) => read,
-        Err(refused) => return refused,
-    };
-    let kernel = serde_json::from_slice::<Value>(&bytes).ok().and_then(|m| {
-        (m["method"] == "tools/call")
-            .then(|| {
-                m["params"]["arguments"]["kernel_id"]
-                    .as_str()
-                    .map(str::to_owned)
-            })
-            .flatten()
-    });
-    let elsewhere = kernel
-        .as_deref()
-        .and_then(|id| Some((id, owner_elsewhere(cluster, id)?)));
-    match elsewhere {
-        Some((id, owner)) => {
-            let req = again(&parts.method, &parts.uri, &parts.headers, &bytes);
-            to_owner(cluster, caller, id, &owner, req).await
-        }
-        None => {
-            next.run(Request::from_parts(parts, Body::from(bytes)))
-                .await
-        }
-    }
 }
 
 /// An MCP request read whole, to look into and to send again: 413 past `max_body`.
@@ -594,6 +588,9 @@ async fn buffered(
     }
 }
 
+/// A request for an MCP session this node does not hold: the node that holds it answers
+/// (remembered once found; every other node is asked otherwise). A session no node holds
+/// gets this node's own answer (404, start a new one).
 async fn mcp_elsewhere(
     cluster: &ClusterNode,
     caller: &Caller,
@@ -673,5 +670,195 @@ mod tests {
         assert!(!is_quota_refusal(
             &body(CreateError::TooMany { max: 2 }).await
         ));
+    }
+}
+
+/// Every route of the API against the owners a kernel can have: where each goes.
+#[cfg(test)]
+mod routing_table {
+    use super::*;
+    use axum::http::Method;
+
+    /// Each route and method, then where it goes when the kernel it names is here /
+    /// elsewhere (node-2) / away / gone / unknown: S served here, F forwarded to node-2,
+    /// A 503 (owner restarting), G 503 (owner not in the cluster), P placed, K every node's
+    /// kernels, V every node's approvals, T here then the others, O the others then here.
+    /// MCP rows without a session header; its session rows are in `mcp_sessions`.
+    const TABLE: &[(&str, &str, &str)] = &[
+        ("GET", "/", "SSSSS"),
+        ("GET", "/ui/{file}", "SSSSS"),
+        ("GET", "/api", "SSSSS"),
+        ("GET", "/api/openapi.json", "SSSSS"),
+        ("GET", "/healthz", "SSSSS"),
+        ("GET", "/readyz", "SSSSS"),
+        ("GET", "/metrics", "SSSSS"),
+        ("POST", "/v2/sandboxes", "SSSSS"),
+        ("GET", "/v2/sandboxes", "SSSSS"),
+        ("GET", "/sandboxes/{id}", "SSSSS"),
+        ("DELETE", "/sandboxes/{id}", "SSSSS"),
+        ("POST", "/sandboxes/{id}/timeout", "SSSSS"),
+        ("POST", "/v2/sandboxes/{id}/connect", "SSSSS"),
+        ("GET", "/sandboxes/{id}/metrics", "SSSSS"),
+        ("PUT", "/sandboxes/{id}/network", "SSSSS"),
+        ("GET", "/api/kernelspecs", "SSSSS"),
+        ("GET", "/api/kernelspecs/{name}", "SSSSS"),
+        ("GET", "/kernelspecs/{name}/{file}", "SSSSS"),
+        ("GET", "/api/kernels", "KKKKK"),
+        ("POST", "/api/kernels", "PPPPP"),
+        ("GET", "/api/kernels/{id}", "SFAGS"),
+        ("DELETE", "/api/kernels/{id}", "SFAGS"),
+        ("POST", "/api/kernels/{id}/interrupt", "SFAGS"),
+        ("POST", "/api/kernels/{id}/restart", "SFAGS"),
+        ("POST", "/api/kernels/{id}/hibernate", "SFAGS"),
+        ("POST", "/api/kernels/{id}/discard-state", "SFAGS"),
+        ("GET", "/api/kernels/{id}/channels", "SFAGS"),
+        ("POST", "/api/kernels/{id}/execute", "SFAGS"),
+        ("POST", "/api/kernels/{id}/packages", "SFAGS"),
+        ("GET", "/api/kernels/{id}/files", "SFAGS"),
+        ("GET", "/api/kernels/{id}/files/{*path}", "SFAGS"),
+        ("PUT", "/api/kernels/{id}/files/{*path}", "SFAGS"),
+        ("DELETE", "/api/kernels/{id}/files/{*path}", "SFAGS"),
+        ("GET", "/api/kernelgate/approvals", "VVVVV"),
+        ("POST", "/api/kernelgate/approvals/{id}", "TTTTT"),
+        ("GET", "/api/kernelgate/packages", "SSSSS"),
+        ("POST", "/mcp", "SFAGS"),
+        ("GET", "/mcp", "SSSSS"),
+        ("DELETE", "/mcp", "SSSSS"),
+    ];
+
+    const OWNERS: [Owner<'static>; 5] = [
+        Owner::Here,
+        Owner::Elsewhere("node-2"),
+        Owner::Away("node-2"),
+        Owner::Gone("node-2"),
+        Owner::Unknown,
+    ];
+
+    fn code(decision: &Decision) -> char {
+        match decision {
+            Decision::Serve => 'S',
+            Decision::Forward(node) if node == "node-2" => 'F',
+            Decision::Forward(_) => '?',
+            Decision::Unavailable(Unavailable::OwnerAway(_)) => 'A',
+            Decision::Unavailable(Unavailable::OwnerGone(_)) => 'G',
+            Decision::Unavailable(Unavailable::CutOff) => 'C',
+            Decision::Place => 'P',
+            Decision::FanOut(Fan::Kernels) => 'K',
+            Decision::FanOut(Fan::Approvals) => 'V',
+            Decision::HereThenOthers => 'T',
+            Decision::OthersThenHere => 'O',
+        }
+    }
+
+    /// Every (method, path) the router serves, with the rule its declaration gives it.
+    fn declared() -> Vec<(String, String, Rule)> {
+        let super::super::Surface { public, protected } = super::super::surface();
+        let mut rules: HashMap<String, Rule> = public.rules().iter().cloned().collect();
+        rules.extend(protected.rules().iter().cloned());
+        let mut routes = Vec::new();
+        for part in [public, protected] {
+            let (_, doc, prose) = part.split();
+            for (path, item) in &doc.paths.paths {
+                let methods = [
+                    ("GET", item.get.is_some()),
+                    ("PUT", item.put.is_some()),
+                    ("POST", item.post.is_some()),
+                    ("DELETE", item.delete.is_some()),
+                    ("PATCH", item.patch.is_some()),
+                ];
+                for (method, _) in methods.iter().filter(|(_, has)| *has) {
+                    routes.push((method.to_string(), path.clone(), rules[path]));
+                }
+            }
+            for p in prose {
+                let methods: &[&str] = match p.path {
+                    "/mcp" => &["POST", "GET", "DELETE"],
+                    _ => &["GET"],
+                };
+                for method in methods {
+                    routes.push((method.to_string(), p.path.to_owned(), rules[p.path]));
+                }
+            }
+        }
+        routes
+    }
+
+    #[test]
+    fn every_route_goes_where_its_kernel_is() {
+        let declared = declared();
+        let mut rows: Vec<(&str, &str)> = TABLE.iter().map(|(m, p, _)| (*m, *p)).collect();
+        let mut routes: Vec<(&str, &str)> = declared
+            .iter()
+            .map(|(m, p, _)| (m.as_str(), p.as_str()))
+            .collect();
+        rows.sort();
+        routes.sort();
+        assert_eq!(
+            rows, routes,
+            "the table names every route the router serves"
+        );
+        for (method, path, rule) in &declared {
+            let expected = TABLE
+                .iter()
+                .find(|(m, p, _)| m == method && p == path)
+                .map(|(_, _, e)| *e)
+                .unwrap_or_default();
+            let got: String = OWNERS
+                .iter()
+                .map(|owner| {
+                    let ask = Ask {
+                        method: method.parse::<Method>().expect("a method"),
+                        kernel: *owner,
+                        mcp_session: None,
+                        registered: true,
+                    };
+                    code(&route::decide(*rule, &ask))
+                })
+                .collect();
+            assert_eq!(got, expected, "{method} {path} ({rule:?})");
+        }
+    }
+
+    #[test]
+    fn a_node_cut_off_from_the_registry_places_nothing_and_serves_the_rest_as_usual() {
+        for (method, path, rule) in declared() {
+            for owner in OWNERS {
+                let ask = |registered| Ask {
+                    method: method.parse::<Method>().expect("a method"),
+                    kernel: owner,
+                    mcp_session: None,
+                    registered,
+                };
+                let (on, off) = (
+                    route::decide(rule, &ask(true)),
+                    route::decide(rule, &ask(false)),
+                );
+                if method == "POST" && path == "/api/kernels" {
+                    assert_eq!(off, Decision::Unavailable(Unavailable::CutOff));
+                } else {
+                    assert_eq!(on, off, "{method} {path} {owner:?}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn mcp_sessions_are_served_where_they_are_held() {
+        for method in [Method::POST, Method::GET, Method::DELETE] {
+            for owner in OWNERS {
+                let ask = |held| Ask {
+                    method: method.clone(),
+                    kernel: owner,
+                    mcp_session: Some(held),
+                    registered: true,
+                };
+                assert_eq!(route::decide(Rule::Mcp, &ask(true)), Decision::Serve);
+                assert_eq!(
+                    route::decide(Rule::Mcp, &ask(false)),
+                    Decision::OthersThenHere
+                );
+            }
+        }
+        assert_eq!(RULES.get("/mcp"), Some(&Rule::Mcp));
     }
 }

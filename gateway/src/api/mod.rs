@@ -22,6 +22,7 @@ pub mod packages;
 pub mod peers;
 pub mod ui;
 
+use crate::cluster::route::Rule;
 use crate::kernels::Kernels;
 use crate::tenants::Keys;
 use axum::extract::DefaultBodyLimit;
@@ -96,45 +97,49 @@ handles belong to the key that made them: 404 for any other key.";
 /// annotated with `#[utoipa::path]`), or as prose when OpenAPI cannot describe it.
 pub fn surface() -> Surface {
     let public = Routes::default()
-        .operations(routes!(ui::index))
-        .operations(routes!(ui::file))
-        .operations(routes!(version))
-        .operations(routes!(openapi::serve))
-        .operations(routes!(ops::healthz))
-        .operations(routes!(ops::readyz))
+        .operations(Rule::Local, routes!(ui::index))
+        .operations(Rule::Local, routes!(ui::file))
+        .operations(Rule::Local, routes!(version))
+        .operations(Rule::Local, routes!(openapi::serve))
+        .operations(Rule::Local, routes!(ops::healthz))
+        .operations(Rule::Local, routes!(ops::readyz))
         // Its own rules: an admin key or the metrics token, or nothing with --metrics-public.
-        .operations(routes!(ops::metrics))
+        .operations(Rule::Local, routes!(ops::metrics))
         // E2B's control plane (docs/e2b.md): its own key header, X-API-KEY, checked by
         // e2b::control::authenticate in front of the router.
-        .operations(routes!(e2b::control::create, e2b::control::list))
-        .operations(routes!(e2b::control::get, e2b::control::kill))
-        .operations(routes!(e2b::control::set_timeout))
-        .operations(routes!(e2b::control::connect))
-        .operations(routes!(e2b::control::metrics))
-        .operations(routes!(e2b::control::update_network));
+        .operations(
+            Rule::Local,
+            routes!(e2b::control::create, e2b::control::list),
+        )
+        .operations(Rule::Local, routes!(e2b::control::get, e2b::control::kill))
+        .operations(Rule::Local, routes!(e2b::control::set_timeout))
+        .operations(Rule::Local, routes!(e2b::control::connect))
+        .operations(Rule::Local, routes!(e2b::control::metrics))
+        .operations(Rule::Local, routes!(e2b::control::update_network));
     let protected = Routes::default()
-        .operations(routes!(kernelspecs::list))
-        .operations(routes!(kernelspecs::get))
-        .operations(routes!(kernelspecs::resource))
-        .operations(routes!(kernels::list, kernels::create))
-        .operations(routes!(kernels::get, kernels::delete))
-        .operations(routes!(kernels::interrupt))
-        .operations(routes!(kernels::restart))
-        .operations(routes!(kernels::hibernate))
-        .operations(routes!(kernels::discard_state))
+        .operations(Rule::Local, routes!(kernelspecs::list))
+        .operations(Rule::Local, routes!(kernelspecs::get))
+        .operations(Rule::Local, routes!(kernelspecs::resource))
+        .operations(Rule::Kernels, routes!(kernels::list, kernels::create))
+        .operations(Rule::Kernel, routes!(kernels::get, kernels::delete))
+        .operations(Rule::Kernel, routes!(kernels::interrupt))
+        .operations(Rule::Kernel, routes!(kernels::restart))
+        .operations(Rule::Kernel, routes!(kernels::hibernate))
+        .operations(Rule::Kernel, routes!(kernels::discard_state))
         .prose(
+            Rule::Kernel,
             "/api/kernels/{id}/channels",
             get(channels::connect),
             CHANNELS,
         )
-        .operations(routes!(execute::execute))
-        .operations(routes!(packages::install))
-        .operations(routes!(files::list_root))
-        .operations(routes!(files::get, files::put, files::delete))
-        .operations(routes!(approvals::list))
-        .operations(routes!(approvals::answer))
-        .operations(routes!(packages::list))
-        .prose("/mcp", any(mcp::serve), MCP);
+        .operations(Rule::Kernel, routes!(execute::execute))
+        .operations(Rule::Kernel, routes!(packages::install))
+        .operations(Rule::Kernel, routes!(files::list_root))
+        .operations(Rule::Kernel, routes!(files::get, files::put, files::delete))
+        .operations(Rule::Approvals, routes!(approvals::list))
+        .operations(Rule::Approval, routes!(approvals::answer))
+        .operations(Rule::Local, routes!(packages::list))
+        .prose(Rule::Mcp, "/mcp", any(mcp::serve), MCP);
     Surface { public, protected }
 }
 

@@ -10,6 +10,7 @@
 
 use super::error::ErrorBody;
 use super::AppState;
+use crate::cluster::route::Rule;
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
 use axum::routing::MethodRouter;
@@ -37,10 +38,12 @@ pub struct Prose {
     pub text: &'static str,
 }
 
-/// Routes of one access level, each an annotated operation or a route told in prose.
+/// Routes of one access level, each an annotated operation or a route told in prose, each
+/// with its rule in a cluster.
 pub struct Routes {
     router: OpenApiRouter<AppState>,
     prose: Vec<Prose>,
+    rules: Vec<(String, Rule)>,
 }
 
 impl std::fmt::Debug for Routes {
@@ -56,29 +59,39 @@ impl Default for Routes {
         Routes {
             router: OpenApiRouter::new(),
             prose: Vec::new(),
+            rules: Vec::new(),
         }
     }
 }
 
 impl Routes {
     /// The handlers of one path (`utoipa_axum::routes!`), described by their
-    /// `#[utoipa::path]`.
-    pub fn operations(mut self, handlers: UtoipaMethodRouter<AppState>) -> Self {
+    /// `#[utoipa::path]`, served in a cluster as `rule` says.
+    pub fn operations(mut self, rule: Rule, handlers: UtoipaMethodRouter<AppState>) -> Self {
+        self.rules
+            .extend(handlers.1.paths.keys().map(|path| (path.clone(), rule)));
         self.router = self.router.routes(handlers);
         self
     }
 
-    /// A route OpenAPI cannot describe; `text` becomes a paragraph of the document's
-    /// description.
+    /// A route OpenAPI cannot describe, served in a cluster as `rule` says; `text` becomes
+    /// a paragraph of the document's description.
     pub fn prose(
         mut self,
+        rule: Rule,
         path: &'static str,
         handlers: MethodRouter<AppState>,
         text: &'static str,
     ) -> Self {
         self.router = self.router.route(path, handlers);
         self.prose.push(Prose { path, text });
+        self.rules.push((path.to_owned(), rule));
         self
+    }
+
+    /// Each path's rule in a cluster.
+    pub fn rules(&self) -> &[(String, Rule)] {
+        &self.rules
     }
 
     pub fn split(self) -> (Router<AppState>, OpenApi, Vec<Prose>) {

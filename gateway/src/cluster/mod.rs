@@ -21,6 +21,7 @@ pub mod memory;
 pub mod node;
 pub mod placement;
 pub mod registry;
+pub mod route;
 pub mod signing;
 pub mod tls;
 

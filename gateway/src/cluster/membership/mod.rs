@@ -265,6 +265,8 @@ pub struct Membership<R> {
     ttl: Duration,
     own: Mutex<Own>,
     view: Mutex<View>,
+    /// Counts the view's changes: waiters wake on each.
+    changes: tokio::sync::watch::Sender<u64>,
     quotas: Quotas,
 }
 
@@ -283,6 +285,7 @@ impl<R: Registry + Clone> Membership<R> {
                 reregistrations: 0,
             }),
             view: Mutex::new(View::default()),
+            changes: tokio::sync::watch::Sender::new(0),
             quotas: Quotas(Mutex::new(None)),
         })
     }
@@ -301,16 +304,38 @@ impl<R: Registry + Clone> Membership<R> {
         self.view.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
-    /// Whether kernel `id` is in the current view.
-    pub fn knows_kernel(&self, id: &str) -> bool {
-        let view = self.view.lock().unwrap_or_else(|e| e.into_inner());
-        view.kernels.contains_key(id)
+    /// Replaces the view (a listing), or applies changes to it (the watch), and wakes who
+    /// waits on it.
+    fn update_view(&self, change: impl FnOnce(&mut View)) {
+        change(&mut self.view.lock().unwrap_or_else(|e| e.into_inner()));
+        self.changes.send_modify(|n| *n += 1);
     }
 
-    /// Whether node `id` is in the current view (holds a lease).
-    pub fn has_node(&self, id: &str) -> bool {
-        let view = self.view.lock().unwrap_or_else(|e| e.into_inner());
-        view.nodes.contains_key(id)
+    /// Resolves once `done` holds of the view, tested now and after each change.
+    async fn until(&self, done: impl Fn(&View) -> bool) {
+        let mut changes = self.changes.subscribe();
+        loop {
+            if done(&self.view.lock().unwrap_or_else(|e| e.into_inner())) {
+                return;
+            }
+            if changes.changed().await.is_err() {
+                // Never: the sender lives as long as self.
+                return std::future::pending().await;
+            }
+        }
+    }
+
+    /// Waits, at most `timeout`, until kernel `id` is in the view (a create's record came
+    /// back through the watch); whether it is.
+    pub async fn until_kernel_known(&self, id: &str, timeout: Duration) -> bool {
+        tokio::time::timeout(timeout, self.until(|v| v.kernels.contains_key(id)))
+            .await
+            .is_ok()
+    }
+
+    /// Resolves once node `id` is not in the view (its lease ended).
+    pub async fn until_node_gone(&self, id: &str) {
+        self.until(|v| !v.nodes.contains_key(id)).await
     }
 
     /// Whether this node holds a lease renewed within the TTL, with its records registered.

@@ -152,7 +152,7 @@ impl<R: Registry + Clone> Membership<R> {
                             view.apply(&Event::Put(entry));
                         }
                         view.revision = listing.revision;
-                        *self.view.lock().unwrap_or_else(|e| e.into_inner()) = view;
+                        self.update_view(|current| *current = view);
                         listing.revision + 1
                     }
                     Err(e) => {
@@ -186,11 +186,14 @@ impl<R: Registry + Clone> Membership<R> {
                 };
                 match next {
                     Some(Ok(events)) => {
-                        let mut view = self.view.lock().unwrap_or_else(|e| e.into_inner());
-                        for event in &events {
-                            view.apply(event);
-                        }
-                        from = Some(view.revision + 1);
+                        let mut revision = 0;
+                        self.update_view(|view| {
+                            for event in &events {
+                                view.apply(event);
+                            }
+                            revision = view.revision;
+                        });
+                        from = Some(revision + 1);
                     }
                     Some(Err(RegistryError::Compacted { .. })) => {
                         from = None;
