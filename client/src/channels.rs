@@ -119,7 +119,7 @@ impl Channels {
         content: Value,
         username: &str,
     ) -> Result<String, ChannelsError> {
-        let date = crate::now_iso();
+        let date = kernelgate_protocol::time::now_iso();
         self.request(Channel::Shell, msg_type, &content, username, &date)
             .await
     }

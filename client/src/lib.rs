@@ -19,9 +19,22 @@ pub use channels::Channels;
 pub use gateway::{Error, Gateway};
 pub use serve::{LocalGateway, Output, Serve};
 
-/// Now, as Jupyter writes it in message headers: ISO 8601, UTC, microseconds, `Z`.
-pub fn now_iso() -> String {
-    chrono::Utc::now()
-        .format("%Y-%m-%dT%H:%M:%S%.6fZ")
-        .to_string()
+/// Resolves on Ctrl-C or SIGTERM: how `kernelgate serve` and `kernelgate run` are told to
+/// stop.
+pub async fn stop_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
+            },
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = tokio::signal::ctrl_c().await;
 }

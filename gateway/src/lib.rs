@@ -25,4 +25,5 @@ pub mod policy;
 pub mod relay;
 pub mod silent;
 pub mod tenants;
-pub mod time;
+pub mod text;
+pub use kernelgate_protocol::time;

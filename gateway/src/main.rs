@@ -396,7 +396,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         cancel.clone(),
     ));
     api::serve(listener, state, async {
-        stop_signal().await;
+        kernelgate_client::stop_signal().await;
         tracing::info!("shutting down");
     })
     .await?;
@@ -505,7 +505,7 @@ async fn mcp_stdio(args: McpArgs) -> anyhow::Result<()> {
     );
     let served = tokio::select! {
         served = kernelgate::mcp::stdio::serve(mcp, Tenant::admin(TOKEN_KEY)) => served,
-        _ = stop_signal() => Ok(()),
+        _ = kernelgate_client::stop_signal() => Ok(()),
     };
     cancel.cancel();
     table.kernels.shutdown().await;
@@ -539,7 +539,7 @@ async fn mcp_stdio_remote(url: &str, token: Option<String>, config: &Config) -> 
     // The tenant is the gateway's business: it knows the token.
     let served = tokio::select! {
         served = kernelgate::mcp::stdio::serve(mcp.clone(), Tenant::admin(TOKEN_KEY)) => served,
-        _ = stop_signal() => Ok(()),
+        _ = kernelgate_client::stop_signal() => Ok(()),
     };
     mcp.release_handles().await;
     // Stops the idle reaper; the deletion of the session's kernel, started when the
@@ -650,25 +650,4 @@ async fn reload_on_sighup(
             }
         }
     }
-}
-
-async fn stop_signal() {
-    let ctrl_c = tokio::signal::ctrl_c();
-    #[cfg(unix)]
-    {
-        let mut term =
-            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                Ok(s) => s,
-                Err(_) => {
-                    let _ = ctrl_c.await;
-                    return;
-                }
-            };
-        tokio::select! {
-            _ = ctrl_c => {}
-            _ = term.recv() => {}
-        }
-    }
-    #[cfg(not(unix))]
-    let _ = ctrl_c.await;
 }

@@ -22,6 +22,7 @@ pub mod execution;
 pub mod message;
 pub mod signature;
 pub mod terminal;
+pub mod time;
 pub mod websocket;
 pub mod widget;
 pub mod wire;

@@ -185,11 +185,6 @@ fn samples() -> Result<Value> {
     serde_json::from_str(&text).with_context(|| format!("{} is not JSON", path.display()))
 }
 
-/// The text with every run of white space (line breaks included) as one space.
-fn one_line(text: &str) -> String {
-    text.split_whitespace().collect::<Vec<_>>().join(" ")
-}
-
 /// The measured figures left in `text`: a number with a unit of time, size, ratio or share
 /// (`1.07x`, `4.7 %`, `981 ms`, `0.24 s`, `295 MiB`, `17 minutes`). Workload sizes (what
 /// the bench prints, not what it measured) are not figures.
@@ -208,7 +203,7 @@ fn figures(text: &str) -> Result<Vec<String>> {
 /// What is left of `text` once every markdown table line and every sentence of `generated`
 /// is taken out: prose that no bench run produced.
 fn unrendered(text: &str, generated: &[String]) -> String {
-    let mut rest = one_line(
+    let mut rest = kernelgate::text::one_line(
         &text
             .lines()
             .filter(|l| !l.starts_with('|'))
@@ -216,7 +211,7 @@ fn unrendered(text: &str, generated: &[String]) -> String {
             .join("\n"),
     );
     for g in generated {
-        let g = one_line(g);
+        let g = kernelgate::text::one_line(g);
         if !g.is_empty() {
             rest = rest.replace(&g, " ");
         }
@@ -239,10 +234,10 @@ fn the_readme_figures_are_the_committed_samples() -> Result<()> {
              (`bench --render docs/bench-results.json`):\n{table}"
         );
     }
-    let flat = one_line(&readme);
+    let flat = kernelgate::text::one_line(&readme);
     for phrase in &figures_of_the_run.phrases {
         assert!(
-            flat.contains(&one_line(phrase)),
+            flat.contains(&kernelgate::text::one_line(phrase)),
             "README.md should say {phrase:?}, as the samples give it"
         );
     }

@@ -157,7 +157,7 @@ pub async fn run(args: RunArgs) -> Result<(), RunError> {
     let stop = CancellationToken::new();
     let on_signal = stop.clone();
     let watcher = tokio::spawn(async move {
-        stop_signal().await;
+        crate::stop_signal().await;
         on_signal.cancel();
     });
     let result = run_with(&args, &mut nb, &kernel_name, &stop).await;
@@ -297,22 +297,4 @@ pub(crate) struct Report {
     /// The failure that stopped the run.
     pub failed: Option<RunError>,
     pub took: Duration,
-}
-
-async fn stop_signal() {
-    #[cfg(unix)]
-    {
-        use tokio::signal::unix::{signal, SignalKind};
-        match signal(SignalKind::terminate()) {
-            Ok(mut term) => tokio::select! {
-                _ = tokio::signal::ctrl_c() => {}
-                _ = term.recv() => {}
-            },
-            Err(_) => {
-                let _ = tokio::signal::ctrl_c().await;
-            }
-        }
-    }
-    #[cfg(not(unix))]
-    let _ = tokio::signal::ctrl_c().await;
 }

@@ -214,32 +214,8 @@ pub fn presented_token(req: &Request) -> Option<String> {
         q.split('&')
             .filter_map(|kv| kv.split_once('='))
             .find(|(k, _)| *k == "token")
-            .map(|(_, v)| percent_decode(v))
+            .map(|(_, v)| crate::text::form_decode(v))
     })
-}
-
-fn percent_decode(s: &str) -> String {
-    let bytes = s.as_bytes();
-    let hex = |b: u8| (b as char).to_digit(16);
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        let escaped = match bytes.get(i..i + 3) {
-            Some([b'%', h, l]) => hex(*h).zip(hex(*l)).map(|(h, l)| (h * 16 + l) as u8),
-            _ => None,
-        };
-        match (escaped, bytes[i]) {
-            (Some(b), _) => {
-                out.push(b);
-                i += 3;
-                continue;
-            }
-            (None, b'+') => out.push(b' '),
-            (None, b) => out.push(b),
-        }
-        i += 1;
-    }
-    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// Whether a request to a public endpoint carries a valid key, for the details only keys

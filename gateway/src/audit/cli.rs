@@ -94,7 +94,7 @@ pub(super) fn print(
 /// The table's last column: what the record says in a few words.
 fn detail(r: &Record) -> String {
     match r {
-        Record::ExecutionRequested { code, .. } => one_line(code, 60),
+        Record::ExecutionRequested { code, .. } => crate::text::cut(&code.replace('\n', "⏎"), 60),
         Record::ExecutionFinished {
             duration_ms,
             output_bytes,
@@ -124,18 +124,5 @@ fn detail(r: &Record) -> String {
         ),
         Record::KernelDied { why, .. } => why.clone(),
         _ => String::new(),
-    }
-}
-
-/// `text` on one line, cut to `max` characters.
-pub(super) fn one_line(text: &str, max: usize) -> String {
-    let flat: String = text
-        .chars()
-        .map(|c| if c == '\n' { '⏎' } else { c })
-        .collect();
-    if flat.chars().count() > max {
-        format!("{}…", flat.chars().take(max).collect::<String>())
-    } else {
-        flat
     }
 }

@@ -11,6 +11,7 @@ use super::super::AppState;
 use super::{interpreter, watch_expiry, Sandbox, ENVD_VERSION};
 use crate::kernels::Removal;
 use crate::tenants::Tenant;
+use crate::text::form_decode;
 use axum::body::Bytes;
 use axum::extract::{FromRequestParts, Path, Query, Request, State};
 use axum::http::request::Parts;
@@ -588,30 +589,9 @@ fn form_pairs(s: &str) -> Vec<(String, String)> {
         .filter(|p| !p.is_empty())
         .map(|p| {
             let (k, v) = p.split_once('=').unwrap_or((p, ""));
-            (percent_decode(k), percent_decode(v))
+            (form_decode(k), form_decode(v))
         })
         .collect()
-}
-
-fn percent_decode(s: &str) -> String {
-    let bytes = s.as_bytes();
-    let hex = |b: u8| (b as char).to_digit(16);
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        match bytes.get(i..i + 3) {
-            Some([b'%', h, l]) if hex(*h).is_some() && hex(*l).is_some() => {
-                let (h, l) = (hex(*h).unwrap_or(0), hex(*l).unwrap_or(0));
-                out.push((h * 16 + l) as u8);
-                i += 3;
-            }
-            _ => {
-                out.push(if bytes[i] == b'+' { b' ' } else { bytes[i] });
-                i += 1;
-            }
-        }
-    }
-    String::from_utf8_lossy(&out).into_owned()
 }
 
 #[cfg(test)]
@@ -626,11 +606,11 @@ mod tests {
             form_pairs("run%3Dabc%26who%3Da%2520b"),
             vec![("run=abc&who=a%20b".to_owned(), String::new())]
         );
-        let inner = percent_decode("run%3Dabc%26who%3Da%2520b");
+        let inner = form_decode("run%3Dabc%26who%3Da%2520b");
         assert_eq!(
             form_pairs(&inner)
                 .into_iter()
-                .map(|(k, v)| (percent_decode(&k), percent_decode(&v)))
+                .map(|(k, v)| (form_decode(&k), form_decode(&v)))
                 .collect::<Vec<_>>(),
             vec![
                 ("run".to_owned(), "abc".to_owned()),

@@ -411,7 +411,10 @@ pub(super) fn resolution_failure(
     } else {
         format!("conflicting dependencies: {}", causes.join("; "))
     };
-    Some(one_line(&reason))
+    Some(crate::text::cut(
+        &crate::text::one_line(&reason),
+        MAX_REASON,
+    ))
 }
 
 pub(super) fn last_error(stderr: &str) -> Option<&str> {
@@ -424,12 +427,4 @@ pub(super) fn last_error(stderr: &str) -> Option<&str> {
 
 pub(super) fn last_line(text: &str) -> Option<&str> {
     text.lines().map(str::trim).rfind(|l| !l.is_empty())
-}
-
-pub(super) fn one_line(text: &str) -> String {
-    let line: String = text.split_whitespace().collect::<Vec<_>>().join(" ");
-    match line.char_indices().nth(MAX_REASON) {
-        Some((cut, _)) => format!("{}...", &line[..cut]),
-        None => line,
-    }
 }

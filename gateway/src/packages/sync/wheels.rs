@@ -12,7 +12,7 @@ use std::path::{Component, Path, PathBuf};
 /// The wheel file name at the end of a URL, if it is a plain one.
 pub(super) fn wheel_file_name(url: &str) -> Option<String> {
     let path = url.split(['#', '?']).next()?;
-    let name = percent_decode(path.rsplit('/').next()?)?;
+    let name = crate::text::percent_decode(path.rsplit('/').next()?)?;
     let plain =
         name.ends_with(".whl") && !name.starts_with('.') && !name.contains(['/', '\\', '\0']);
     plain.then_some(name)
@@ -25,25 +25,8 @@ pub(super) fn file_url_path(url: &str) -> Option<PathBuf> {
     // `file://localhost/x` and `file:///x` both name `/x`.
     let path = path.strip_prefix("localhost").unwrap_or(path);
     path.starts_with('/')
-        .then(|| percent_decode(path).map(PathBuf::from))
+        .then(|| crate::text::percent_decode(path).map(PathBuf::from))
         .flatten()
-}
-
-pub(super) fn percent_decode(text: &str) -> Option<String> {
-    let bytes = text.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        if bytes[i] == b'%' {
-            let hex = text.get(i + 1..i + 3)?;
-            out.push(u8::from_str_radix(hex, 16).ok()?);
-            i += 3;
-        } else {
-            out.push(bytes[i]);
-            i += 1;
-        }
-    }
-    String::from_utf8(out).ok()
 }
 
 pub(super) async fn file_sha256(path: PathBuf) -> anyhow::Result<String> {
