@@ -1,6 +1,7 @@
 //! The documents say what exists: the README's Layout names exactly the repository's
-//! top-level folders, docs/architecture.md's module list names exactly the modules of each
-//! crate, and every relative link in the README and docs/ leads to a file (and heading)
+//! top-level folders and what it lists inside them exists (every module folder of the
+//! gateway among it), docs/architecture.md's module list names exactly the modules of each
+//! crate and its allowed imports are the only ones the gateway's modules make, and every relative link in the README and docs/ leads to a file (and heading)
 //! that exists; every figure of `make bench` that the README and docs/performance.md quote
 //! is the one the committed samples (docs/bench-results.json) give. Generated tables (the
 //! audit records, the API's operations) are checked by the gateway's unit tests.
@@ -119,6 +120,108 @@ fn the_architecture_lists_every_module() -> Result<()> {
         "protocol, policy and gateway at least: {crates:?}"
     );
     Ok(())
+}
+
+/// One level down: each entry the README's Layout lists under a top-level folder exists
+/// there, and every module folder of the gateway's source (`gateway/src/<dir>/`) is listed.
+#[test]
+fn the_readme_layout_names_what_is_inside_the_folders() -> Result<()> {
+    let lines = block_after("README.md", "## Layout")?;
+    let mut top = String::new();
+    let mut listed = BTreeSet::new();
+    for line in &lines {
+        if !line.starts_with(' ') && !line.is_empty() {
+            top = line.split_whitespace().next().unwrap_or_default().to_owned();
+        } else if line.len() > 2 && line.starts_with("  ") && !line[2..].starts_with(' ') {
+            let entry = line[2..].split_whitespace().next().unwrap_or_default();
+            let path = format!("{top}{entry}");
+            assert!(
+                root().join(&path).exists(),
+                "README.md's Layout lists {path}, which does not exist"
+            );
+            listed.insert(path);
+        }
+    }
+    for dir in std::fs::read_dir(root().join("gateway/src"))? {
+        let dir = dir?;
+        if dir.path().is_dir() {
+            let path = format!("gateway/src/{}/", dir.file_name().to_string_lossy());
+            assert!(
+                listed.contains(&path),
+                "README.md's Layout does not list {path}"
+            );
+        }
+    }
+    Ok(())
+}
+
+/// The gateway's modules import each other only as docs/architecture.md's "Allowed imports"
+/// says (`crate::<module>` in code that is not a test's).
+#[test]
+fn every_gateway_module_imports_only_what_the_architecture_allows() -> Result<()> {
+    let allowed: std::collections::BTreeMap<String, BTreeSet<String>> =
+        block_after("docs/architecture.md", "### Allowed imports")?
+            .iter()
+            .filter_map(|l| {
+                let mut words = l.split_whitespace().map(str::to_owned);
+                Some((words.next()?, words.collect()))
+            })
+            .collect();
+    let src = root().join("gateway/src");
+    let import = regex::Regex::new(r"crate::(\w+)")?;
+    let mut checked = 0;
+    for entry in std::fs::read_dir(&src)? {
+        let path = entry?.path();
+        let name = path
+            .file_stem()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        if ["lib", "main", "generated_docs"].contains(&name.as_str()) {
+            continue;
+        }
+        let may = allowed
+            .get(&name)
+            .with_context(|| format!("docs/architecture.md's Allowed imports has no {name}"))?;
+        for file in rust_files(&path)? {
+            let base = file.file_name().unwrap_or_default().to_string_lossy();
+            // Test code: test modules in their own files, the fake engine, the contract.
+            if base.ends_with("tests.rs") || base == "fake.rs" || base == "contract.rs" {
+                continue;
+            }
+            let text = std::fs::read_to_string(&file)?;
+            let code = text
+                .find("#[cfg(test)]\nmod ")
+                .map_or(text.as_str(), |at| &text[..at]);
+            for line in code.lines().filter(|l| !l.trim_start().starts_with("//")) {
+                for used in import.captures_iter(line) {
+                    let used = &used[1];
+                    assert!(
+                        used == name || may.contains(used),
+                        "{} imports crate::{used}, which docs/architecture.md does not allow {name}",
+                        file.display()
+                    );
+                }
+            }
+        }
+        checked += 1;
+    }
+    assert!(checked >= 15, "the gateway's modules: {checked}");
+    Ok(())
+}
+
+/// The Rust files of a module: the file, or every file under its folder.
+fn rust_files(path: &Path) -> Result<Vec<PathBuf>> {
+    if !path.is_dir() {
+        return Ok(vec![path.to_path_buf()]);
+    }
+    let mut files = Vec::new();
+    for entry in std::fs::read_dir(path)? {
+        files.extend(rust_files(&entry?.path())?);
+    }
+    Ok(files
+        .into_iter()
+        .filter(|f| f.extension().is_some_and(|e| e == "rs"))
+        .collect())
 }
 
 /// GitHub's anchor for a heading.
