@@ -131,7 +131,11 @@ fn the_readme_layout_names_what_is_inside_the_folders() -> Result<()> {
     let mut listed = BTreeSet::new();
     for line in &lines {
         if !line.starts_with(' ') && !line.is_empty() {
-            top = line.split_whitespace().next().unwrap_or_default().to_owned();
+            top = line
+                .split_whitespace()
+                .next()
+                .unwrap_or_default()
+                .to_owned();
         } else if line.len() > 2 && line.starts_with("  ") && !line[2..].starts_with(' ') {
             let entry = line[2..].split_whitespace().next().unwrap_or_default();
             let path = format!("{top}{entry}");
@@ -206,6 +210,40 @@ fn every_gateway_module_imports_only_what_the_architecture_allows() -> Result<()
         checked += 1;
     }
     assert!(checked >= 15, "the gateway's modules: {checked}");
+    Ok(())
+}
+
+/// Files a reader can hold: no source file of the crates that ship (protocol, policy,
+/// client, gateway) passes 700 lines, its test module aside; test-only files (`tests.rs`,
+/// `*_tests.rs`, the fake engine) and the vendored zeromq crate are not counted. The tests
+/// crate is test code throughout.
+#[test]
+fn no_shipped_source_file_passes_700_lines() -> Result<()> {
+    let mut long = Vec::new();
+    let mut checked = 0;
+    for krate in ["protocol", "policy", "client", "gateway"] {
+        for file in rust_files(&root().join(krate).join("src"))? {
+            let base = file.file_name().unwrap_or_default().to_string_lossy();
+            if base.ends_with("tests.rs") || base == "fake.rs" {
+                continue;
+            }
+            let text = std::fs::read_to_string(&file)?;
+            let all: Vec<&str> = text.lines().collect();
+            // Up to an inline test module (`#[cfg(test)]` then `mod name {`).
+            let lines = all
+                .windows(2)
+                .position(|w| {
+                    w[0] == "#[cfg(test)]" && w[1].starts_with("mod ") && w[1].ends_with('{')
+                })
+                .unwrap_or(all.len());
+            if lines > 700 {
+                long.push(format!("{} ({lines} lines)", file.display()));
+            }
+            checked += 1;
+        }
+    }
+    assert!(long.is_empty(), "split by concern: {long:?}");
+    assert!(checked > 100, "the crates' files: {checked}");
     Ok(())
 }
 
