@@ -11,8 +11,7 @@
 use super::error::ApiError;
 use super::AppState;
 use crate::audit::Record;
-use crate::cluster::node::ClusterNode;
-use crate::cluster::signing::{body_digest, SignatureError, HEADER_PREFIX};
+use crate::cluster::signing::HEADER_PREFIX;
 use crate::tenants::Tenant;
 use axum::extract::{ConnectInfo, FromRequestParts, Request, State};
 use axum::http::request::Parts;
@@ -244,7 +243,7 @@ pub async fn require_token(
 ) -> Result<Response, Response> {
     if is_forwarded(&req) {
         return match &state.cluster {
-            Some(cluster) => forwarded_call(&state, cluster, req, next).await,
+            Some(cluster) => super::cluster::forwarded_call(&state, cluster, req, next).await,
             None => Err(refuse_internal(
                 &state,
                 &req,
@@ -334,7 +333,7 @@ fn is_forwarded(req: &Request) -> bool {
 }
 
 /// The address a request came from.
-fn client_addr(req: &Request) -> Option<SocketAddr> {
+pub(super) fn client_addr(req: &Request) -> Option<SocketAddr> {
     req.extensions()
         .get::<ConnectInfo<SocketAddr>>()
         .map(|c| c.0)
@@ -383,91 +382,6 @@ async fn refuse_internal_from(
         Some(wait) => too_many(wait),
         None => ApiError::new(StatusCode::FORBIDDEN, why).into_response(),
     }
-}
-
-/// A call another node forwarded: its headers are checked (the cluster secret, this node
-/// as the destination, the window, this node's start), then its body against the digest it
-/// was signed with (read whole here, at most `--max-message-mb`, as every handler reads it:
-/// no handler runs before it matches, so a mismatched upload writes nothing), then that it
-/// was not seen before; the key it names must be a key of this node's own keys file. One
-/// that fails is refused ([`refuse_internal`]); one signed for this node's previous run by a
-/// node whose view is behind is answered 503, to retry.
-async fn forwarded_call(
-    state: &AppState,
-    cluster: &ClusterNode,
-    req: Request,
-    next: Next,
-) -> Result<Response, Response> {
-    const ONLY_NODES: &str = "x-kernelgate-* headers are for calls between the cluster's nodes";
-    let path = req
-        .uri()
-        .path_and_query()
-        .map_or_else(|| req.uri().path().to_owned(), |p| p.as_str().to_owned());
-    let checked = cluster.signer.verify(
-        req.method().as_str(),
-        &path,
-        req.headers(),
-        chrono::Utc::now().timestamp(),
-    );
-    let checked = match checked {
-        Ok(checked) => checked,
-        Err(e @ SignatureError::OldIncarnation) => {
-            tracing::info!(client = ?client_addr(&req), "{e}; answered with a retry");
-            return Err(ApiError::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "this node has just restarted and the node that forwarded the request has not seen it yet; try again shortly",
-            )
-            .retry_after(1)
-            .into_response());
-        }
-        Err(e) => return Err(refuse_internal(state, &req, format!("{e}: {ONLY_NODES}")).await),
-    };
-    let (parts, body) = req.into_parts();
-    let bytes = match axum::body::to_bytes(body, state.max_message_bytes).await {
-        Ok(bytes) => bytes,
-        Err(_) => {
-            return Err(ApiError::new(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                format!(
-                    "a forwarded body is at most {} bytes (--max-message-mb), or it was cut short",
-                    state.max_message_bytes
-                ),
-            )
-            .into_response())
-        }
-    };
-    let req = Request::from_parts(parts, axum::body::Body::from(bytes.clone()));
-    let who = match cluster.signer.accept(
-        checked,
-        &body_digest(&bytes),
-        chrono::Utc::now().timestamp(),
-    ) {
-        Ok(who) => who,
-        Err(e) => return Err(refuse_internal(state, &req, format!("{e}: {ONLY_NODES}")).await),
-    };
-    let Some(tenant) = state.keys.tenant_named(&who.key) else {
-        let why = format!(
-            "the key {:?} is not in this node's keys file; every node must load the same file",
-            who.key
-        );
-        return Err(refuse_internal(state, &req, why).await);
-    };
-    let mut req = req;
-    state
-        .kernels
-        .audit()
-        .record(&Record::ForwardedCall {
-            key: who.key.clone(),
-            entry: who.entry.clone(),
-            request_id: who.request_id.clone(),
-            method: req.method().as_str().to_owned(),
-            path: req.uri().path().to_owned(),
-        })
-        .await;
-    req.extensions_mut().insert(tenant.clone());
-    req.extensions_mut().insert(Caller(tenant));
-    req.extensions_mut().insert(who);
-    Ok(next.run(req).await)
 }
 
 #[cfg(test)]

@@ -1,7 +1,7 @@
 //! Where a request is served in cluster mode. Every route of the API declares its [`Rule`]
 //! where it is declared (`api::surface`); [`decide`] turns the rule, the request's method
 //! and what the registry says of the kernel it names into a [`Decision`]. Pure: the
-//! middleware that reads the request and carries the decision out is `api/cluster.rs`.
+//! middleware that reads the request and carries the decision out is `api/cluster/`.
 //! Single-node mode (no `--etcd`) serves everything where it arrives.
 
 use axum::http::Method;

@@ -1,0 +1,297 @@
+//! Cluster mode in front of the handlers: the I/O of the decisions `cluster::route` makes
+//! from each route's declared rule. A request about a kernel another node owns is
+//! forwarded to it; a create goes to the node with the most free room; the kernel list and
+//! the approvals are the cluster's, and an approval is answered by the node that holds it.
+//! A call another node forwarded here is served here, as sent, unless this node has lost
+//! its lease while the entry node holds its own (503 until it is registered again).
+//! Single-node mode (no `--etcd`) passes every request straight through.
+
+use super::auth::Caller;
+use super::error::ApiError;
+use super::AppState;
+use crate::cluster::forward::{never_left, Destination, ForwardError, Left};
+use crate::cluster::membership::View;
+use crate::cluster::node::ClusterNode;
+use crate::cluster::placement;
+use crate::cluster::route::{self, Ask, Decision, Fan, Owner, Rule, Unavailable};
+use crate::cluster::signing::Forwarded;
+use crate::cluster::NodeRecord;
+use axum::body::{to_bytes, Body};
+use axum::extract::{MatchedPath, Request, State};
+use axum::http::{Method, StatusCode};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use futures::FutureExt;
+use serde_json::Value;
+use std::collections::HashMap;
+use std::sync::{Arc, LazyLock};
+
+mod fan;
+mod forwarded;
+mod place;
+#[cfg(test)]
+mod tests;
+
+pub(super) use forwarded::forwarded_call;
+use std::time::Duration;
+
+/// Seconds a client is told to wait when a node is not there now.
+const RETRY_AFTER: u32 = 3;
+/// The largest create body (or approval answer) kept to send again to the next node.
+const MAX_CREATE_BODY: usize = 1 << 20;
+
+/// Each protected path's rule, as `surface` declares it.
+static RULES: LazyLock<HashMap<String, Rule>> =
+    LazyLock::new(|| super::surface().protected.rules().iter().cloned().collect());
+
+/// Middleware behind authentication: the route's rule and the registry decide
+/// ([`route::decide`]); this carries the decision out.
+pub async fn route(State(state): State<AppState>, req: Request, next: Next) -> Response {
+    let Some(cluster) = state.cluster.clone() else {
+        return next.run(req).await;
+    };
+    if let Some(who) = req.extensions().get::<Forwarded>() {
+        if !route::serves_forwarded(who.entry_registered, cluster.membership.registered()) {
+            return unavailable(
+                "this node is cut off from the cluster registry and takes no forwarded work now; try again shortly"
+                    .into(),
+            );
+        }
+        return next.run(req).await;
+    }
+    let Some(caller) = req.extensions().get::<Caller>().cloned() else {
+        return next.run(req).await;
+    };
+    let rule = req
+        .extensions()
+        .get::<MatchedPath>()
+        .and_then(|p| RULES.get(p.as_str()))
+        .copied()
+        .unwrap_or(Rule::Local);
+    let method = req.method().clone();
+    let mut req = req;
+    let mut kernel = None;
+    let mut session = None;
+    match rule {
+        Rule::Kernel => kernel = kernel_of(req.uri().path()).map(str::to_owned),
+        Rule::Mcp => {
+            session = req
+                .headers()
+                .get(crate::mcp::SESSION_HEADER)
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_owned);
+            if session.is_none() && method == Method::POST {
+                let (parts, bytes) = match buffered(req, state.max_message_bytes).await {
+                    Ok(read) => read,
+                    Err(refused) => return refused,
+                };
+                kernel = mcp_kernel(&bytes);
+                req = Request::from_parts(parts, Body::from(bytes));
+            }
+        }
+        _ => {}
+    }
+    let view = cluster.membership.view();
+    let owner = owner_of(&state, &cluster, &view, kernel.as_deref());
+    let ask = Ask {
+        method,
+        kernel: owner,
+        mcp_session: session.as_deref().map(|id| state.mcp.holds(id)),
+        registered: cluster.membership.registered(),
+    };
+    let id = kernel.as_deref().unwrap_or_default();
+    match route::decide(rule, &ask) {
+        Decision::Serve => next.run(req).await,
+        Decision::Forward(node) => match view.nodes.get(&node) {
+            Some(record) => to_owner(&cluster, &caller, &node, record, req).await,
+            None => unavailable(not_in_cluster(id, &node)),
+        },
+        Decision::Unavailable(Unavailable::OwnerAway(node)) => unavailable(format!(
+            "the node that runs kernel {id} ({node}) is restarting; try again shortly"
+        )),
+        Decision::Unavailable(Unavailable::OwnerGone(node)) => {
+            unavailable(not_in_cluster(id, &node))
+        }
+        Decision::Unavailable(Unavailable::CutOff) => unavailable(
+            "this node is cut off from the cluster registry and cannot place kernels now; try again shortly".into(),
+        ),
+        Decision::Place => place::place(&cluster, &caller, req, next).await,
+        Decision::FanOut(Fan::Kernels) => fan::list(&cluster, &caller, req, next).await,
+        Decision::FanOut(Fan::Approvals) => fan::approvals(&cluster, &caller, req, next).await,
+        Decision::HereThenOthers => fan::answer(&cluster, &caller, req, next).await,
+        Decision::OthersThenHere => {
+            let session = session.unwrap_or_default();
+            fan::mcp_elsewhere(&cluster, &caller, &session, state.max_message_bytes, req, next).await
+        }
+    }
+}
+
+fn not_in_cluster(id: &str, node: &str) -> String {
+    format!("the node that runs kernel {id} ({node}) is not in the cluster now; try again shortly")
+}
+
+/// What `view` says of kernel `id`, seen from this node.
+fn owner_of<'a>(
+    state: &AppState,
+    cluster: &ClusterNode,
+    view: &'a View,
+    id: Option<&str>,
+) -> Owner<'a> {
+    let Some(id) = id else {
+        return Owner::Unknown;
+    };
+    if state.kernels.get(id).is_some() {
+        return Owner::Here;
+    }
+    // This node's own and not in its table: the handler's 404.
+    let Some(record) = view.kernels.get(id).filter(|k| k.node != cluster.node_id) else {
+        return Owner::Unknown;
+    };
+    match view.nodes.get(&record.node) {
+        None => Owner::Gone(&record.node),
+        Some(node) if node.away => Owner::Away(&record.node),
+        Some(_) => Owner::Elsewhere(&record.node),
+    }
+}
+
+/// The kernel a sessionless MCP message names: a tool call's `kernel_id` (protocol
+/// 2026-07-28; `start_kernel` starts its kernel where it arrives).
+fn mcp_kernel(body: &[u8]) -> Option<String> {
+    let message = serde_json::from_slice::<Value>(body).ok()?;
+    (message["method"] == "tools/call")
+        .then(|| message["params"]["arguments"]["kernel_id"].as_str())
+        .flatten()
+        .map(str::to_owned)
+}
+
+/// Resolves once node `owner` is no longer in the registry (its lease ended). A kernel
+/// that leaves the registry does not count: a delete releases its record before it answers.
+async fn until_left(cluster: Arc<ClusterNode>, owner: String) {
+    cluster.membership.until_node_gone(&owner).await;
+}
+
+/// The kernel id of a path about one kernel (`/api/kernels/{id}` and below).
+fn kernel_of(path: &str) -> Option<&str> {
+    path.strip_prefix("/api/kernels/")
+        .and_then(|rest| rest.split('/').next())
+        .filter(|id| !id.is_empty())
+}
+
+fn unavailable(message: String) -> Response {
+    ApiError::new(StatusCode::SERVICE_UNAVAILABLE, message)
+        .retry_after(RETRY_AFTER)
+        .into_response()
+}
+
+/// Node `id` as a call's destination.
+fn destination(id: &str, record: &NodeRecord) -> Destination {
+    Destination::of(id, record)
+}
+
+/// Sends `req` on to `to`: its answer, or what went wrong, with the detail (address, the
+/// HTTP library's words) in the log only. `role` names the node for the client ("the node
+/// that runs this kernel").
+async fn forward(
+    cluster: &ClusterNode,
+    to: &Destination,
+    role: &str,
+    caller: &Caller,
+    req: Request,
+    left: Left,
+) -> Response {
+    match cluster
+        .forwarder
+        .forward(
+            to,
+            &caller.0.name,
+            cluster.membership.registered(),
+            req,
+            left,
+        )
+        .await
+    {
+        Ok(response) => response,
+        Err(e @ ForwardError::OwnerLeft { .. }) => ApiError::new(
+            StatusCode::NOT_FOUND,
+            format!("Kernel not found: {e} while this request waited for it; the kernel comes back if that node returns with it"),
+        )
+        .into_response(),
+        Err(ForwardError::Unreachable { node, address, reason }) => {
+            tracing::warn!(%node, %address, %reason, "another node of the cluster cannot be reached");
+            unavailable(format!("{role} ({node}) is unreachable; try again shortly"))
+        }
+        Err(ForwardError::BadAnswer { node, address }) => {
+            tracing::warn!(%node, %address, "another node of the cluster answered something that is not HTTP");
+            ApiError::new(
+                StatusCode::BAD_GATEWAY,
+                format!("{role} ({node}) answered something that is not HTTP; try again shortly"),
+            )
+            .into_response()
+        }
+        Err(e @ ForwardError::TooLarge { .. }) => {
+            ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, e.to_string()).into_response()
+        }
+        Err(ForwardError::Body(reason)) => {
+            tracing::info!(%reason, "a forwarded request's body could not be read");
+            ApiError::bad_request(
+                "the request's body could not be read whole; send it again".to_owned(),
+            )
+            .into_response()
+        }
+    }
+}
+
+/// A request made anew from its parts, for one more try.
+fn again(
+    method: &Method,
+    uri: &axum::http::Uri,
+    headers: &axum::http::HeaderMap,
+    body: &axum::body::Bytes,
+) -> Request {
+    let mut req = Request::new(Body::from(body.clone()));
+    *req.method_mut() = method.clone();
+    *req.uri_mut() = uri.clone();
+    *req.headers_mut() = headers.clone();
+    req
+}
+
+/// Forwards `req`, about a kernel of node `owner` (whose record is `node`), to it. An owner
+/// cut off or partitioned away may never answer: once its lease ends and it leaves the
+/// view, the call (or its WebSocket) ends instead of waiting.
+async fn to_owner(
+    cluster: &Arc<ClusterNode>,
+    caller: &Caller,
+    owner: &str,
+    node: &NodeRecord,
+    req: Request,
+) -> Response {
+    let left = until_left(cluster.clone(), owner.to_owned())
+        .boxed()
+        .shared();
+    let to = destination(owner, node);
+    forward(
+        cluster,
+        &to,
+        "the node that runs this kernel",
+        caller,
+        req,
+        left,
+    )
+    .await
+}
+
+/// An MCP request read whole, to look into and to send again: 413 past `max_body`.
+async fn buffered(
+    req: Request,
+    max_body: usize,
+) -> Result<(axum::http::request::Parts, axum::body::Bytes), Response> {
+    let (parts, body) = req.into_parts();
+    match to_bytes(body, max_body).await {
+        Ok(bytes) => Ok((parts, bytes)),
+        Err(_) => Err(ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!("an MCP message is at most {max_body} bytes (--max-message-mb)"),
+        )
+        .into_response()),
+    }
+}
