@@ -6,6 +6,7 @@ use kernelgate_protocol::agent::{
 };
 use kernelgate_protocol::content::ErrorContent;
 use kernelgate_protocol::execution::Event;
+use kernelgate_protocol::rest::{CreateKernel, Installed, KernelModel};
 use reqwest::{Method, RequestBuilder, Response, StatusCode};
 use serde_json::{json, Map, Value};
 use tokio::sync::mpsc;
@@ -22,6 +23,10 @@ pub enum Error {
     Refused { status: StatusCode, body: Refusal },
     #[error("the answer has no kernel id: {0}")]
     NoKernelId(Value),
+    #[error("the answer is not a list of kernel models: {0}")]
+    NotAKernelList(Value),
+    #[error("the answer is not an install's report (installed, already, refused): {0}")]
+    NotAnInstall(Value),
     /// Refused here, before the request: the gateway would not see the path as given.
     #[error("{path}: {reason}")]
     BadPath { path: String, reason: &'static str },
@@ -151,24 +156,24 @@ impl Gateway {
     }
 
     /// `GET /api/kernels`: the kernels this token sees.
-    pub async fn kernels(&self) -> Result<Value, Error> {
-        self.json(self.request(Method::GET, "/api/kernels")).await
+    pub async fn kernels(&self) -> Result<Vec<KernelModel>, Error> {
+        let list = self.json(self.request(Method::GET, "/api/kernels")).await?;
+        serde_json::from_value(list.clone()).map_err(|_| Error::NotAKernelList(list))
     }
 
     /// Starts a kernel (of the kernel spec `name`, or the default); its id.
     pub async fn create_kernel(&self, name: Option<&str>) -> Result<String, Error> {
-        let body = match name {
-            Some(name) => json!({"name": name}),
-            None => json!({}),
+        let body = CreateKernel {
+            name: name.map(str::to_owned),
+            ..CreateKernel::default()
         };
         let model = self
             .json(self.request(Method::POST, "/api/kernels").json(&body))
             .await?;
-        model
-            .get("id")
-            .and_then(Value::as_str)
-            .map(str::to_owned)
-            .ok_or(Error::NoKernelId(model))
+        match serde_json::from_value::<KernelModel>(model.clone()) {
+            Ok(kernel) => Ok(kernel.id),
+            Err(_) => Err(Error::NoKernelId(model)),
+        }
     }
 
     /// Whether the kernel exists (for this token).
@@ -201,9 +206,14 @@ impl Gateway {
 
     /// Installs packages from the gateway's allowlist into the kernel: the gateway's
     /// answer (`installed`, `already`), or [`Error::Refused`] saying why none was.
-    pub async fn install_packages(&self, id: &str, packages: &[String]) -> Result<Value, Error> {
+    pub async fn install_packages(
+        &self,
+        id: &str,
+        packages: &[String],
+    ) -> Result<Installed, Error> {
         let r = self.request(Method::POST, &format!("/api/kernels/{id}/packages"));
-        self.json(r.json(&json!({ "packages": packages }))).await
+        let answer = self.json(r.json(&json!({ "packages": packages }))).await?;
+        serde_json::from_value(answer.clone()).map_err(|_| Error::NotAnInstall(answer))
     }
 
     /// The agent API: runs code and waits for the whole answer.

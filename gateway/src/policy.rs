@@ -8,30 +8,13 @@
 //! answered within `--approval-timeout`.
 
 use kernelgate_policy::{Decision, Policy, Scope, STACK_BYTES};
-use serde::Serialize;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-/// One execution waiting for an administrator, as the approvals API lists it.
-#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
-pub struct Approval {
-    /// What `POST /api/kernelgate/approvals/{id}` answers.
-    #[schema(format = "uuid")]
-    pub id: String,
-    #[schema(format = "uuid")]
-    pub kernel_id: String,
-    /// The key that asked to run it.
-    pub key: String,
-    pub code: String,
-    /// The matching rule's reason.
-    pub reason: String,
-    /// ISO 8601, microseconds, UTC.
-    #[schema(example = "2026-11-25T10:02:11.532114Z")]
-    pub requested_at: String,
-}
+pub use kernelgate_protocol::rest::Approval;
 
 /// What holds an execution for approval (a kernel's relay), told the answer when it comes.
 pub trait Holder: Send + Sync + std::fmt::Debug {

@@ -20,6 +20,7 @@ pub mod content;
 pub mod e2b;
 pub mod execution;
 pub mod message;
+pub mod rest;
 pub mod signature;
 pub mod terminal;
 pub mod time;

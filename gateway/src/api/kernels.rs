@@ -13,55 +13,25 @@ use axum::extract::State;
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use serde::{Deserialize, Serialize};
+use serde::Deserialize;
 use serde_json::Value;
 use std::collections::BTreeMap;
-use utoipa::{IntoParams, ToSchema};
+use utoipa::IntoParams;
 
-/// The kernel model of Jupyter Server's REST API. The three activity fields are truthful:
-/// JupyterLab's idle culler acts on them.
-#[derive(Debug, Serialize, ToSchema)]
-pub struct KernelModel {
-    #[schema(format = "uuid")]
-    pub id: String,
-    /// The kernel spec it runs.
-    #[schema(example = "python3")]
-    pub name: String,
-    /// ISO 8601, microseconds, UTC (`Z`).
-    #[schema(example = "2026-11-22T07:00:00.123456Z")]
-    pub last_activity: String,
-    #[schema(schema_with = execution_state_schema)]
-    pub execution_state: &'static str,
-    /// WebSockets connected to it.
-    pub connections: usize,
-    /// Its state is on disk and it has no process; the next request that needs it brings
-    /// it back (`execution_state` is `idle`).
-    pub hibernated: bool,
-    /// Why it could not hibernate last time it tried (variables that cannot be saved, the
-    /// budget), until its next execution; `null` otherwise.
-    pub hibernate_blocked: Option<String>,
-}
+pub use kernelgate_protocol::rest::{CreateKernel, KernelModel};
 
-fn execution_state_schema() -> utoipa::openapi::Object {
-    utoipa::openapi::ObjectBuilder::new()
-        .schema_type(utoipa::openapi::schema::Type::String)
-        .enum_values(Some(["starting", "idle", "busy", "restarting", "dead"]))
-        .build()
-}
-
-impl KernelModel {
-    pub fn of(live: &LiveKernel) -> KernelModel {
-        let k = &live.relay;
-        let activity = k.activity();
-        KernelModel {
-            id: live.id().to_owned(),
-            name: live.name.clone(),
-            last_activity: iso(activity.last_activity),
-            execution_state: k.execution_state().as_str(),
-            connections: activity.connections,
-            hibernated: live.at_rest(),
-            hibernate_blocked: live.hibernate_blocked(),
-        }
+/// The model of a live kernel.
+pub fn model_of(live: &LiveKernel) -> KernelModel {
+    let k = &live.relay;
+    let activity = k.activity();
+    KernelModel {
+        id: live.id().to_owned(),
+        name: live.name.clone(),
+        last_activity: iso(activity.last_activity),
+        execution_state: k.execution_state().as_str().to_owned(),
+        connections: activity.connections,
+        hibernated: live.at_rest(),
+        hibernate_blocked: live.hibernate_blocked(),
     }
 }
 
@@ -99,23 +69,9 @@ pub async fn list(State(state): State<AppState>, caller: Caller) -> Json<Vec<Ker
             .list()
             .iter()
             .filter(|l| caller.0.may_use(l.owner()))
-            .map(|l| KernelModel::of(l))
+            .map(|l| model_of(l))
             .collect(),
     )
-}
-
-/// The body of `POST /api/kernels`; no body (or `null`) is the default spec with no variables.
-#[derive(Debug, Default, Deserialize, ToSchema)]
-pub struct CreateBody {
-    /// The kernel spec (`GET /api/kernelspecs`); the default spec when absent.
-    #[serde(default)]
-    #[schema(example = "python3")]
-    name: Option<String>,
-    /// Environment variables for the kernel: only `KERNEL_*` names are kept (and checked);
-    /// numbers and booleans are passed as their JSON text.
-    #[serde(default)]
-    #[schema(value_type = HashMap<String, Value>)]
-    env: BTreeMap<String, Value>,
 }
 
 /// Starts a kernel.
@@ -124,7 +80,7 @@ pub struct CreateBody {
 /// rolled back.
 #[utoipa::path(
     post, path = "/api/kernels", tag = "kernels", operation_id = "create_kernel",
-    request_body(content = Option<CreateBody>, content_type = "application/json"),
+    request_body(content = Option<CreateKernel>, content_type = "application/json"),
     responses(
         (status = 201, description = "The kernel runs", body = KernelModel,
          headers(("Location" = String, description = "`/api/kernels/{id}`"))),
@@ -145,10 +101,10 @@ pub async fn create(
         Err(e) => return Ok(body_refused(e, state.max_message_bytes)),
     };
     // No body, or `null`: the default spec.
-    let body: CreateBody = match body.as_ref() {
-        [] => CreateBody::default(),
+    let body: CreateKernel = match body.as_ref() {
+        [] => CreateKernel::default(),
         bytes => {
-            json_body::<Option<CreateBody>>(bytes, r#"{"name": "python3"}"#)?.unwrap_or_default()
+            json_body::<Option<CreateKernel>>(bytes, r#"{"name": "python3"}"#)?.unwrap_or_default()
         }
     };
     // Clients send numbers and booleans in env too (KERNEL_LAUNCH_TIMEOUT); keep them as text.
@@ -168,7 +124,7 @@ pub async fn create(
     Ok((
         StatusCode::CREATED,
         [(header::LOCATION, location)],
-        Json(KernelModel::of(&live)),
+        Json(model_of(&live)),
     )
         .into_response())
 }
@@ -188,7 +144,7 @@ pub async fn get(
     Path(KernelPath { id }): Path<KernelPath>,
 ) -> Result<Json<KernelModel>, ApiError> {
     let live = find(&state, &caller, &id)?;
-    Ok(Json(KernelModel::of(&live)))
+    Ok(Json(model_of(&live)))
 }
 
 /// Shuts a kernel down and removes its container; completes even if the client hangs up.
@@ -263,7 +219,7 @@ pub async fn restart(
         .supervisor()
         .restart(&live, &caller.0.name)
         .await?;
-    Ok(Json(KernelModel::of(&live)))
+    Ok(Json(model_of(&live)))
 }
 
 /// Hibernates the kernel now: its variables, files and history go to disk and its
@@ -287,7 +243,7 @@ pub async fn hibernate(
     use crate::kernels::hibernate::HibernateError;
     let live = find(&state, &caller, &id)?;
     match state.kernels.hibernation().hibernate(&live).await {
-        Ok(()) => Ok(Json(KernelModel::of(&live))),
+        Ok(()) => Ok(Json(model_of(&live))),
         Err(
             e @ (HibernateError::Busy(_) | HibernateError::Blocked(_) | HibernateError::Full(_)),
         ) => Err(ApiError::new(StatusCode::CONFLICT, e.to_string())),
@@ -322,7 +278,7 @@ pub async fn discard_state(
         .discard_state(&live, &caller.0.name)
         .await?
     {
-        true => Ok(Json(KernelModel::of(&live))),
+        true => Ok(Json(model_of(&live))),
         false => Err(ApiError::new(
             StatusCode::CONFLICT,
             "the kernel does not hibernate: it has no saved state to discard".to_owned(),

@@ -1,5 +1,6 @@
 //! What the audit log holds: one record per event, a JSON object per line (docs/audit.md).
 
+pub use kernelgate_protocol::rest::{KernelReportedInstall, PackageRefusal, PackageVersion};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
@@ -262,31 +263,6 @@ impl Entry {
         let line = line.trim();
         (!line.is_empty()).then(|| serde_json::from_str(line))
     }
-}
-
-/// What a kernel's installer said it did: the kernel's word.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, utoipa::ToSchema)]
-pub struct KernelReportedInstall {
-    pub installed: Vec<PackageVersion>,
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub already: Vec<PackageVersion>,
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub refused: Vec<PackageRefusal>,
-    pub exit_code: i64,
-}
-
-/// A package and the version a kernel got.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, utoipa::ToSchema)]
-pub struct PackageVersion {
-    pub name: String,
-    pub version: String,
-}
-
-/// A requirement that was not installed, and why.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, utoipa::ToSchema)]
-pub struct PackageRefusal {
-    pub requirement: String,
-    pub reason: String,
 }
 
 /// Who touched which file of a kernel's working directory.

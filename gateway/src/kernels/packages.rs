@@ -4,10 +4,9 @@
 //! (docs/packages.md).
 
 use super::{Kernels, LiveKernel};
-use crate::audit::{KernelReportedInstall, PackageRefusal, PackageVersion, Record};
+use crate::audit::{KernelReportedInstall, PackageRefusal, Record};
 use crate::backend::{BackendError, ExecRequest};
 use crate::packages::allowlist;
-use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 
 /// The installer's output kept, at most.
@@ -17,18 +16,7 @@ pub const INSTALL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(
 /// Requirements one call may name.
 pub const MAX_REQUIREMENTS: usize = 64;
 
-/// What an install did.
-#[derive(Debug, Clone, Default, Serialize, Deserialize, utoipa::ToSchema)]
-pub struct Installed {
-    /// Packages the kernel got now (the asked-for ones and what they bring).
-    pub installed: Vec<PackageVersion>,
-    /// Packages it had already (from the image or an earlier install).
-    #[serde(default)]
-    pub already: Vec<PackageVersion>,
-    /// Requirements that were not installed, and why; when any is, nothing was installed.
-    #[serde(default)]
-    pub refused: Vec<PackageRefusal>,
-}
+pub use kernelgate_protocol::rest::Installed;
 
 #[derive(Debug, thiserror::Error)]
 pub enum InstallError {

@@ -124,13 +124,10 @@ impl Place for Remote {
         packages: &'a [String],
     ) -> BoxFuture<'a, Result<crate::kernels::packages::Installed, String>> {
         Box::pin(async move {
-            let answer = self
-                .gateway
+            self.gateway
                 .install_packages(&kernel.id, packages)
                 .await
-                .map_err(|e| e.to_string())?;
-            serde_json::from_value(answer)
-                .map_err(|e| format!("the gateway's answer to the install is not understood: {e}"))
+                .map_err(|e| e.to_string())
         })
     }
 

@@ -2,6 +2,8 @@
 //! the node that holds them answers, asked in turn: an approval's answer, an MCP session.
 
 use super::*;
+use kernelgate_protocol::rest::{Approval, KernelModel, STATE_UNKNOWN};
+use serde::de::DeserializeOwned;
 
 /// How long the list waits for another node's kernels before it shows their registry rows.
 const LIST_TIMEOUT: Duration = Duration::from_secs(1);
@@ -16,7 +18,7 @@ pub(super) async fn list(
     next: Next,
 ) -> Response {
     let view = cluster.membership.view();
-    let (asked, mut rows) = match local_rows(req, next).await {
+    let (asked, mut rows) = match local_rows::<KernelModel>(req, next).await {
         Ok(local) => local,
         Err(answer) => return answer,
     };
@@ -35,11 +37,14 @@ pub(super) async fn list(
                 view.kernels
                     .iter()
                     .filter(|(_, k)| k.node == node && caller.0.may_use(&k.tenant))
-                    .map(|(id, k)| {
-                        serde_json::json!({
-                            "id": id, "name": k.spec, "last_activity": k.created,
-                            "execution_state": "unknown", "connections": 0,
-                        })
+                    .map(|(id, k)| KernelModel {
+                        id: id.clone(),
+                        name: k.spec.clone(),
+                        last_activity: k.created.clone(),
+                        execution_state: STATE_UNKNOWN.to_owned(),
+                        connections: 0,
+                        hibernated: false,
+                        hibernate_blocked: None,
                     }),
             ),
         }
@@ -56,7 +61,10 @@ struct Asked {
 
 /// This node's own answer to a list request, as its rows, with the request to ask the
 /// others; a refusal as it is.
-async fn local_rows(req: Request, next: Next) -> Result<(Asked, Vec<Value>), Response> {
+async fn local_rows<T: DeserializeOwned>(
+    req: Request,
+    next: Next,
+) -> Result<(Asked, Vec<T>), Response> {
     let asked = Asked {
         method: req.method().clone(),
         uri: req.uri().clone(),
@@ -69,17 +77,23 @@ async fn local_rows(req: Request, next: Next) -> Result<(Asked, Vec<Value>), Res
     let Ok(bytes) = to_bytes(local.into_body(), usize::MAX).await else {
         return Err(unavailable("cannot read this node's own list".into()));
     };
-    Ok((asked, serde_json::from_slice(&bytes).unwrap_or_default()))
+    match serde_json::from_slice(&bytes) {
+        Ok(rows) => Ok((asked, rows)),
+        Err(e) => {
+            tracing::error!(error = %e, "this node's own list is not its rows");
+            Err(unavailable("cannot read this node's own list".into()))
+        }
+    }
 }
 
 /// Asks each of `others` the same `GET`, in parallel, [`LIST_TIMEOUT`] each: their JSON
 /// arrays, `None` for a node that did not answer one in time.
-async fn ask_others(
+async fn ask_others<T: DeserializeOwned>(
     cluster: &ClusterNode,
     caller: &Caller,
     asked: &Asked,
     others: &[Destination],
-) -> Vec<(String, Option<Vec<Value>>)> {
+) -> Vec<(String, Option<Vec<T>>)> {
     let asks = others.iter().map(|to| {
         let req = again(
             &asked.method,
@@ -102,7 +116,7 @@ async fn ask_others(
                     return None;
                 }
                 let body = to_bytes(response.into_body(), usize::MAX).await.ok()?;
-                serde_json::from_slice::<Vec<Value>>(&body).ok()
+                serde_json::from_slice::<Vec<T>>(&body).ok()
             })
             .await
             .ok()
@@ -133,7 +147,7 @@ pub(super) async fn approvals(
     req: Request,
     next: Next,
 ) -> Response {
-    let (asked, mut rows) = match local_rows(req, next).await {
+    let (asked, mut rows) = match local_rows::<Approval>(req, next).await {
         Ok(local) => local,
         Err(answer) => return answer,
     };
@@ -141,10 +155,7 @@ pub(super) async fn approvals(
     for (_, theirs) in ask_others(cluster, caller, &asked, &others).await {
         rows.extend(theirs.unwrap_or_default());
     }
-    rows.sort_by(|a, b| {
-        let at = |v: &Value| v["requested_at"].as_str().unwrap_or_default().to_owned();
-        at(a).cmp(&at(b))
-    });
+    rows.sort_by(|a, b| a.requested_at.cmp(&b.requested_at));
     axum::Json(rows).into_response()
 }
 

@@ -2,6 +2,7 @@
 //! and answered once this node's view holds the new kernel.
 
 use super::*;
+use kernelgate_protocol::rest::{CreateKernel, KernelModel};
 
 /// How long a create's answer waits for the new kernel to reach this node's view.
 const SEEN_TIMEOUT: Duration = Duration::from_secs(1);
@@ -23,10 +24,7 @@ pub(super) async fn place(
         return ApiError::new(StatusCode::BAD_GATEWAY, "a create's answer was cut short")
             .into_response();
     };
-    if let Some(id) = serde_json::from_slice::<Value>(&bytes)
-        .ok()
-        .and_then(|v| v.get("id").and_then(Value::as_str).map(str::to_owned))
-    {
+    if let Ok(KernelModel { id, .. }) = serde_json::from_slice(&bytes) {
         cluster
             .membership
             .until_kernel_known(&id, SEEN_TIMEOUT)
@@ -57,9 +55,9 @@ async fn place_somewhere(
         )
         .into_response();
     };
-    let spec = serde_json::from_slice::<Value>(&bytes)
+    let spec = serde_json::from_slice::<CreateKernel>(&bytes)
         .ok()
-        .and_then(|v| v.get("name").and_then(Value::as_str).map(str::to_owned))
+        .and_then(|body| body.name)
         .filter(|n| !n.is_empty())
         .unwrap_or_else(|| crate::kernelspecs::DEFAULT_SPEC.to_owned());
     let view = cluster.membership.view();
