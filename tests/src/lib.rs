@@ -399,6 +399,31 @@ impl Gateway {
         Ok(body)
     }
 
+    /// What `code` printed (stdout), run through the agent API; fails unless it ran to the
+    /// end without an error.
+    pub async fn run(&self, id: &str, code: &str) -> Result<String> {
+        let answer = self.execute(id, code).await?;
+        anyhow::ensure!(answer["status"] == "ok", "{code}: {answer}");
+        Ok(answer["stdout"].as_str().unwrap_or_default().to_owned())
+    }
+
+    /// The agent API's answer for `code`, asked as the holder of `token`.
+    pub async fn execute_as(&self, token: &str, id: &str, code: &str) -> Result<Value> {
+        let path = format!("/api/kernels/{id}/execute");
+        let (status, body) = self
+            .call_as(
+                token,
+                reqwest::Method::POST,
+                &path,
+                Some(json!({"code": code})),
+            )
+            .await?;
+        if status != 200 {
+            bail!("execute answered {status}: {body}");
+        }
+        Ok(body)
+    }
+
     /// The records of this gateway's audit log whose `event` is `event`, in order (read as
     /// [`audit_values`] reads them).
     pub fn audited(&self, event: &str) -> Result<Vec<Value>> {
@@ -929,4 +954,37 @@ pub fn audit_values(path: &Path) -> Result<Vec<Value>> {
         .iter()
         .map(|entry| Ok(serde_json::to_value(entry)?))
         .collect()
+}
+
+/// Runs a command to its end: its standard output, trimmed; an error naming the command,
+/// with what it wrote, when it fails.
+pub fn command_output(command: &mut std::process::Command) -> Result<String> {
+    let out = command
+        .stderr(Stdio::piped())
+        .output()
+        .with_context(|| format!("running {command:?}"))?;
+    anyhow::ensure!(
+        out.status.success(),
+        "{command:?} failed: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr).trim()
+    );
+    Ok(String::from_utf8(out.stdout)?.trim().to_owned())
+}
+
+/// Held while a test loads the machine on purpose (kernels flooding the gateway, a kernel
+/// spinning on its CPU quota): any other such test, of this suite or of one that runs beside
+/// it (`make test` runs two at a time), waits until it is dropped, so that each measures the
+/// gateway under its own load and not two loads fighting for the machine's cores.
+pub fn machine_to_myself() -> Result<std::fs::File> {
+    let path = std::env::temp_dir().join("kernelgate-tests-load.lock");
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .with_context(|| format!("opening {}", path.display()))?;
+    file.lock()
+        .with_context(|| format!("locking {}", path.display()))?;
+    Ok(file)
 }

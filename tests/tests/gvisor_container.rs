@@ -30,21 +30,13 @@ fn skipped() -> bool {
     false
 }
 
-fn run(cmd: &mut Command) -> Result<String> {
-    let out = cmd.stderr(Stdio::piped()).output()?;
-    ensure!(
-        out.status.success(),
-        "{cmd:?}: {}",
-        String::from_utf8_lossy(&out.stderr).trim()
-    );
-    Ok(String::from_utf8(out.stdout)?.trim().to_owned())
-}
-
 /// The id of `image`, in the image store the engine's tests fill (imported from a `docker
 /// save` archive unless the store has it already).
 fn stored_image(image: &str) -> Result<String> {
     kernelgate_tests::engine::image_store(&[image])?;
-    run(Command::new("docker").args(["image", "inspect", "--format", "{{.Id}}", image]))
+    kernelgate_tests::command_output(
+        Command::new("docker").args(["image", "inspect", "--format", "{{.Id}}", image]),
+    )
 }
 
 /// Linux's capabilities by number, as Docker names them.
@@ -169,10 +161,12 @@ impl Deployment {
         if !self.runsc_root().exists() {
             return Ok(Vec::new());
         }
-        let listed = run(Command::new(&self.runsc)
-            .arg("--root")
-            .arg(self.runsc_root())
-            .args(["list", "-format=json"]))?;
+        let listed = kernelgate_tests::command_output(
+            Command::new(&self.runsc)
+                .arg("--root")
+                .arg(self.runsc_root())
+                .args(["list", "-format=json"]),
+        )?;
         Ok(serde_json::from_str::<Value>(&listed)?
             .as_array()
             .cloned()
@@ -180,7 +174,12 @@ impl Deployment {
     }
 
     fn gateway_pid(&self) -> Result<String> {
-        run(Command::new("docker").args(["inspect", "--format", "{{.State.Pid}}", &self.name]))
+        kernelgate_tests::command_output(Command::new("docker").args([
+            "inspect",
+            "--format",
+            "{{.State.Pid}}",
+            &self.name,
+        ]))
     }
 }
 
@@ -254,13 +253,13 @@ async fn the_gateway_image_serves_kernels_privileged_without_docker_and_survives
         "no runsc at {}: run `make gvisor`",
         runsc.display()
     );
-    run(Command::new(
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/image/build-gvisor.sh"),
-    )
-    .arg(binary())
-    .arg(&runsc)
-    .arg(image())
-    .arg(GATEWAY_IMAGE))?;
+    kernelgate_tests::command_output(
+        Command::new(Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/image/build-gvisor.sh"))
+            .arg(binary())
+            .arg(&runsc)
+            .arg(image())
+            .arg(GATEWAY_IMAGE),
+    )?;
     let tag = &uuid::Uuid::new_v4().simple().to_string()[..8];
     let mut deployment = Deployment {
         name: format!("kg-gvisor-ctr-{tag}"),
@@ -275,8 +274,8 @@ async fn the_gateway_image_serves_kernels_privileged_without_docker_and_survives
     let rd = deployment.runtime_dir.display().to_string();
     std::fs::create_dir_all(&deployment.runtime_dir)?;
     std::fs::create_dir_all(&deployment.hibernate_dir)?;
-    run(Command::new("mount").args(["--bind", &rd, &rd]))?;
-    run(Command::new("mount").args(["--make-shared", &rd]))?;
+    kernelgate_tests::command_output(Command::new("mount").args(["--bind", &rd, &rd]))?;
+    kernelgate_tests::command_output(Command::new("mount").args(["--make-shared", &rd]))?;
     // Without the entrypoint's mounts the gateway sees only its container's part of each
     // cgroup hierarchy: it refuses to start rather than put the sandboxes inside it.
     let refused = Command::new("docker")
@@ -316,9 +315,9 @@ async fn the_gateway_image_serves_kernels_privileged_without_docker_and_survives
             format!("--hibernate-dir={hibernate}"),
         ])
         .arg("--kernel-memory-mb=1024");
-    run(&mut docker_run)?;
+    kernelgate_tests::command_output(&mut docker_run)?;
     // Nothing of Docker's in the container: no socket, no client.
-    let inside = run(Command::new("docker").args([
+    let inside = kernelgate_tests::command_output(Command::new("docker").args([
         "exec",
         &deployment.name,
         "sh",
@@ -382,11 +381,11 @@ async fn the_gateway_image_serves_kernels_privileged_without_docker_and_survives
 
     // Killed (no SIGTERM, which removes the kernels), the container's processes die; the
     // sandbox, in the host's PID namespace and outside the container's cgroup, does not.
-    run(Command::new("docker").args(["kill", &deployment.name]))?;
+    kernelgate_tests::command_output(Command::new("docker").args(["kill", &deployment.name]))?;
     let left = deployment.sandboxes()?;
     assert_eq!(left.len(), 1, "the sandbox outlives its gateway: {left:?}");
     assert_eq!(left[0]["status"], "running", "{left:?}");
-    run(Command::new("docker").args(["start", &deployment.name]))?;
+    kernelgate_tests::command_output(Command::new("docker").args(["start", &deployment.name]))?;
     ready(&client, &deployment.name).await?;
     let again = execute(&client, &id, "print(x + 1)").await?;
     assert_eq!(
@@ -401,7 +400,7 @@ async fn the_gateway_image_serves_kernels_privileged_without_docker_and_survives
         Vec::<Value>::new(),
         "no sandbox left"
     );
-    run(Command::new("docker").args(["stop", &deployment.name]))?;
+    kernelgate_tests::command_output(Command::new("docker").args(["stop", &deployment.name]))?;
     assert!(
         !Path::new(&format!(
             "/sys/fs/cgroup/memory{parent}/kernelgate/{handle}"

@@ -54,13 +54,6 @@ async fn hibernate(gw: &Gateway, id: &str) -> Result<(u16, Value)> {
         .await
 }
 
-/// Runs `code` and returns what it printed, failing on an error.
-async fn run(gw: &Gateway, id: &str, code: &str) -> Result<String> {
-    let answer = gw.execute(id, code).await?;
-    anyhow::ensure!(answer["status"] == "ok", "{code}: {answer}");
-    Ok(answer["stdout"].as_str().unwrap_or_default().to_owned())
-}
-
 /// The `kernel_resumed` records, once the latest resume wrote its own: the gateway writes
 /// it when the load is confirmed, which the waking cell's answer may overtake.
 async fn resumes(gw: &Gateway) -> Result<usize> {
@@ -132,7 +125,7 @@ async fn a_hibernated_kernel_resumes_with_its_variables_files_and_count() -> Res
         .as_str()
         .context("id")?
         .to_owned();
-    assert_eq!(run(&gw, &id, NAMESPACE).await?.trim(), "ready");
+    assert_eq!(gw.run(&id, NAMESPACE).await?.trim(), "ready");
     assert_eq!(containers(&gw)?, 1);
 
     let (status, hibernated) = hibernate(&gw, &id).await?;
@@ -187,7 +180,7 @@ async fn a_hibernated_kernel_resumes_with_its_variables_files_and_count() -> Res
     }
     assert_eq!(containers(&gw)?, 1);
     // The inputs before the hibernation are still the kernel's history.
-    let history = run(&gw, &id, "print(In[1].strip().splitlines()[0])").await?;
+    let history = gw.run(&id, "print(In[1].strip().splitlines()[0])").await?;
     assert_eq!(history.trim(), "import os, hashlib");
 
     let hibernations = gw.audited("kernel_hibernated")?;
@@ -216,7 +209,7 @@ async fn what_cannot_be_saved_keeps_the_kernel_running_and_says_why() -> Result<
     let refused = |code: &'static str, names: &'static str| {
         let (gw, id) = (&gw, id.clone());
         async move {
-            run(gw, &id, code).await?;
+            gw.run(&id, code).await?;
             let (status, body) = hibernate(gw, &id).await?;
             assert_eq!(status, 409, "{code}: {body}");
             let message = body["message"].as_str().unwrap_or_default().to_owned();
@@ -229,7 +222,7 @@ async fn what_cannot_be_saved_keeps_the_kernel_running_and_says_why() -> Result<
             anyhow::Ok(())
         }
     };
-    run(&gw, &id, "kept = 7").await?;
+    gw.run(&id, "kept = 7").await?;
     refused("gen = (i for i in range(3))", "gen (generator)").await?;
     refused(
         "del gen\nimport sqlite3\nconn = sqlite3.connect(':memory:')",
@@ -254,8 +247,10 @@ async fn what_cannot_be_saved_keeps_the_kernel_running_and_says_why() -> Result<
     .await?;
     // The kernel ran on throughout, with its state, and what it saved for the refused
     // hibernations is gone from its home.
-    assert_eq!(run(&gw, &id, "print(kept)").await?.trim(), "7");
-    let leftover = run(&gw, &id, "print(os.path.exists('.kernelgate-state'))").await?;
+    assert_eq!(gw.run(&id, "print(kept)").await?.trim(), "7");
+    let leftover = gw
+        .run(&id, "print(os.path.exists('.kernelgate-state'))")
+        .await?;
     assert_eq!(leftover.trim(), "False");
     // Nothing of a refused state is left on the host.
     let dir = hibernate_dir(&gw.runtime_dir);
@@ -276,7 +271,7 @@ async fn lossy_hibernation_names_what_it_dropped_on_the_next_output() -> Result<
         .as_str()
         .context("id")?
         .to_owned();
-    run(&gw, &id, "x = 5\ngen = (i for i in range(3))").await?;
+    gw.run(&id, "x = 5\ngen = (i for i in range(3))").await?;
     let (status, body) = hibernate(&gw, &id).await?;
     assert_eq!(status, 200, "{body}");
     let answer = gw.execute(&id, "print(x)").await?;
@@ -299,7 +294,7 @@ async fn requests_that_come_together_wake_a_kernel_once_from_the_pool() -> Resul
         .as_str()
         .context("id")?
         .to_owned();
-    run(&gw, &id, "seen = []").await?;
+    gw.run(&id, "seen = []").await?;
     gw.wait_pool("filled").await?;
     let (status, body) = hibernate(&gw, &id).await?;
     assert_eq!(status, 200, "{body}");
@@ -331,7 +326,7 @@ async fn requests_that_come_together_wake_a_kernel_once_from_the_pool() -> Resul
     for answer in &answers? {
         assert_eq!(answer["status"], "ok", "{answer}");
     }
-    let seen = run(&gw, &id, "print(sorted(map(str, seen)))").await?;
+    let seen = gw.run(&id, "print(sorted(map(str, seen)))").await?;
     assert_eq!(seen.trim(), "['0', '1', '2', '3', 'first']");
     assert_eq!(resumes(&gw).await?, 1);
     // The kernel runs in the container that was warm.
@@ -345,7 +340,8 @@ async fn requests_that_come_together_wake_a_kernel_once_from_the_pool() -> Resul
         "not resumed into the warm kernel"
     );
     // Files come back with the kernel: reading one wakes it too.
-    run(&gw, &id, "open('kept.txt', 'w').write('still here')").await?;
+    gw.run(&id, "open('kept.txt', 'w').write('still here')")
+        .await?;
     let (status, body) = hibernate(&gw, &id).await?;
     assert_eq!(status, 200, "{body}");
     let file = gw
@@ -375,13 +371,13 @@ async fn hibernated_kernels_outlive_a_gateway_killed_with_sigkill() -> Result<()
         .as_str()
         .context("id")?
         .to_owned();
-    run(&gw, &id, "answer = 41 + 1").await?;
+    gw.run(&id, "answer = 41 + 1").await?;
     let (status, body) = hibernate(&gw, &id).await?;
     assert_eq!(status, 200, "{body}");
     let gw = gw.crash().await?.restart(&[]).await?;
     let listed = model(&gw, &id).await?;
     assert_eq!(listed["hibernated"], true, "{listed}");
-    assert_eq!(run(&gw, &id, "print(answer)").await?.trim(), "42");
+    assert_eq!(gw.run(&id, "print(answer)").await?.trim(), "42");
     // A hibernated kernel restarted starts fresh; interrupting one does nothing.
     let (status, _) = hibernate(&gw, &id).await?;
     assert_eq!(status, 200);
@@ -607,11 +603,8 @@ async fn a_hostile_home_stalls_neither_the_gateway_nor_other_kernels() -> Result
         auto.client().create_kernel(None).await?,
         gw.client().create_kernel(None).await?,
     );
-    assert_eq!(
-        run(&auto, &hostile, HOSTILE).await?.trim(),
-        "10995116277760"
-    );
-    run(&auto, &quiet, "x = 1").await?;
+    assert_eq!(auto.run(&hostile, HOSTILE).await?.trim(), "10995116277760");
+    auto.run(&quiet, "x = 1").await?;
 
     // The quiet kernel hibernates on schedule while the hostile one's save hangs.
     let slept = wait_model(&auto, &quiet, Duration::from_secs(60), |m| {
@@ -635,10 +628,10 @@ async fn a_hostile_home_stalls_neither_the_gateway_nor_other_kernels() -> Result
     );
     assert_eq!(blocked["hibernated"], false, "{blocked}");
     // The kernel runs on with its variables.
-    assert_eq!(run(&auto, &hostile, "print(kept)").await?.trim(), "11");
+    assert_eq!(auto.run(&hostile, "print(kept)").await?.trim(), "11");
 
     // The files API: the listing works, a pipe and a huge file fail at once, with reasons.
-    assert_eq!(run(&gw, &manual, HOSTILE).await?.trim(), "10995116277760");
+    assert_eq!(gw.run(&manual, HOSTILE).await?.trim(), "10995116277760");
     let get = |path: &'static str| {
         let (gw, id) = (&gw, manual.clone());
         async move {
@@ -667,24 +660,24 @@ async fn a_hostile_home_stalls_neither_the_gateway_nor_other_kernels() -> Result
     assert_eq!((status, body.contains("time.sleep")), (200, true), "{body}");
 
     // Hibernating it: each obstacle is named in turn, and the gateway answers.
-    run(&gw, &manual, "del slow").await?;
+    gw.run(&manual, "del slow").await?;
     let (status, body) = hibernate(&gw, &manual).await?;
     assert_eq!(status, 409, "{body}");
     assert!(body.to_string().contains("--hibernate-max-mb"), "{body}");
-    run(&gw, &manual, "os.remove('sparse.bin')").await?;
+    gw.run(&manual, "os.remove('sparse.bin')").await?;
     let (status, body) = hibernate(&gw, &manual).await?;
     assert_eq!(status, 409, "{body}");
     assert!(body.to_string().contains("pipe"), "{body}");
     // Without them it hibernates, shadowing modules and all, and comes back.
-    run(&gw, &manual, "os.remove('pipe')").await?;
+    gw.run(&manual, "os.remove('pipe')").await?;
     let (status, body) = hibernate(&gw, &manual).await?;
     assert_eq!(status, 200, "{body}");
-    let back = run(
-        &gw,
-        &manual,
-        "print(kept, open('json.py').read().count('sleep'))",
-    )
-    .await?;
+    let back = gw
+        .run(
+            &manual,
+            "print(kept, open('json.py').read().count('sleep'))",
+        )
+        .await?;
     assert_eq!(back.trim(), "11 1");
     Ok(())
 }
@@ -697,7 +690,7 @@ async fn a_state_that_does_not_load_is_kept_and_can_be_discarded_keeping_the_fil
     let cell =
         "import os\nclass Fatal:\n    def __reduce__(self):\n        return (os._exit, (3,))\n\
                 fatal = Fatal()\nx = 1\nopen('kept.txt', 'w').write('still here')";
-    run(&gw, &id, cell).await?;
+    gw.run(&id, cell).await?;
     let (status, body) = hibernate(&gw, &id).await?;
     assert_eq!(status, 200, "{body}");
 
@@ -728,7 +721,9 @@ async fn a_state_that_does_not_load_is_kept_and_can_be_discarded_keeping_the_fil
         .await?;
     assert_eq!(status, 200, "{body}");
     assert_eq!(body["hibernated"], false, "{body}");
-    let fresh = run(&gw, &id, "print(open('kept.txt').read(), 'x' in globals())").await?;
+    let fresh = gw
+        .run(&id, "print(open('kept.txt').read(), 'x' in globals())")
+        .await?;
     assert_eq!(fresh.trim(), "still here False");
     assert!(!state.exists(), "the discarded state is still on disk");
     assert_eq!(gw.audited("kernel_state_discarded")?.len(), 1);
@@ -786,7 +781,7 @@ async fn concurrent_hibernations_and_resumes_of_large_homes_stream_within_the_me
     for _ in 0..K {
         let id = gw.client().create_kernel(None).await?;
         assert_eq!(
-            run(&gw, &id, &format!("import os\n{HOME}")).await?.trim(),
+            gw.run(&id, &format!("import os\n{HOME}")).await?.trim(),
             "512"
         );
         ids.push(id);
@@ -814,7 +809,7 @@ async fn concurrent_hibernations_and_resumes_of_large_homes_stream_within_the_me
         &gw,
         futures::future::join_all(
             ids.iter()
-                .map(|id| run(&gw, id, "print(os.path.getsize('big.bin') >> 20)")),
+                .map(|id| gw.run(id, "print(os.path.getsize('big.bin') >> 20)")),
         ),
     )
     .await?;

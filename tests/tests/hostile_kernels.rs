@@ -261,6 +261,7 @@ print(sorted(os.listdir('/run/kernel')))
 async fn flooding_kernels_cannot_exhaust_the_gateway() -> Result<()> {
     const MAX_MESSAGE_MB: u64 = 16;
     const FLOODERS: u64 = 4;
+    let _alone = kernelgate_tests::machine_to_myself()?;
     let gw = Gateway::start(&["--max-message-mb", "16", "--kernel-memory-mb", "1536"]).await?;
     let mut ids = Vec::new();
     for _ in 0..=FLOODERS {

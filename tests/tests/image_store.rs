@@ -2,32 +2,20 @@
 //! with `docker save`, brought in with `kernelgate image import`, holds what Docker says the
 //! image holds.
 
-use anyhow::{bail, ensure, Context, Result};
+use anyhow::{ensure, Context, Result};
 use kernelgate::images::ImageStore;
 use serde_json::Value;
 use std::path::Path;
 use std::process::Command;
 
-fn run(command: &mut Command) -> Result<String> {
-    let out = command
-        .output()
-        .with_context(|| format!("running {command:?}"))?;
-    if !out.status.success() {
-        bail!(
-            "{command:?} failed: {}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    Ok(String::from_utf8(out.stdout)?)
-}
-
 fn kernelgate(store: &Path, args: &[&str]) -> Result<String> {
-    run(Command::new(kernelgate_tests::binary())
-        .arg("image")
-        .args(args)
-        .arg("--image-store")
-        .arg(store))
+    kernelgate_tests::command_output(
+        Command::new(kernelgate_tests::binary())
+            .arg("image")
+            .args(args)
+            .arg("--image-store")
+            .arg(store),
+    )
 }
 
 fn strings(value: &Value) -> Vec<String> {
@@ -49,8 +37,8 @@ fn the_kernel_image_saved_by_docker_imports_into_the_image_store() -> Result<()>
         return Ok(());
     }
     let image = kernelgate_tests::image();
-    let inspect: Value = serde_json::from_str(&run(
-        Command::new("docker").args(["image", "inspect", &image])
+    let inspect: Value = serde_json::from_str(&kernelgate_tests::command_output(
+        Command::new("docker").args(["image", "inspect", &image]),
     )?)?;
     let inspect = &inspect[0];
     let id = inspect["Id"]
@@ -62,10 +50,12 @@ fn the_kernel_image_saved_by_docker_imports_into_the_image_store() -> Result<()>
         .tempdir_in("/var/tmp")?;
     let archive = scratch.path().join("kernel.tar");
     let store = scratch.path().join("store");
-    run(Command::new("docker")
-        .args(["save", "-o"])
-        .arg(&archive)
-        .arg(&image))?;
+    kernelgate_tests::command_output(
+        Command::new("docker")
+            .args(["save", "-o"])
+            .arg(&archive)
+            .arg(&image),
+    )?;
 
     let imported = kernelgate(&store, &["import", archive.to_str().context("path")?])?;
     ensure!(

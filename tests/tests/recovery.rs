@@ -35,18 +35,6 @@ fn container_of(gw: &Gateway, kernel_id: &str) -> Result<String> {
     Ok(gw.sandbox(kernel_id)?.id)
 }
 
-/// The agent API's answer for `code`.
-async fn run(gw: &Gateway, id: &str, code: &str) -> Result<Value> {
-    let (status, body) = gw
-        .post_json(
-            &format!("/api/kernels/{id}/execute"),
-            json!({"code": code, "timeout": 60}),
-        )
-        .await?;
-    anyhow::ensure!(status == 200, "execute answered {status}: {body}");
-    Ok(body)
-}
-
 async fn state_of(gw: &Gateway, id: &str) -> Result<String> {
     let (_, model) = gw.get_json(&format!("/api/kernels/{id}")).await?;
     Ok(model["execution_state"]
@@ -107,14 +95,14 @@ async fn an_out_of_memory_kernel_says_so_and_survives_a_second_death_while_it_re
     // Through the agent API, as an agent retrying at once: the retry reaches the kernel
     // while it restarts and kills it again.
     let started = Instant::now();
-    let first = run(&gw, &id, OOM_CELL).await?;
-    let retry = run(&gw, &id, OOM_CELL).await?;
+    let first = gw.execute(&id, OOM_CELL).await?;
+    let retry = gw.execute(&id, OOM_CELL).await?;
     let took = started.elapsed();
     for answer in [&first, &retry] {
         assert_eq!(answer["status"], "error", "{answer}");
         assert_names_the_limit(&answer["error"]);
     }
-    let back = run(&gw, &id, "21 * 2").await?;
+    let back = gw.execute(&id, "21 * 2").await?;
     assert_eq!(back["status"], "ok", "{back}");
     assert_eq!(back["results"][0]["data"]["text/plain"], "42");
     assert!(
@@ -159,7 +147,7 @@ async fn a_kernel_that_cannot_be_restarted_fails_fast_and_says_what_to_do() -> R
     let memory = MEMORY_MB.to_string();
     let gw = Gateway::start(&["--kernel-memory-mb", &memory]).await?;
     let id = id_of(&gw.create_kernel().await?);
-    let first = run(&gw, &id, OOM_CELL).await?;
+    let first = gw.execute(&id, OOM_CELL).await?;
     assert_names_the_limit(&first["error"]);
 
     // Every process the restart starts is killed before it answers.
@@ -191,7 +179,7 @@ async fn a_kernel_that_cannot_be_restarted_fails_fast_and_says_what_to_do() -> R
 
     // Later calls fail at once and say what brings the kernel back.
     let t0 = Instant::now();
-    let later = run(&gw, &id, "1 + 1").await?;
+    let later = gw.execute(&id, "1 + 1").await?;
     assert!(t0.elapsed() < Duration::from_secs(2));
     assert_eq!(later["status"], "error", "{later}");
     assert_eq!(later["error"]["ename"], "KernelUnavailable", "{later}");
@@ -212,7 +200,7 @@ async fn a_kernel_that_cannot_be_restarted_fails_fast_and_says_what_to_do() -> R
         .post_json(&format!("/api/kernels/{id}/restart"), json!({}))
         .await?;
     assert_eq!(status, 200, "{model}");
-    let back = run(&gw, &id, "1 + 1").await?;
+    let back = gw.execute(&id, "1 + 1").await?;
     assert_eq!(back["results"][0]["data"]["text/plain"], "2", "{back}");
     Ok(())
 }

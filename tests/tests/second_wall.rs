@@ -75,6 +75,7 @@ fn cgroup_cpu_seconds(sandbox: &Sandbox) -> Result<f64> {
 /// sandbox says how much they got.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_cpu_quota_binds() -> Result<()> {
+    let _alone = kernelgate_tests::machine_to_myself()?;
     let gw = Gateway::start(&["--kernel-cpus", "1"]).await?;
     let model = gw.create_kernel().await?;
     let id = model["id"].as_str().unwrap_or_default();

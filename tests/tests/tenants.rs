@@ -79,21 +79,6 @@ async fn create(gw: &Gateway, token: &str) -> Result<String> {
     Ok(model["id"].as_str().unwrap_or_default().to_owned())
 }
 
-async fn run(gw: &Gateway, token: &str, id: &str, code: &str) -> Result<Value> {
-    let (status, r) = gw
-        .call_as(
-            token,
-            Method::POST,
-            &format!("/api/kernels/{id}/execute"),
-            Some(json!({"code": code})),
-        )
-        .await?;
-    if status != 200 {
-        bail!("execute: {status} {r}");
-    }
-    Ok(r)
-}
-
 fn ids(list: &Value) -> Vec<String> {
     list.as_array()
         .map(|a| {
@@ -131,13 +116,13 @@ async fn a_tenant_cannot_see_or_touch_another_tenants_kernels() -> Result<()> {
     let t = tenants("3")?;
     let gw = Gateway::start(&["--keys", &t.file.display().to_string()]).await?;
     let a = create(&gw, &t.alice).await?;
-    let r = run(
-        &gw,
-        &t.alice,
-        &a,
-        "secret = 'alice'\nopen('mine.txt', 'w').write('hers')",
-    )
-    .await?;
+    let r = gw
+        .execute_as(
+            &t.alice,
+            &a,
+            "secret = 'alice'\nopen('mine.txt', 'w').write('hers')",
+        )
+        .await?;
     assert_eq!(r["status"], "ok", "{r}");
 
     let (status, list) = gw
@@ -176,7 +161,9 @@ async fn a_tenant_cannot_see_or_touch_another_tenants_kernels() -> Result<()> {
         Ok(_) => bail!("bob opened alice's channels"),
     }
     // Nothing changed for alice: same variables (no restart, no execution), same file.
-    let r = run(&gw, &t.alice, &a, "print(secret, open('mine.txt').read())").await?;
+    let r = gw
+        .execute_as(&t.alice, &a, "print(secret, open('mine.txt').read())")
+        .await?;
     assert_eq!(r["stdout"], "alice hers\n", "{r}");
     assert!(websocket(&gw, &t.alice, &a).await?.is_ok());
 
@@ -188,7 +175,7 @@ async fn a_tenant_cannot_see_or_touch_another_tenants_kernels() -> Result<()> {
     let all = ids(&list);
     assert!(all.contains(&a) && all.contains(&b), "{list}");
     assert_eq!(
-        run(&gw, &t.root, &a, "secret").await?["results"][0]["data"]["text/plain"],
+        gw.execute_as(&t.root, &a, "secret").await?["results"][0]["data"]["text/plain"],
         "'alice'"
     );
     let (_, mine) = gw
@@ -315,7 +302,7 @@ async fn a_revoked_key_is_refused_and_loses_its_sockets_and_kernels() -> Result<
     }
     assert!(gone, "bob's kernel was shut down, its container removed");
     assert_eq!(
-        run(&gw, &t.alice, &a, "1 + 1").await?["results"][0]["data"]["text/plain"],
+        gw.execute_as(&t.alice, &a, "1 + 1").await?["results"][0]["data"]["text/plain"],
         "2"
     );
     Ok(())
@@ -497,7 +484,10 @@ async fn a_keys_memory_and_cpu_limits_hold_with_a_warm_pool() -> Result<()> {
     // The warm kernel runs with the configured limits: the small key gets one of its own.
     let id = create(&gw, small.trim()).await?;
     assert_eq!(limits(&id)?, (256 << 20, 500_000_000));
-    assert_eq!(run(&gw, small.trim(), &id, "1 + 1").await?["status"], "ok");
+    assert_eq!(
+        gw.execute_as(small.trim(), &id, "1 + 1").await?["status"],
+        "ok"
+    );
     let id = create(&gw, plain.trim()).await?;
     assert_eq!(limits(&id)?, (1024 << 20, 1_000_000_000));
     Ok(())
