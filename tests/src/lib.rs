@@ -3,6 +3,7 @@
 //! talks to real Docker and a real ipykernel in the real image.
 
 pub mod bench_report;
+pub mod cluster;
 pub mod engine;
 pub mod etcd;
 pub mod netns;
