@@ -4,12 +4,12 @@
 #                                     one run on this machine: prints a markdown table and
 #                                     writes bench-results.json and bench-results.md
 #   make bench BENCH_ARGS=--quick     a short run to try it out (numbers mean little)
-#   make bench BENCH_ARGS=--walls-only  only direct, runc and both gVisor runtimes in
+#   make bench BENCH_ARGS='--only walls'  only direct, runc and both gVisor runtimes in
 #                                     alternating rounds (needs `make gvisor`)
-#   make bench BENCH_ARGS=--engines-only  Docker+runc, Docker+gVisor and the gVisor engine
+#   make bench BENCH_ARGS='--only engines'  Docker+runc, Docker+gVisor and the gVisor engine
 #                                     (--engine gvisor) in alternating rounds (needs
 #                                     `make gvisor`; samples in docs/bench-engines.json)
-#   make bench BENCH_ARGS=--stages-only only the per-stage breakdown of one execute and each
+#   make bench BENCH_ARGS='--only stages' only the per-stage breakdown of one execute and each
 #                                     optional feature on and off
 #   make bench-versions BASELINE=REV  this tree's gateway against REV's (a release build of
 #                                     `git archive REV`), both under runc in alternating
@@ -72,5 +72,5 @@ bench-versions: image test-tools
 		BENCH_COMMAND='make bench-versions BASELINE=$(BASELINE)' \
 		BENCH_BASELINE_REV="$$(git rev-parse --short '$(BASELINE)')" \
 		BENCH_CURRENT_REV="$$(git rev-parse --short HEAD)$$(git diff --quiet HEAD || echo ' (with uncommitted changes)')" \
-		./target/release/bench --versions-only --baseline-bin '$(BASELINE_DIR)/kernelgate' \
+		./target/release/bench --only versions --baseline-bin '$(BASELINE_DIR)/kernelgate' \
 		--out bench-versions.json --md bench-versions.md $(BENCH_ARGS)

@@ -136,37 +136,89 @@ pub const STAGES: [&str; 8] = [
     "back",
 ];
 
+/// A section of the bench run alone (`bench --only NAME`): its own workload and table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Section {
+    Mcp,
+    Stages,
+    Walls,
+    Restart,
+    Cluster,
+    Hibernate,
+    Packages,
+    Versions,
+    E2b,
+    Engines,
+}
+
+impl Section {
+    pub const ALL: [Section; 10] = [
+        Section::Mcp,
+        Section::Stages,
+        Section::Walls,
+        Section::Restart,
+        Section::Cluster,
+        Section::Hibernate,
+        Section::Packages,
+        Section::Versions,
+        Section::E2b,
+        Section::Engines,
+    ];
+
+    /// Its name on the command line and in the samples' `settings.only`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Section::Mcp => "mcp",
+            Section::Stages => "stages",
+            Section::Walls => "walls",
+            Section::Restart => "restart",
+            Section::Cluster => "cluster",
+            Section::Hibernate => "hibernate",
+            Section::Packages => "packages",
+            Section::Versions => "versions",
+            Section::E2b => "e2b",
+            Section::Engines => "engines",
+        }
+    }
+
+    /// The section a run's settings name: `only`, or the `<name>_only` flag samples
+    /// written before `--only` carry.
+    pub fn of(settings: &Value) -> Option<Section> {
+        let named = settings["only"].as_str();
+        Section::ALL.into_iter().find(|s| {
+            named == Some(s.name()) || settings[format!("{}_only", s.name())] == Value::Bool(true)
+        })
+    }
+}
+
+impl std::str::FromStr for Section {
+    type Err = anyhow::Error;
+
+    fn from_str(name: &str) -> anyhow::Result<Section> {
+        Section::ALL
+            .into_iter()
+            .find(|s| s.name() == name)
+            .ok_or_else(|| {
+                let names: Vec<&str> = Section::ALL.iter().map(|s| s.name()).collect();
+                anyhow::anyhow!("no bench section {name:?}: one of {}", names.join(", "))
+            })
+    }
+}
+
 pub fn markdown(doc: &Value) -> String {
     let m = &doc["metrics"];
-    if doc["settings"]["mcp_only"] == Value::Bool(true) {
-        return tool_call_table(m);
-    }
-    if doc["settings"]["stages_only"] == Value::Bool(true) {
-        return stages_table(m);
-    }
-    if doc["settings"]["walls_only"] == Value::Bool(true) {
-        return walls_table(m);
-    }
-    if doc["settings"]["restart_only"] == Value::Bool(true) {
-        return restart_table(m);
-    }
-    if doc["settings"]["cluster_only"] == Value::Bool(true) {
-        return cluster_table(m);
-    }
-    if doc["settings"]["hibernate_only"] == Value::Bool(true) {
-        return hibernate_table(m);
-    }
-    if doc["settings"]["packages_only"] == Value::Bool(true) {
-        return packages_table(m);
-    }
-    if doc["settings"]["versions_only"] == Value::Bool(true) {
-        return versions_table(m);
-    }
-    if doc["settings"]["e2b_only"] == Value::Bool(true) {
-        return e2b_table(m);
-    }
-    if doc["settings"]["engines_only"] == Value::Bool(true) {
-        return engines::table(m);
+    match Section::of(&doc["settings"]) {
+        Some(Section::Mcp) => return tool_call_table(m),
+        Some(Section::Stages) => return stages_table(m),
+        Some(Section::Walls) => return walls_table(m),
+        Some(Section::Restart) => return restart_table(m),
+        Some(Section::Cluster) => return cluster_table(m),
+        Some(Section::Hibernate) => return hibernate_table(m),
+        Some(Section::Packages) => return packages_table(m),
+        Some(Section::Versions) => return versions_table(m),
+        Some(Section::E2b) => return e2b_table(m),
+        Some(Section::Engines) => return engines::table(m),
+        None => {}
     }
     let mut out = String::new();
     out.push_str("| metric | Kernelgate | JKG | direct ZMQ | ratio vs direct | target | met? |\n");

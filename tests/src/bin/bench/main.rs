@@ -3,9 +3,10 @@
 //! markdown table and writes it, with every sample, to JSON and markdown files.
 //!
 //! Usage: bench [--out FILE.json] [--md FILE.md] [--venv DIR] [--rounds N] [--pool-size N]
-//!              [--idle-kernels N] [--quick] [--mcp-only] [--stages-only] [--walls-only]
-//!              [--restart-only] [--cluster-only] [--hibernate-only] [--packages-only]
-//!              [--e2b-only] [--engines-only] [--versions-only --baseline-bin PATH]
+//!              [--idle-kernels N] [--quick] [--only SECTION] [--baseline-bin PATH]
+//!
+//! `--only` runs one section alone (its table, its samples): mcp, stages, walls, restart,
+//! cluster, hibernate, packages, versions (with `--baseline-bin`), e2b, engines.
 //!
 //! Kernelgate runs each kernel in a Docker container under runc (ipc sockets
 //! bind-mounted), then, in a table of its own, under runc and both gVisor runtimes beside
@@ -30,6 +31,7 @@ mod walls;
 use anyhow::{bail, Context, Result};
 use conn::Conn;
 use futures::StreamExt;
+use kernelgate_tests::bench_report::Section;
 use procs::{DirectKernel, Paths, Server};
 use serde_json::{json, Map, Value};
 use stats::{median, ms, percentile};
@@ -55,26 +57,9 @@ struct Opts {
     parallel_for: Duration,
     /// Profiling aid: only stream through Kernelgate for this long, then stop.
     soak: Option<Duration>,
-    /// Only the agent API vs MCP round trips.
-    mcp_only: bool,
-    /// Only the per-stage breakdown and each optional feature on and off.
-    stages_only: bool,
-    /// Only direct, runc and the two gVisor runtimes, in alternating rounds.
-    walls_only: bool,
-    /// Only restarts, with and without a warm kernel ready.
-    restart_only: bool,
-    /// Only cluster mode's costs.
-    cluster_only: bool,
-    /// Only hibernation and resume.
-    hibernate_only: bool,
-    /// Only installing allowlisted packages.
-    packages_only: bool,
-    /// Two builds of the gateway side by side: `--baseline-bin` against this one.
-    versions_only: bool,
+    /// One section of the bench alone (`--only NAME`).
+    only: Option<Section>,
     baseline_bin: Option<PathBuf>,
-    e2b_only: bool,
-    /// Only the engines: Docker+runc, Docker+gVisor and the gVisor engine.
-    engines_only: bool,
     /// Hibernate-resume rounds of the kernel holding only `x = 1` (and warm creates).
     hibernate_rounds: usize,
     /// Hibernate-resume rounds of the kernel holding 100 MiB.
@@ -99,17 +84,8 @@ impl Opts {
             parallel_kernels: 10,
             parallel_for: Duration::from_secs(10),
             soak: None,
-            mcp_only: false,
-            stages_only: false,
-            walls_only: false,
-            restart_only: false,
-            cluster_only: false,
-            hibernate_only: false,
-            packages_only: false,
-            versions_only: false,
+            only: None,
             baseline_bin: None,
-            e2b_only: false,
-            engines_only: false,
             hibernate_rounds: 10,
             hibernate_large_rounds: 5,
             render: None,
@@ -125,17 +101,8 @@ impl Opts {
                 "--pool-size" => o.pool_size = val()?.parse()?,
                 "--idle-kernels" => o.idle_kernels = val()?.parse()?,
                 "--soak" => o.soak = Some(Duration::from_secs(val()?.parse()?)),
-                "--mcp-only" => o.mcp_only = true,
-                "--stages-only" => o.stages_only = true,
-                "--walls-only" => o.walls_only = true,
-                "--restart-only" => o.restart_only = true,
-                "--cluster-only" => o.cluster_only = true,
-                "--hibernate-only" => o.hibernate_only = true,
-                "--packages-only" => o.packages_only = true,
-                "--versions-only" => o.versions_only = true,
+                "--only" => o.only = Some(val()?.parse()?),
                 "--baseline-bin" => o.baseline_bin = Some(val()?.into()),
-                "--e2b-only" => o.e2b_only = true,
-                "--engines-only" => o.engines_only = true,
                 "--render" => o.render = Some(val()?.into()),
                 "--quick" => {
                     // For trying the bench out, not for numbers.
@@ -157,8 +124,8 @@ impl Opts {
                 other => bail!("unknown argument {other:?}\n{USAGE}"),
             }
         }
-        if o.versions_only && o.baseline_bin.is_none() {
-            bail!("--versions-only needs --baseline-bin PATH (`make bench-versions` builds one)");
+        if o.only == Some(Section::Versions) && o.baseline_bin.is_none() {
+            bail!("--only versions needs --baseline-bin PATH (`make bench-versions` builds one)");
         }
         if o.pool_size == 0 || o.rounds == 0 || o.creates == 0 {
             bail!("--pool-size and --rounds must be at least 1");
@@ -168,9 +135,9 @@ impl Opts {
 }
 
 const USAGE: &str = "usage: bench [--out FILE.json] [--md FILE.md] [--venv DIR] [--rounds N] \
-                     [--pool-size N] [--idle-kernels N] [--quick] [--mcp-only] [--stages-only] \
-                     [--walls-only] [--restart-only] [--cluster-only] [--hibernate-only] [--packages-only] \
-                     [--e2b-only] [--versions-only --baseline-bin PATH] [--render BENCH-RESULTS.json]";
+                     [--pool-size N] [--idle-kernels N] [--quick] [--only SECTION] \
+                     [--baseline-bin PATH (with --only versions)] [--render BENCH-RESULTS.json]\n\
+                     sections: mcp stages walls restart cluster hibernate packages versions e2b engines";
 
 /// One target's kernels and client connections during the run.
 #[derive(Debug)]
@@ -231,18 +198,7 @@ async fn main() -> Result<()> {
     } else {
         std::env::current_dir()?.join(&opts.venv)
     };
-    if !opts.mcp_only
-        && !opts.stages_only
-        && !opts.walls_only
-        && !opts.restart_only
-        && !opts.cluster_only
-        && !opts.hibernate_only
-        && !opts.packages_only
-        && !opts.versions_only
-        && !opts.e2b_only
-        && !opts.engines_only
-        && !venv.join("bin/jupyter-kernelgateway").exists()
-    {
+    if opts.only.is_none() && !venv.join("bin/jupyter-kernelgateway").exists() {
         bail!(
             "{} has no jupyter-kernelgateway: `make bench` creates it",
             venv.display()
@@ -276,16 +232,7 @@ async fn main() -> Result<()> {
             "parallel_kernels": opts.parallel_kernels,
             "parallel_seconds": opts.parallel_for.as_secs_f64(),
             "idle_kernels": opts.idle_kernels,
-            "mcp_only": opts.mcp_only,
-            "stages_only": opts.stages_only,
-            "walls_only": opts.walls_only,
-            "restart_only": opts.restart_only,
-            "cluster_only": opts.cluster_only,
-            "hibernate_only": opts.hibernate_only,
-            "packages_only": opts.packages_only,
-            "versions_only": opts.versions_only,
-            "e2b_only": opts.e2b_only,
-            "engines_only": opts.engines_only,
+            "only": opts.only.map(Section::name),
             "hibernate_rounds": opts.hibernate_rounds,
             "hibernate_large_rounds": opts.hibernate_large_rounds,
         },
@@ -305,35 +252,21 @@ async fn main() -> Result<()> {
 }
 
 async fn measure_all(opts: &Opts, paths: &Paths, results: &mut Results) -> Result<()> {
-    if opts.mcp_only {
-        return mcp::compare(opts, paths, results).await;
-    }
-    if opts.stages_only {
-        return stages::compare(opts, paths, results).await;
-    }
-    if opts.walls_only {
-        return walls::compare(opts, paths, results).await;
-    }
-    if opts.restart_only {
-        return restart::compare(opts, paths, results).await;
-    }
-    if opts.cluster_only {
-        return cluster::compare(opts, paths, results).await;
-    }
-    if opts.hibernate_only {
-        return hibernate::compare(opts, paths, results).await;
-    }
-    if opts.packages_only {
-        return packages::compare(opts, paths, results).await;
-    }
-    if let (true, Some(baseline)) = (opts.versions_only, &opts.baseline_bin) {
-        return versions::compare(opts, paths, baseline, results).await;
-    }
-    if opts.e2b_only {
-        return e2b::compare(opts, paths, results).await;
-    }
-    if opts.engines_only {
-        return engines::compare(opts, paths, results).await;
+    match (opts.only, &opts.baseline_bin) {
+        (Some(Section::Mcp), _) => return mcp::compare(opts, paths, results).await,
+        (Some(Section::Stages), _) => return stages::compare(opts, paths, results).await,
+        (Some(Section::Walls), _) => return walls::compare(opts, paths, results).await,
+        (Some(Section::Restart), _) => return restart::compare(opts, paths, results).await,
+        (Some(Section::Cluster), _) => return cluster::compare(opts, paths, results).await,
+        (Some(Section::Hibernate), _) => return hibernate::compare(opts, paths, results).await,
+        (Some(Section::Packages), _) => return packages::compare(opts, paths, results).await,
+        (Some(Section::Versions), Some(baseline)) => {
+            return versions::compare(opts, paths, baseline, results).await
+        }
+        (Some(Section::Versions), None) => bail!("--only versions needs --baseline-bin PATH"),
+        (Some(Section::E2b), _) => return e2b::compare(opts, paths, results).await,
+        (Some(Section::Engines), _) => return engines::compare(opts, paths, results).await,
+        (None, _) => {}
     }
     log(format!(
         "starting Kernelgate (warm pool {}) and JKG",
