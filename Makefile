@@ -90,10 +90,13 @@ RUNC_TARGETS := $(addprefix e2e-runc-,$(SUITES))
 GVISOR_TARGETS := $(addprefix e2e-runsc-,$(GVISOR_SUITES))
 ENGINE_TARGETS := $(addprefix e2e-engine-,$(ENGINE_SUITES))
 # The order `make test` starts them in: the longest first (as measured by the CLOCK lines of
-# a full run, docs/testing.md), so that the two slots end close together.
-E2E_LONGEST := python-tests e2e-runc-cluster e2e-runsc-hibernation e2e-runc-hibernation \
-	e2e-runsc-gateway e2e-runc-gateway e2e-engine-gateway e2e-engine-hostile_kernels \
-	e2e-engine-recovery e2e-engine-packages e2e-runsc-hostile_kernels e2e-runc-hostile_kernels
+# a full run, docs/testing.md), so that the two slots end close together, with the suites
+# that flood the gateway on purpose (hostile_kernels) apart from each other (their flood
+# tests also take a lock, tests/src/lib.rs `machine_to_myself`).
+E2E_LONGEST := python-tests e2e-runc-cluster e2e-runsc-hibernation e2e-runsc-hostile_kernels \
+	e2e-runc-hibernation e2e-runsc-gateway e2e-engine-gateway e2e-runc-hostile_kernels \
+	e2e-runc-gateway e2e-engine-recovery e2e-engine-packages e2e-runc-agent e2e-runc-recovery \
+	e2e-runc-output_limits e2e-engine-hostile_kernels
 E2E_ORDER := contract-runc contract-runsc contract-engine $(E2E_LONGEST) \
 	$(filter-out $(E2E_LONGEST),$(RUNC_TARGETS) $(GVISOR_TARGETS) $(ENGINE_TARGETS)) \
 	python-tests-gvisor
