@@ -48,10 +48,7 @@ pub async fn run(args: PackagesArgs) -> anyhow::Result<()> {
                 image,
                 python,
             };
-            let report = sync::sync(backend.as_ref(), &opts, &mut |line: &str| {
-                eprintln!("{line}")
-            })
-            .await;
+            let report = sync::sync(backend.as_ref(), &opts, &mut |step| eprintln!("{step}")).await;
             drop(backend);
             scratch.remove();
             let report = report?;

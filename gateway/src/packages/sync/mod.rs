@@ -15,6 +15,7 @@ use super::allowlist::{self, normalize};
 use super::lock::{self, Lock, LockedPackage, LockedRequirement, Refused};
 use crate::backend::{BackendError, KernelBackend};
 use anyhow::{anyhow, bail, Context};
+pub use progress::Progress;
 use std::collections::{BTreeMap, HashMap};
 
 use std::path::{Path, PathBuf};
@@ -58,7 +59,7 @@ pub struct SyncReport {
 pub async fn sync(
     backend: &dyn KernelBackend,
     opts: &SyncOptions,
-    progress: &mut (dyn FnMut(&str) + Send),
+    progress: &mut (dyn FnMut(Progress<'_>) + Send),
 ) -> anyhow::Result<SyncReport> {
     check_pip(&opts.python).await?;
     let facts = match backend.describe_image(&opts.image).await {
@@ -88,15 +89,12 @@ pub async fn sync(
         .await
         .with_context(|| format!("cannot read the Python facts of the image {}", opts.image))?;
     let target = facts.target();
-    progress(&format!(
-        "Image {} ({key}): Python {} ({}, {}-{}, platforms {})",
-        opts.image,
-        target.version,
-        interpreter,
-        target.implementation,
-        target.abi,
-        summarize(&target.platforms, 3),
-    ));
+    progress(Progress::Image {
+        image: &opts.image,
+        key: &key,
+        interpreter: &interpreter,
+        target: &target,
+    });
 
     let scratch = Scratch::create(&opts.wheelhouse)?;
     let stubs = scratch.path.join("in-image");
@@ -130,7 +128,9 @@ pub async fn sync(
     };
     let mut requirements = BTreeMap::new();
     for entry in &opts.entries {
-        progress(&format!("Resolving {}", entry.requirement));
+        progress(Progress::Resolving {
+            requirement: &entry.requirement,
+        });
         match run.entry(entry).await? {
             Ok(packages) => {
                 let brings: Vec<String> = packages
@@ -138,15 +138,10 @@ pub async fn sync(
                     .filter_map(|key| run.locked.get(key))
                     .map(|p| format!("{} {}", p.name, p.version))
                     .collect();
-                progress(&format!(
-                    "Locked {}: {}",
-                    entry.requirement,
-                    if brings.is_empty() {
-                        "already in the image".to_owned()
-                    } else {
-                        summarize(&brings, 8)
-                    }
-                ));
+                progress(Progress::Locked {
+                    requirement: &entry.requirement,
+                    brings,
+                });
                 run.report.synced.push(entry.requirement.clone());
                 requirements.insert(
                     entry.name.clone(),
@@ -157,7 +152,10 @@ pub async fn sync(
                 );
             }
             Err(reason) => {
-                progress(&format!("Refused {}: {reason}", entry.requirement));
+                progress(Progress::Refused {
+                    requirement: &entry.requirement,
+                    reason: &reason,
+                });
                 run.report.refused.push(Refused {
                     requirement: entry.requirement.clone(),
                     reason,
@@ -177,15 +175,12 @@ pub async fn sync(
         )
         .await
         {
-            Ok(()) => progress(&format!(
-                "Compiled {} unpacked package{} to bytecode for the image's Python",
-                report.unpacked.len(),
-                if report.unpacked.len() == 1 { "" } else { "s" }
-            )),
-            Err(e) => progress(&format!(
-                "Warning: could not compile the unpacked packages to bytecode ({e:#}); they \
-                 import, more slowly"
-            )),
+            Ok(()) => progress(Progress::Compiled {
+                packages: report.unpacked.len(),
+            }),
+            Err(e) => progress(Progress::NotCompiled {
+                error: format!("{e:#}"),
+            }),
         }
     }
     let mut in_image: Vec<&str> = report
@@ -194,19 +189,12 @@ pub async fn sync(
         .filter_map(|p| p.split(' ').next())
         .collect();
     in_image.sort_by_key(|name| normalize(name));
-    let mut line = format!(
-        "Fetched {} wheel{} ({}), reused {}, skipped {} already in the image",
-        report.fetched.len(),
-        if report.fetched.len() == 1 { "" } else { "s" },
-        size(report.fetched_bytes),
-        report.reused.len(),
-        in_image.len(),
-    );
-    if !in_image.is_empty() {
-        line.push_str(": ");
-        line.push_str(&summarize(&in_image, 12));
-    }
-    progress(&line);
+    progress(Progress::Fetched {
+        wheels: report.fetched.len(),
+        bytes: report.fetched_bytes,
+        reused: report.reused.len(),
+        in_image,
+    });
 
     let lock = Lock {
         format: lock::FORMAT,
@@ -219,14 +207,13 @@ pub async fn sync(
         packages: run.locked,
     };
     lock.write(&report.lock_path).map_err(|e| anyhow!(e))?;
-    progress(&format!(
-        "Wrote {} ({} of {} allowlist entries synced, {} refused, {} unpacked now)",
-        report.lock_path.display(),
-        report.synced.len(),
-        opts.entries.len(),
-        report.refused.len(),
-        report.unpacked.len(),
-    ));
+    progress(Progress::Wrote {
+        lock: &report.lock_path,
+        synced: report.synced.len(),
+        entries: opts.entries.len(),
+        refused: report.refused.len(),
+        unpacked: report.unpacked.len(),
+    });
     Ok(report)
 }
 
@@ -431,26 +418,6 @@ impl Run<'_> {
     }
 }
 
-/// `1.3 MiB`, or `12 KiB` below a MiB.
-fn size(bytes: u64) -> String {
-    const MIB: f64 = 1024.0 * 1024.0;
-    if bytes < 1024 * 1024 {
-        format!("{} KiB", bytes.div_ceil(1024))
-    } else {
-        format!("{:.1} MiB", bytes as f64 / MIB)
-    }
-}
-
-/// Up to `max` items joined, then how many more.
-fn summarize<S: AsRef<str>>(items: &[S], max: usize) -> String {
-    let shown: Vec<&str> = items.iter().take(max).map(AsRef::as_ref).collect();
-    let mut text = shown.join(", ");
-    if items.len() > max {
-        text.push_str(&format!(" and {} more", items.len() - max));
-    }
-    text
-}
-
 /// The sync's own scratch directory in the wheelhouse (same filesystem, so downloaded
 /// wheels are renamed into place), removed when the sync ends.
 #[derive(Debug)]
@@ -476,6 +443,7 @@ impl Drop for Scratch {
 
 mod image;
 mod pip;
+mod progress;
 mod wheels;
 use image::{compile, image_interpreter, probe_python};
 use pip::{check_pip, constraints, source_args, target_args, write_stub_wheel, Pip, Resolved};

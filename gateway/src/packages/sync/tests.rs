@@ -1,5 +1,6 @@
 use super::image::*;
 use super::pip::*;
+use super::progress::{size, summarize};
 use super::wheels::*;
 use super::*;
 use crate::packages::lock::PythonTarget;
@@ -542,4 +543,50 @@ async fn the_sync_runs_through_the_backend() {
         .expect_err("the fake prints no facts");
     assert!(format!("{err:#}").contains("printed no facts"), "{err:#}");
     assert_eq!(fake.runs(), vec![probe_request("sha256:abc", "python3")]);
+}
+
+#[test]
+fn progress_events_read_as_the_lines_the_cli_prints() {
+    let target = PythonTarget {
+        version: "3.11".into(),
+        implementation: "cp".into(),
+        abi: "cp311".into(),
+        platforms: vec!["manylinux_2_36_x86_64".into(), "linux_x86_64".into()],
+    };
+    let lines = [
+        Progress::Image {
+            image: "kernelgate-kernel:1",
+            key: "168db0d22789",
+            interpreter: "/usr/bin/python3",
+            target: &target,
+        }
+        .to_string(),
+        Progress::Locked {
+            requirement: "seaborn",
+            brings: vec!["seaborn 0.13.2".into()],
+        }
+        .to_string(),
+        Progress::Locked {
+            requirement: "numpy",
+            brings: Vec::new(),
+        }
+        .to_string(),
+        Progress::Fetched {
+            wheels: 1,
+            bytes: 5220,
+            reused: 0,
+            in_image: vec!["numpy", "pandas"],
+        }
+        .to_string(),
+    ];
+    assert_eq!(
+        lines,
+        [
+            "Image kernelgate-kernel:1 (168db0d22789): Python 3.11 (/usr/bin/python3, \
+             cp-cp311, platforms manylinux_2_36_x86_64, linux_x86_64)",
+            "Locked seaborn: seaborn 0.13.2",
+            "Locked numpy: already in the image",
+            "Fetched 1 wheel (6 KiB), reused 0, skipped 2 already in the image: numpy, pandas",
+        ]
+    );
 }
