@@ -155,13 +155,27 @@ fn owner_of<'a>(
 }
 
 /// The kernel a sessionless MCP message names: a tool call's `kernel_id` (protocol
-/// 2026-07-28; `start_kernel` starts its kernel where it arrives).
+/// 2026-07-28; `start_kernel` starts its kernel where it arrives). Only the fields routing
+/// reads: the message goes on whole, as sent.
 fn mcp_kernel(body: &[u8]) -> Option<String> {
-    let message = serde_json::from_slice::<Value>(body).ok()?;
-    (message["method"] == "tools/call")
-        .then(|| message["params"]["arguments"]["kernel_id"].as_str())
-        .flatten()
-        .map(str::to_owned)
+    #[derive(serde::Deserialize)]
+    struct Message {
+        method: Option<String>,
+        params: Option<Params>,
+    }
+    #[derive(serde::Deserialize)]
+    struct Params {
+        arguments: Option<Arguments>,
+    }
+    #[derive(serde::Deserialize)]
+    struct Arguments {
+        kernel_id: Option<String>,
+    }
+    let message: Message = serde_json::from_slice(body).ok()?;
+    if message.method.as_deref() != Some("tools/call") {
+        return None;
+    }
+    message.params?.arguments?.kernel_id
 }
 
 /// Resolves once node `owner` is no longer in the registry (its lease ended). A kernel

@@ -184,3 +184,26 @@ fn mcp_sessions_are_served_where_they_are_held() {
     }
     assert_eq!(RULES.get("/mcp"), Some(&Rule::Mcp));
 }
+
+#[test]
+fn a_sessionless_tool_call_is_routed_by_its_kernel_id_only() {
+    let call = |body: serde_json::Value| mcp_kernel(body.to_string().as_bytes());
+    let kernel = "6b0f1d4e-1111-4222-8333-444455556666";
+    assert_eq!(
+        call(
+            serde_json::json!({"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+            "params": {"name": "run_python", "arguments": {"kernel_id": kernel, "code": "1"}}})
+        ),
+        Some(kernel.to_owned())
+    );
+    for other in [
+        serde_json::json!({"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+            "params": {"name": "start_kernel", "arguments": {}}}),
+        serde_json::json!({"jsonrpc": "2.0", "id": 1, "method": "tools/list"}),
+        serde_json::json!({"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+            "params": {"arguments": {"kernel_id": 7}}}),
+        serde_json::json!([1, 2]),
+    ] {
+        assert_eq!(call(other.clone()), None, "{other}");
+    }
+}
