@@ -136,10 +136,11 @@ pub fn serves_forwarded(entry_registered: bool, registered: bool) -> bool {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    const OWNERS: [Owner<'static>; 5] = [
+    /// Every kind of owner a kernel can have, another node's being node-2.
+    pub(crate) const OWNERS: [Owner<'static>; 5] = [
         Owner::Here,
         Owner::Elsewhere("node-2"),
         Owner::Away("node-2"),

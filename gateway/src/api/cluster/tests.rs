@@ -49,13 +49,7 @@ const TABLE: &[(&str, &str, &str)] = &[
     ("DELETE", "/mcp", "SSSSS"),
 ];
 
-const OWNERS: [Owner<'static>; 5] = [
-    Owner::Here,
-    Owner::Elsewhere("node-2"),
-    Owner::Away("node-2"),
-    Owner::Gone("node-2"),
-    Owner::Unknown,
-];
+use crate::cluster::route::tests::OWNERS;
 
 fn code(decision: &Decision) -> char {
     match decision {
