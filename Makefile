@@ -33,8 +33,8 @@ run: image build
 TEST_STAMP := target/.test-started
 # Each long step prints when it starts and ends, so a log shows where the time went.
 CLOCK = @echo "[$$(date +%T)] $@ $(1)"
-test: test-stamp lint unit fuzz-smoke e2e-prep
-	$(call CLOCK,starts the end-to-end suites)
+test: test-stamp lint unit e2e-prep
+	$(call CLOCK,starts the end-to-end suites and fuzzing)
 	$(MAKE) --no-print-directory -k -j2 --output-sync=target E2E_THREADS=2 $(E2E_ORDER)
 	$(MAKE) --no-print-directory leftovers
 	$(call CLOCK,done)
@@ -51,8 +51,10 @@ lint:
 	$(CARGO) fmt --all --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 
+# The crates that ship, tested together (the contract targets below reuse this build).
+UNIT_CRATES := -p kernelgate-protocol -p kernelgate-policy -p kernelgate-client -p kernelgate
 unit:
-	$(CARGO) test -p kernelgate-protocol -p kernelgate-policy -p kernelgate-client -p kernelgate
+	$(CARGO) test $(UNIT_CRATES)
 
 # End-to-end tests start the real binary against real Docker with the real image.
 debug-build:
@@ -61,7 +63,7 @@ debug-build:
 # Everything the end-to-end suites need, built once before they run side by side.
 e2e-prep: gvisor image debug-build test-tools fixture-image python-venv
 	$(CARGO) test -p kernelgate-tests --no-run
-	$(CARGO) test -p kernelgate --lib --no-run
+	$(CARGO) test $(UNIT_CRATES) --lib --no-run
 
 # Every suite is a target of its own (e2e-<runtime>-<suite>), so that `make -j2` packs
 # them onto the two cores as they end. KERNELGATE_RUNTIME picks the runtime for every
@@ -92,8 +94,11 @@ ENGINE_TARGETS := $(addprefix e2e-engine-,$(ENGINE_SUITES))
 # The order `make test` starts them in: the longest first (as measured by the CLOCK lines of
 # a full run, docs/testing.md), so that the two slots end close together, with the suites
 # that flood the gateway on purpose (hostile_kernels) apart from each other (their flood
-# tests also take a lock, tests/src/lib.rs `machine_to_myself`).
-E2E_LONGEST := python-tests e2e-runc-cluster e2e-runsc-hibernation e2e-runsc-hostile_kernels \
+# tests also take a lock, tests/src/lib.rs `machine_to_myself`). Fuzzing, which keeps a core
+# busy for minutes, runs in the same two slots, started beside the cluster suite, which
+# mostly waits on leases and timeouts.
+E2E_LONGEST := python-tests e2e-runc-cluster fuzz-smoke e2e-runsc-hibernation \
+	e2e-runsc-hostile_kernels \
 	e2e-runc-hibernation e2e-runsc-gateway e2e-engine-gateway e2e-runc-hostile_kernels \
 	e2e-runc-gateway e2e-engine-recovery e2e-engine-packages e2e-runc-agent e2e-runc-recovery \
 	e2e-runc-output_limits e2e-engine-hostile_kernels
@@ -103,7 +108,7 @@ E2E_ORDER := contract-runc contract-runsc contract-engine $(E2E_LONGEST) \
 .PHONY: e2e-prep contract-runc contract-runsc contract-engine \
 	$(RUNC_TARGETS) $(GVISOR_TARGETS) $(ENGINE_TARGETS)
 
-CONTRACT = KERNELGATE_IMAGE=$(KERNEL_IMAGE) KERNELGATE_RUNTIME=$(1) $(CARGO) test -p kernelgate \
+CONTRACT = KERNELGATE_IMAGE=$(KERNEL_IMAGE) KERNELGATE_RUNTIME=$(1) $(CARGO) test $(UNIT_CRATES) \
 	--lib -- --ignored --exact backend::contract::$(2)_passes_the_contract
 contract-runc: e2e-prep
 	$(call CONTRACT,runc,docker_engine)

@@ -42,10 +42,12 @@ define fuzz_crate
 endef
 
 fuzz-smoke:
+	$(call CLOCK,starts)
 	@$(CARGO) fuzz --version >/dev/null 2>&1 || \
 		$(CARGO) install cargo-fuzz --locked --version $(CARGO_FUZZ_VERSION)
 	$(call fuzz_crate,$(PROTOCOL_DIR),$(PROTOCOL_FUZZ_TARGETS))
 	$(call fuzz_crate,$(POLICY_DIR),$(POLICY_FUZZ_TARGETS))
+	$(call CLOCK,done)
 
 golden:
 	python3 -m venv $(GOLDEN_VENV)
