@@ -126,6 +126,32 @@ pub struct KernelReportedInstall {
     pub exit_code: i64,
 }
 
+/// The HTTP headers the gateway reads and writes beyond Jupyter's: its clients', and those
+/// of calls between a cluster's nodes (signed, docs/cluster.md).
+pub mod headers {
+    /// An MCP session over Streamable HTTP (the answer to `initialize` carries it).
+    pub const MCP_SESSION: &str = "mcp-session-id";
+    /// E2B's sandbox addressing when the host name does not carry it (docs/e2b.md).
+    pub const E2B_SANDBOX_ID: &str = "e2b-sandbox-id";
+    pub const E2B_SANDBOX_PORT: &str = "e2b-sandbox-port";
+    /// E2B's control plane key.
+    pub const E2B_API_KEY: &str = "x-api-key";
+
+    /// Every internal header starts with this; the entry node removes them from client requests.
+    pub const HEADER_PREFIX: &str = "x-kernelgate-";
+    pub const KEY_HEADER: &str = "x-kernelgate-key";
+    pub const ENTRY_HEADER: &str = "x-kernelgate-entry";
+    pub const REQUEST_ID_HEADER: &str = "x-kernelgate-request-id";
+    pub const NONCE_HEADER: &str = "x-kernelgate-nonce";
+    pub const TIMESTAMP_HEADER: &str = "x-kernelgate-timestamp";
+    pub const REGISTERED_HEADER: &str = "x-kernelgate-entry-registered";
+    pub const DESTINATION_HEADER: &str = "x-kernelgate-destination";
+    pub const INCARNATION_HEADER: &str = "x-kernelgate-incarnation";
+    pub const BODY_HEADER: &str = "x-kernelgate-body-sha256";
+    /// In the owner's `101` to a forwarded upgrade: what the entry node's first frame answers.
+    pub const CHALLENGE_HEADER: &str = "x-kernelgate-challenge";
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

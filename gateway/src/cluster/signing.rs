@@ -25,19 +25,11 @@ use std::collections::{HashSet, VecDeque};
 use std::sync::Mutex;
 use std::time::Duration;
 
-/// Every internal header starts with this; the entry node removes them from client requests.
-pub const HEADER_PREFIX: &str = "x-kernelgate-";
-pub const KEY_HEADER: &str = "x-kernelgate-key";
-pub const ENTRY_HEADER: &str = "x-kernelgate-entry";
-pub const REQUEST_ID_HEADER: &str = "x-kernelgate-request-id";
-pub const NONCE_HEADER: &str = "x-kernelgate-nonce";
-pub const TIMESTAMP_HEADER: &str = "x-kernelgate-timestamp";
-pub const REGISTERED_HEADER: &str = "x-kernelgate-entry-registered";
-pub const DESTINATION_HEADER: &str = "x-kernelgate-destination";
-pub const INCARNATION_HEADER: &str = "x-kernelgate-incarnation";
-pub const BODY_HEADER: &str = "x-kernelgate-body-sha256";
-/// In the owner's `101` to a forwarded upgrade: what the entry node's first frame answers.
-pub const CHALLENGE_HEADER: &str = "x-kernelgate-challenge";
+pub use kernelgate_protocol::rest::headers::{
+    BODY_HEADER, CHALLENGE_HEADER, DESTINATION_HEADER, ENTRY_HEADER, HEADER_PREFIX,
+    INCARNATION_HEADER, KEY_HEADER, NONCE_HEADER, REGISTERED_HEADER, REQUEST_ID_HEADER,
+    TIMESTAMP_HEADER,
+};
 pub const SIGNATURE_HEADER: &str = "x-kernelgate-signature";
 
 /// How far a forwarded call's timestamp may be from the owner's clock.

@@ -42,7 +42,7 @@ use tools::ToolError;
 pub use session::Session;
 
 /// The header that names an HTTP session.
-pub const SESSION_HEADER: &str = "mcp-session-id";
+pub use kernelgate_protocol::rest::headers::MCP_SESSION as SESSION_HEADER;
 
 const INSTRUCTIONS: &str = "Kernelgate runs Python for you in a persistent, sandboxed IPython \
     kernel (no network). Use run_python for code; variables persist between calls. Use \

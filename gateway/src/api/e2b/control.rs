@@ -97,7 +97,9 @@ pub async fn authenticate(State(state): State<AppState>, mut req: Request, next:
     if !is_control_path(req.uri().path()) {
         return next.run(req).await;
     }
-    let key = req.headers_mut().remove("x-api-key");
+    let key = req
+        .headers_mut()
+        .remove(kernelgate_protocol::rest::headers::E2B_API_KEY);
     req.headers_mut().remove(header::AUTHORIZATION);
     if let Some(value) = key
         .as_ref()

@@ -24,10 +24,11 @@ struct Addressed;
 
 /// The sandbox and port a request names, by its headers or its host.
 fn target(req: &Request) -> Option<(u16, String)> {
+    use kernelgate_protocol::rest::headers::{E2B_SANDBOX_ID, E2B_SANDBOX_PORT};
     let headers = req.headers();
     let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
-    if let Some(id) = header("e2b-sandbox-id") {
-        let port = header("e2b-sandbox-port")
+    if let Some(id) = header(E2B_SANDBOX_ID) {
+        let port = header(E2B_SANDBOX_PORT)
             .and_then(|p| p.parse().ok())
             .unwrap_or(kernelgate_protocol::e2b::ENVD_PORT);
         return Some((port, id.to_owned()));
