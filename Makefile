@@ -36,6 +36,7 @@ CLOCK = @echo "[$$(date +%T)] $@ $(1)"
 test: test-stamp lint unit e2e-prep
 	$(call CLOCK,starts the end-to-end suites and fuzzing)
 	$(MAKE) --no-print-directory -k -j2 --output-sync=target E2E_THREADS=2 $(E2E_ORDER)
+	$(MAKE) --no-print-directory -k E2E_THREADS=2 $(HEAVY_TARGETS)
 	$(MAKE) --no-print-directory leftovers
 	$(call CLOCK,done)
 
@@ -92,19 +93,19 @@ RUNC_TARGETS := $(addprefix e2e-runc-,$(SUITES))
 GVISOR_TARGETS := $(addprefix e2e-runsc-,$(GVISOR_SUITES))
 ENGINE_TARGETS := $(addprefix e2e-engine-,$(ENGINE_SUITES))
 # The order `make test` starts them in: the longest first (as measured by the CLOCK lines of
-# a full run, docs/testing.md), so that the two slots end close together, with the suites
-# that flood the gateway on purpose (hostile_kernels) apart from each other (their flood
-# tests also take a lock, tests/src/lib.rs `machine_to_myself`). Fuzzing, which keeps a core
-# busy for minutes, runs in the same two slots, started beside the cluster suite, which
-# mostly waits on leases and timeouts.
+# a full run, docs/testing.md), so that the two slots end close together. Fuzzing, which
+# keeps a core busy for minutes, runs in the same two slots. The suites that flood the
+# gateway on purpose (hostile_kernels: four kernels sending at full speed) run afterwards,
+# one at a time: beside them, any suite's kernels are starved (a hibernated kernel's resume
+# past its 120 s, under gVisor), and two floods measure each other.
+HEAVY_TARGETS := e2e-runc-hostile_kernels e2e-runsc-hostile_kernels e2e-engine-hostile_kernels
 E2E_LONGEST := python-tests e2e-runc-cluster fuzz-smoke e2e-runsc-hibernation \
-	e2e-runsc-hostile_kernels \
-	e2e-runc-hibernation e2e-runsc-gateway e2e-engine-gateway e2e-runc-hostile_kernels \
-	e2e-runc-gateway e2e-engine-recovery e2e-engine-packages e2e-runc-agent e2e-runc-recovery \
-	e2e-runc-output_limits e2e-engine-hostile_kernels
+	e2e-runc-hibernation e2e-runsc-gateway e2e-engine-gateway e2e-runc-gateway \
+	e2e-engine-recovery e2e-engine-packages e2e-runc-agent e2e-runsc-agent e2e-runsc-recovery \
+	e2e-runc-recovery e2e-runc-output_limits
 E2E_ORDER := contract-runc contract-runsc contract-engine $(E2E_LONGEST) \
-	$(filter-out $(E2E_LONGEST),$(RUNC_TARGETS) $(GVISOR_TARGETS) $(ENGINE_TARGETS)) \
-	python-tests-gvisor
+	$(filter-out $(E2E_LONGEST) $(HEAVY_TARGETS),$(RUNC_TARGETS) $(GVISOR_TARGETS) \
+	$(ENGINE_TARGETS)) python-tests-gvisor
 .PHONY: e2e-prep contract-runc contract-runsc contract-engine \
 	$(RUNC_TARGETS) $(GVISOR_TARGETS) $(ENGINE_TARGETS)
 
