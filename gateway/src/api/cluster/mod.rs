@@ -91,8 +91,9 @@ pub async fn route(State(state): State<AppState>, req: Request, next: Next) -> R
         }
         _ => {}
     }
-    let view = cluster.membership.view();
-    let owner = owner_of(&state, &cluster, &view, kernel.as_deref());
+    // The registry's view is copied only for a request that names a kernel.
+    let view = kernel.as_ref().map(|_| cluster.membership.view());
+    let owner = owner_of(&state, &cluster, view.as_ref(), kernel.as_deref());
     let ask = Ask {
         method,
         kernel: owner,
@@ -102,7 +103,7 @@ pub async fn route(State(state): State<AppState>, req: Request, next: Next) -> R
     let id = kernel.as_deref().unwrap_or_default();
     match route::decide(rule, &ask) {
         Decision::Serve => next.run(req).await,
-        Decision::Forward(node) => match view.nodes.get(&node) {
+        Decision::Forward(node) => match view.as_ref().and_then(|v| v.nodes.get(&node)) {
             Some(record) => to_owner(&cluster, &caller, &node, record, req).await,
             None => unavailable(not_in_cluster(id, &node)),
         },
@@ -134,10 +135,10 @@ fn not_in_cluster(id: &str, node: &str) -> String {
 fn owner_of<'a>(
     state: &AppState,
     cluster: &ClusterNode,
-    view: &'a View,
+    view: Option<&'a View>,
     id: Option<&str>,
 ) -> Owner<'a> {
-    let Some(id) = id else {
+    let (Some(id), Some(view)) = (id, view) else {
         return Owner::Unknown;
     };
     if state.kernels.get(id).is_some() {
