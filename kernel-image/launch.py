@@ -47,6 +47,18 @@ What this adds to a plain `python -m ipykernel_launcher -f FILE`:
   under gVisor, which enforces seccomp filters of sandboxed processes itself, this one holds
   too. If it cannot be installed the kernel does not start.
 
+Relay mode (KERNELGATE_RELAY=1, set by the gVisor engine for images labelled
+org.kernelgate.relay=1), so that a whole kernel can be checkpointed and restored: a sandbox
+that holds a bound host Unix socket cannot be saved. ipykernel then binds its five sockets on
+the sandbox's own tmpfs (RELAY_DIR) and in-process relay threads (zmq.proxy_steerable: C code
+that runs without the GIL) bridge them to the host-visible sockets of CONNECTION_FILE.
+SIGUSR1 makes the relays close every host socket (the sockets' files go with them); SIGUSR2
+re-reads CONNECTION_FILE (after a restore: a new HMAC key and session id, perhaps new
+ports), reseeds `random` and `numpy.random` and binds the host sockets again. The pid the
+signals go to is written to RELAY_PID_FILE beside the connection file. ipykernel's pipe for
+the output of forked children is moved from tcp://127.0.0.1 to an ipc socket there too (a
+listening TCP socket cannot be saved either).
+
 SIGINT interrupts the running cell (tini -g forwards `docker kill -s INT` to this process).
 """
 
@@ -304,6 +316,223 @@ def preload() -> None:
             _warn(f"preload of {name} failed: {err!r}")
 
 
+RELAY_ENV = "KERNELGATE_RELAY"
+RELAY_DIR = "/tmp/.kernelgate-relay"
+RELAY_PID_FILE = "relay.pid"
+# The identity of the relays' DEALER sockets towards the kernel: one for shell, control and
+# stdin alike, so that an input_request on stdin finds its way to the client that asked.
+RELAY_IDENTITY = b"kernelgate-relay"
+CHANNELS = ("shell", "control", "stdin", "hb", "iopub")
+# How long the relays may take to close their host sockets when asked to.
+QUIESCE_SECONDS = 5.0
+
+
+class Relays:
+    """One thread per channel bridging the kernel's socket on the sandbox's tmpfs to the
+    host-visible one named by the connection file: quiesced (host sockets closed) and
+    served again on SIGUSR1 and SIGUSR2."""
+
+    def __init__(self, host_file: str) -> None:
+        import threading
+
+        import zmq
+
+        self.host_file = host_file
+        self.host = self._read(host_file)
+        self.inner_ip = os.path.join(RELAY_DIR, "k")
+        self.ctx = zmq.Context(io_threads=1)
+        self.go = {name: threading.Event() for name in CHANNELS}
+        self.quiet = {name: threading.Event() for name in CHANNELS}
+        self.controls = {}
+        self.serving = False
+
+    @staticmethod
+    def _read(path: str) -> dict:
+        import json
+
+        with open(path) as f:
+            return json.load(f)
+
+    def inner_file(self) -> str:
+        """The connection file ipykernel binds by: the host's ports and key, on RELAY_DIR."""
+        import json
+
+        os.makedirs(RELAY_DIR, mode=0o700, exist_ok=True)
+        inner = dict(self.host, transport="ipc", ip=self.inner_ip)
+        path = os.path.join(RELAY_DIR, "kernel.json")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(inner, f)
+        return path
+
+    def _address(self, conn: dict, ip: str, name: str) -> str:
+        return f"ipc://{ip}-{conn[name + '_port']}"
+
+    def _channel(self, name: str) -> None:
+        import zmq
+
+        backend_type = zmq.XSUB if name == "iopub" else zmq.DEALER
+        frontend_type = zmq.XPUB if name == "iopub" else zmq.ROUTER
+        backend = self.ctx.socket(backend_type)
+        backend.linger = 0
+        if name == "iopub":
+            backend.rcvhwm = IOPUB_SNDHWM
+        else:
+            backend.identity = RELAY_IDENTITY
+        backend.connect(self._address(self.host, self.inner_ip, name))
+        control = self.ctx.socket(zmq.PAIR)
+        control.bind(f"inproc://kernelgate-relay-{name}")
+        while True:
+            self.go[name].wait()
+            self.go[name].clear()
+            frontend = self.front_ctx.socket(frontend_type)
+            frontend.linger = 0
+            if name == "iopub":
+                frontend.setsockopt(zmq.XPUB_NODROP, 1)
+                frontend.sndhwm = IOPUB_SNDHWM
+            else:
+                frontend.setsockopt(zmq.ROUTER_HANDOVER, 1)
+            try:
+                frontend.bind(self._address(self.host, self.host["ip"], name))
+                zmq.proxy_steerable(frontend, backend, None, control)
+            except zmq.ZMQError as err:
+                _warn(f"the {name} relay stopped: {err}")
+            finally:
+                frontend.close(linger=0)
+                self.quiet[name].set()
+
+    def start(self) -> None:
+        import threading
+
+        import zmq
+
+        for name in CHANNELS:
+            threading.Thread(
+                target=self._channel, args=(name,), name=f"kernelgate-relay-{name}", daemon=True
+            ).start()
+        for name in CHANNELS:
+            # The thread binds its end first; inproc connects to a later bind too.
+            control = self.ctx.socket(zmq.PAIR)
+            control.connect(f"inproc://kernelgate-relay-{name}")
+            self.controls[name] = control
+        self.serve()
+
+    def serve(self) -> None:
+        import zmq
+
+        # The host sockets get a context of their own: terminating it is what waits until
+        # libzmq has really closed them (a close alone finishes later, in its I/O thread).
+        self.front_ctx = zmq.Context(io_threads=1)
+        for name in CHANNELS:
+            self.quiet[name].clear()
+            self.go[name].set()
+        self.serving = True
+        self.write_pid()
+
+    def write_pid(self) -> None:
+        path = os.path.join(os.path.dirname(self.host_file), RELAY_PID_FILE)
+        try:
+            with open(path + ".tmp", "w") as f:
+                f.write(f"{os.getpid()}\n")
+            os.replace(path + ".tmp", path)
+        except OSError as err:
+            _warn(f"cannot write {path}: {err}")
+
+    def quiesce(self, *_args) -> None:
+        """Closes every host socket (SIGUSR1): nothing of the sandbox is bound outside."""
+        if not self.serving:
+            return
+        self.serving = False
+        for name in CHANNELS:
+            self.controls[name].send(b"TERMINATE")
+        stuck = [name for name in CHANNELS if not self.quiet[name].wait(QUIESCE_SECONDS)]
+        if stuck:
+            # The host sockets stay: the gateway finds their files and does not checkpoint.
+            _warn(f"the {', '.join(stuck)} relays did not stop within {QUIESCE_SECONDS} s")
+            return
+        self.front_ctx.term()
+        # Their files are what tells the gateway that nothing is bound outside any more
+        # (libzmq leaves an ipc socket's file behind).
+        for name in CHANNELS:
+            path = f"{self.host['ip']}-{self.host[name + '_port']}"
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+            except OSError as err:
+                _warn(f"cannot remove {path}: {err}")
+
+    def resume(self, *_args) -> None:
+        """Reads the connection file again and serves on it (SIGUSR2): after a restore the
+        gateway wrote a new key and session there."""
+        if self.serving:
+            return
+        try:
+            host = self._read(self.host_file)
+        except (OSError, ValueError) as err:
+            _warn(f"cannot read {self.host_file}, the relays stay closed: {err}")
+            return
+        rekey(host)
+        # The relays' connections to the kernel stay; their host sockets take the new names.
+        self.host = host
+        self.serve()
+
+
+def rekey(host: dict) -> None:
+    """The kernel's session takes the connection file's key and a new session id; the
+    module-level random generators are reseeded (a restored copy must not repeat the
+    numbers of its image, nor of its sibling copies)."""
+    import random
+    import uuid
+
+    from ipykernel.kernelapp import IPKernelApp
+
+    if IPKernelApp.initialized():
+        session = IPKernelApp.instance().session
+        session.key = host["key"].encode()
+        session.session = str(uuid.uuid4())
+    random.seed()
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()
+
+
+def ipc_fork_pipe() -> None:
+    """ipykernel's pipe for output of forked children, on an ipc socket in RELAY_DIR
+    instead of a listening TCP socket on 127.0.0.1."""
+    import warnings
+
+    import zmq
+    from ipykernel import iostream
+    from zmq.eventloop.zmqstream import ZMQStream
+
+    address = f"ipc://{RELAY_DIR}/fork-pipe"
+
+    def setup_pipe_in(self):
+        self._pipe_uuid = os.urandom(16)
+        pipe_in = self.socket.context.socket(zmq.PULL)
+        pipe_in.linger = 0
+        try:
+            pipe_in.bind(address)
+        except zmq.ZMQError as err:
+            warnings.warn(f"cannot bind the IOPub pipe at {address}: {err}", stacklevel=2)
+            self._pipe_flag = False
+            pipe_in.close()
+            return
+        self._pipe_in = ZMQStream(pipe_in, self.io_loop)
+        self._pipe_in.on_recv(self._handle_pipe_msg)
+
+    def setup_pipe_out(self):
+        ctx = zmq.Context()
+        pipe_out = ctx.socket(zmq.PUSH)
+        pipe_out.linger = 3000
+        pipe_out.connect(address)
+        return ctx, pipe_out
+
+    iostream.IOPubThread._setup_pipe_in = setup_pipe_in
+    iostream.IOPubThread._setup_pipe_out = setup_pipe_out
+
+
 EXEC_FLAG = "--exec"
 
 
@@ -347,8 +576,20 @@ def main(argv: list[str]) -> int:
         del sys.path[0]
 
     bound_output_backlog()
+    relays = None
+    if os.environ.get(RELAY_ENV) == "1":
+        import signal
+
+        relays = Relays(connection_file)
+        ipc_fork_pipe()
+        connection_file = relays.inner_file()
+        signal.signal(signal.SIGUSR1, relays.quiesce)
+        signal.signal(signal.SIGUSR2, relays.resume)
     app = make_app_class().instance()
     app.initialize(["-f", connection_file])
+    if relays is not None:
+        # After initialize(): the kernel's sockets are bound for the relays to reach.
+        relays.start()
     if os.environ.get("KERNELGATE_PRELOAD") == "1":
         # After initialize(): the shell exists, so pyplot's inline backend hooks into it.
         preload()

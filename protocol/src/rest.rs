@@ -36,6 +36,12 @@ pub struct KernelModel {
     /// budget), until its next execution; `null` otherwise.
     #[serde(default)]
     pub hibernate_blocked: Option<String>,
+    /// What a hibernation keeps: `memory` (the whole kernel, under an engine that
+    /// checkpoints) or `namespace` (the variables its helper can save, and its files); for
+    /// a hibernated kernel, what its state kept.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(example = "namespace"))]
+    pub hibernation: Option<String>,
 }
 
 /// `execution_state` of a kernel another node did not describe in time: the cluster's

@@ -345,6 +345,220 @@ async fn a_kernel_hibernates_and_resumes_with_its_variables_and_files() -> Resul
     Ok(())
 }
 
+/// A kernel holding what Python-level hibernation cannot keep: a 100 MiB array, a
+/// 1M-row DataFrame, a generator mid-iteration, a file open at an offset, a running thread,
+/// a child process and an in-memory sqlite database.
+const EVERYTHING: &str = "\
+import numpy as np, pandas as pd, sqlite3, subprocess, threading, time
+arr = np.ones(100 * 2**20 // 8)
+df = pd.DataFrame({'a': np.arange(1_000_000), 'b': np.arange(1_000_000) * 2.0})
+gen = (i * i for i in range(10)); next(gen); next(gen)
+f = open('data.txt', 'w+'); f.write('line1\\nline2\\n'); f.flush(); f.seek(6)
+ticks = []
+def tick():
+    while True:
+        ticks.append(1); time.sleep(0.05)
+t = threading.Thread(target=tick, daemon=True); t.start()
+child = subprocess.Popen(['sleep', '100000'])
+db = sqlite3.connect(':memory:'); db.execute('create table t(x)'); db.execute('insert into t values (7)')
+";
+
+/// What [`EVERYTHING`] left, read back: the next square, the rest of the file, the array's
+/// MiB, the frame's rows, the database's row, whether the child and the thread run.
+const READ_BACK: &str = "\
+n = len(ticks); time.sleep(0.3)
+print(next(gen), f.read().strip(), arr.nbytes >> 20, len(df), db.execute('select x from t').fetchone()[0], child.poll() is None, t.is_alive() and len(ticks) > n)
+";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_whole_kernel_hibernates_and_comes_back_with_everything_in_it_even_after_a_crash(
+) -> Result<()> {
+    if skipped() {
+        return Ok(());
+    }
+    let images = image_store(&image())?;
+    let images = images.display().to_string();
+    let flags = ["--engine", "gvisor", "--image-store", images.as_str()];
+    let gw = Gateway::start(&flags).await?;
+    let kernel = gw.create_kernel().await?;
+    assert_eq!(kernel["hibernation"], "memory", "{kernel}");
+    let id = kernel["id"].as_str().context("kernel id")?.to_owned();
+    let answer = gw.execute(&id, EVERYTHING).await?;
+    ensure!(answer["status"] == "ok", "{answer}");
+    let running = gw.create_kernel().await?;
+    let running_id = running["id"].as_str().context("kernel id")?.to_owned();
+    gw.execute(&running_id, "y = 'still here'").await?;
+    let (status, hibernated) = gw
+        .post_json(
+            &format!("/api/kernels/{id}/hibernate"),
+            serde_json::json!({}),
+        )
+        .await?;
+    assert_eq!(status, 200, "{hibernated}");
+    assert_eq!(hibernated["hibernated"], true, "{hibernated}");
+    assert_eq!(hibernated["hibernation"], "memory", "{hibernated}");
+    assert_eq!(
+        runsc_sandboxes(&gw.runtime_dir)?.len(),
+        1,
+        "only the running kernel's sandbox is left: the hibernated one's memory is freed"
+    );
+    let state = kernelgate_tests::hibernate_dir(&gw.runtime_dir).join(&id);
+    ensure!(
+        state.join("memory").is_dir(),
+        "the checkpoint is on disk, in {}",
+        state.display()
+    );
+
+    // kill -9 of the gateway: the running kernel's sandbox stays, the checkpoint too.
+    let runtime_dir = gw.runtime_dir.clone();
+    let gw = gw.crash().await?.restart(&flags).await?;
+    let (_, model) = gw.get_json(&format!("/api/kernels/{id}")).await?;
+    assert_eq!(model["hibernated"], true, "{model}");
+    assert_eq!(model["hibernation"], "memory", "{model}");
+
+    // Four requests at once: one restore answers them all.
+    let (a, b, c, d) = tokio::join!(
+        stdout_of(&gw, &id, READ_BACK),
+        stdout_of(&gw, &id, "print(next(gen))"),
+        stdout_of(&gw, &id, "print(next(gen))"),
+        stdout_of(&gw, &id, "print(next(gen))"),
+    );
+    assert_eq!(
+        a?, "4 line2 100 1000000 7 True True\n",
+        "everything came back"
+    );
+    let mut squares = vec![b?, c?, d?];
+    squares.sort();
+    assert_eq!(
+        squares,
+        ["16\n", "25\n", "9\n"],
+        "one generator, advanced once per request"
+    );
+    assert_eq!(
+        runsc_sandboxes(&runtime_dir)?.len(),
+        2,
+        "one restore for the four requests, beside the running kernel"
+    );
+    ensure!(
+        !state.exists(),
+        "the checkpoint goes once the kernel runs again"
+    );
+    assert_eq!(
+        stdout_of(&gw, &running_id, "print(y)").await?,
+        "still here\n"
+    );
+    assert_eq!(gw.delete_kernel(&id).await?, 204);
+    assert_eq!(gw.delete_kernel(&running_id).await?, 204);
+    gw.stop().await?;
+    let _ = std::fs::remove_dir_all(&runtime_dir);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_socket_refuses_a_checkpoint_by_name_and_a_failed_restore_keeps_it() -> Result<()> {
+    if skipped() {
+        return Ok(());
+    }
+    let images = image_store(&image())?;
+    let images = images.display().to_string();
+    let flags = ["--engine", "gvisor", "--image-store", images.as_str()];
+    let gw = Gateway::start(&flags).await?;
+    let kernel = gw.create_kernel().await?;
+    let id = kernel["id"].as_str().context("kernel id")?.to_owned();
+    let hibernate = format!("/api/kernels/{id}/hibernate");
+    gw.execute(
+        &id,
+        "import socket\ns = socket.socket(socket.AF_UNIX)\ns.bind('/run/kernel/mine.sock')\nx = 1",
+    )
+    .await?;
+    let (status, refused) = gw.post_json(&hibernate, serde_json::json!({})).await?;
+    assert_eq!(status, 409, "{refused}");
+    let message = refused["message"].as_str().unwrap_or_default();
+    ensure!(
+        message.contains("/run/kernel/mine.sock"),
+        "names the socket: {refused}"
+    );
+    assert_eq!(
+        stdout_of(&gw, &id, "print(x + 1)").await?,
+        "2\n",
+        "it keeps running"
+    );
+
+    gw.execute(
+        &id,
+        "s.close()\nimport os\nos.unlink('/run/kernel/mine.sock')\ng = iter(range(5)); next(g)",
+    )
+    .await?;
+    let (status, hibernated) = gw.post_json(&hibernate, serde_json::json!({})).await?;
+    assert_eq!(status, 200, "{hibernated}");
+    // A checkpoint another runsc wrote: the restore is refused, and the checkpoint kept.
+    let record = kernelgate_tests::hibernate_dir(&gw.runtime_dir)
+        .join(&id)
+        .join("memory/checkpoint.json");
+    let written = std::fs::read_to_string(&record)?;
+    let mut other: serde_json::Value = serde_json::from_str(&written)?;
+    other["runsc"] = "runsc version 0.0~20200101.0".into();
+    std::fs::write(&record, other.to_string())?;
+    let failed = gw.execute(&id, "print(next(g))").await?;
+    let said = failed.to_string();
+    ensure!(
+        said.contains("20200101") && said.contains("checkpoint is kept"),
+        "the failure says why and that the checkpoint is kept: {said}"
+    );
+    ensure!(record.is_file(), "the checkpoint is still there");
+    let (_, model) = gw.get_json(&format!("/api/kernels/{id}")).await?;
+    assert_eq!(model["hibernated"], true, "{model}");
+    std::fs::write(&record, written)?;
+    assert_eq!(
+        stdout_of(&gw, &id, "print(next(g), x)").await?,
+        "1 1\n",
+        "a retry restores it"
+    );
+    assert_eq!(gw.delete_kernel(&id).await?, 204);
+    let runtime_dir = gw.runtime_dir.clone();
+    gw.stop().await?;
+    let _ = std::fs::remove_dir_all(&runtime_dir);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_checkpoint_past_the_budget_is_refused_and_the_kernel_runs_on() -> Result<()> {
+    if skipped() {
+        return Ok(());
+    }
+    let images = image_store(&image())?;
+    let images = images.display().to_string();
+    let flags = ["--engine", "gvisor", "--image-store", images.as_str()];
+    let gw = Gateway::start(&[&flags[..], &["--hibernate-max-mb", "8"]].concat()).await?;
+    let kernel = gw.create_kernel().await?;
+    let id = kernel["id"].as_str().context("kernel id")?.to_owned();
+    gw.execute(&id, "g = iter(range(5)); next(g)").await?;
+    let (status, refused) = gw
+        .post_json(
+            &format!("/api/kernels/{id}/hibernate"),
+            serde_json::json!({}),
+        )
+        .await?;
+    assert_eq!(status, 409, "{refused}");
+    let message = refused["message"].as_str().unwrap_or_default();
+    ensure!(
+        message.contains("--hibernate-max-mb") && message.contains("8 MiB"),
+        "names the budget: {refused}"
+    );
+    assert_eq!(
+        stdout_of(&gw, &id, "print(next(g))").await?,
+        "1\n",
+        "it runs on, state and all"
+    );
+    let (_, model) = gw.get_json(&format!("/api/kernels/{id}")).await?;
+    assert_eq!(model["hibernated"], false, "{model}");
+    assert_eq!(gw.delete_kernel(&id).await?, 204);
+    let runtime_dir = gw.runtime_dir.clone();
+    gw.stop().await?;
+    let _ = std::fs::remove_dir_all(&runtime_dir);
+    Ok(())
+}
+
 /// The host Python whose pip `packages sync` uses: the test venv's (`make test-tools`).
 fn host_python() -> PathBuf {
     std::env::var_os("KERNELGATE_TEST_PYTHON")

@@ -32,6 +32,7 @@ pub fn model_of(live: &LiveKernel) -> KernelModel {
         connections: activity.connections,
         hibernated: live.at_rest(),
         hibernate_blocked: live.hibernate_blocked(),
+        hibernation: Some(live.hibernation_kind().as_str().to_owned()),
     }
 }
 

@@ -218,6 +218,10 @@ pub enum BackendError {
         path: String,
         source: std::io::Error,
     },
+    /// The engine will not do it for this kernel (the kernel is unharmed); the text says
+    /// why and what to do.
+    #[error("{0}")]
+    Refused(String),
     /// An optional capability ([`Capabilities`]) this engine lacks.
     #[error("{what} is not supported by this engine ({engine})")]
     NotSupported {
@@ -539,7 +543,26 @@ pub trait KernelBackend: Send + Sync + 'static {
         unsupported("writing files into a sandbox", self.engine())
     }
 
-    /// Saves the sandbox's whole state (memory included) into the host directory `dir`.
+    /// Whether kernel `handle` can be saved whole by [`Self::checkpoint`] (its engine can,
+    /// and its launcher runs what that needs).
+    fn can_checkpoint(&self, handle: &str) -> bool {
+        let _ = handle;
+        false
+    }
+
+    /// A kernel for `req` from the checkpoint in `dir` (written by [`Self::checkpoint`]),
+    /// running, with a new key: its handle and connection.
+    fn restore_kernel<'a>(
+        &'a self,
+        req: &'a LaunchRequest,
+        dir: &'a std::path::Path,
+    ) -> BoxFuture<'a, Result<Launched, BackendError>> {
+        let _ = (req, dir);
+        unsupported("restoring a kernel's checkpoint", self.engine())
+    }
+
+    /// Saves the sandbox's whole state (memory included) into the host directory `dir`
+    /// and stops it.
     fn checkpoint<'a>(
         &'a self,
         handle: &'a str,

@@ -12,6 +12,7 @@ use crate::relay::Relay;
 use crate::tenants::Tenant;
 use kernelgate_protocol::ConnectionInfo;
 use std::collections::BTreeMap;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::oneshot;
@@ -286,12 +287,14 @@ impl Kernels {
             let _ = kernel.step(Event::Unlinked).await;
             return Err(e);
         }
+        let lossless = self.backend.can_checkpoint(&handle);
         let live = Arc::new(LiveKernel::new(
             kernel,
             name,
             Process { handle, connection },
             cancel,
         ));
+        live.lossless.store(lossless, Ordering::SeqCst);
         self.supervisor().watch(&live);
         Ok(live)
     }

@@ -33,7 +33,7 @@ use kernelgate_protocol::{Channel, ConnectionInfo, Message, RawJson};
 pub use packages::Installs;
 pub use pool::Pool;
 use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 pub use supervise::{HeartbeatCheck, Supervisor};
@@ -138,6 +138,8 @@ pub struct LiveKernel {
     max_hibernated: OnceLock<usize>,
     /// Its hibernation.
     sleep: Mutex<hibernate::Sleep>,
+    /// Its process can be saved whole (a checkpoint, under an engine that can).
+    lossless: AtomicBool,
 }
 
 impl LiveKernel {
@@ -155,6 +157,7 @@ impl LiveKernel {
             warm_env: OnceLock::new(),
             origin: OnceLock::new(),
             max_hibernated: OnceLock::new(),
+            lossless: AtomicBool::new(false),
             sleep: Mutex::default(),
         }
     }

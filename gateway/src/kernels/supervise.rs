@@ -272,6 +272,10 @@ impl Supervisor {
         process: &Process,
     ) -> Result<(), CreateError> {
         live.set_process(process.clone());
+        live.lossless.store(
+            self.kernels.backend.can_checkpoint(&process.handle),
+            Ordering::SeqCst,
+        );
         self.connect_watched(
             &live.relay,
             &process.handle,

@@ -45,6 +45,7 @@ pub(super) async fn list(
                         connections: 0,
                         hibernated: false,
                         hibernate_blocked: None,
+                        hibernation: None,
                     }),
             ),
         }

@@ -4,7 +4,7 @@
 //! and package mounts; one-shot runs.
 
 use super::bundle::{self, io_error, Written};
-use super::{oci, runsc, GvisorEngine};
+use super::{checkpoint, oci, runsc, GvisorEngine};
 use crate::backend::docker::socket_dir;
 use crate::backend::docker::spec::ContainerSpec;
 use crate::backend::sandbox::{Isolation, Mount, RunOnce, RunOutput, SandboxSpec};
@@ -185,30 +185,34 @@ impl GvisorEngine {
         }
     }
 
-    pub(super) async fn launch_inner(&self, req: &LaunchRequest) -> Result<Launched, BackendError> {
-        let socket_dir::Prepared {
-            dir,
-            dir_str,
-            outside,
-        } = socket_dir::prepare(
+    /// A kernel's socket directory (with a fresh key) and the spec of its sandbox. Kernels
+    /// of an image with the relay launcher get the relays (what a checkpoint needs).
+    pub(super) fn kernel_spec(
+        &self,
+        req: &LaunchRequest,
+    ) -> Result<(socket_dir::Prepared, SandboxSpec), BackendError> {
+        let prepared = socket_dir::prepare(
             &self.settings.runtime_dir,
             &req.kernel_id,
             &req.kernel_name,
             &self.ownership,
         )?;
-        let (package_binds, package_env) = self.package_mounts(req);
+        let (package_binds, mut extra_env) = self.package_mounts(req);
+        if self.relays_for(&req.image) {
+            extra_env.push((checkpoint::RELAY_ENV.to_owned(), "1".to_owned()));
+        }
         let (memory_mb, cpus) = req.limits_within(self.settings.memory_mb, self.settings.cpus);
         let created = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
         let runtime_dir = self.runtime_dir_label();
         let spec = ContainerSpec {
             extra_binds: &package_binds,
-            extra_env: &package_env,
+            extra_env: &extra_env,
             image: &req.image,
             kernel_id: &req.kernel_id,
             kernel_name: &req.kernel_name,
             created: &created,
             runtime_dir: &runtime_dir,
-            socket_dir: &dir_str,
+            socket_dir: &prepared.dir_str,
             memory_mb,
             cpus,
             owner: req.owner.as_deref(),
@@ -222,6 +226,11 @@ impl GvisorEngine {
             runtime_label: "runsc",
         }
         .sandbox();
+        Ok((prepared, spec))
+    }
+
+    pub(super) async fn launch_inner(&self, req: &LaunchRequest) -> Result<Launched, BackendError> {
+        let (socket_dir::Prepared { dir, outside, .. }, spec) = self.kernel_spec(req)?;
         let handle = match self.create_sandbox(&spec, Some(dir.clone())).await {
             Ok(handle) => handle,
             Err(e) => {

@@ -10,6 +10,7 @@
 
 mod bundle;
 pub mod cgroup_parent;
+pub mod checkpoint;
 mod exec;
 pub mod images;
 mod lifecycle;
@@ -160,6 +161,8 @@ impl KernelBackend for GvisorEngine {
             interactive_exec: true,
             run_once: true,
             files: true,
+            checkpoint: true,
+            restore: true,
             ..Capabilities::default()
         }
     }
@@ -366,6 +369,29 @@ impl KernelBackend for GvisorEngine {
         tree: bytes::Bytes,
     ) -> BoxFuture<'a, Result<(), BackendError>> {
         Box::pin(self.put_tree_inner(handle, dest, tree))
+    }
+
+    fn can_checkpoint(&self, handle: &str) -> bool {
+        self.read_meta(handle)
+            .ok()
+            .and_then(|m| m.socket_dir)
+            .is_some_and(|dir| checkpoint::relays_serve(&dir))
+    }
+
+    fn checkpoint<'a>(
+        &'a self,
+        handle: &'a str,
+        dir: &'a Path,
+    ) -> BoxFuture<'a, Result<(), BackendError>> {
+        Box::pin(self.checkpoint_inner(handle, dir))
+    }
+
+    fn restore_kernel<'a>(
+        &'a self,
+        req: &'a LaunchRequest,
+        dir: &'a Path,
+    ) -> BoxFuture<'a, Result<Launched, BackendError>> {
+        Box::pin(self.restore_inner(req, dir))
     }
 
     fn create<'a>(&'a self, spec: &'a SandboxSpec) -> BoxFuture<'a, Result<String, BackendError>> {

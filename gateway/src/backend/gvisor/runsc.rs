@@ -94,12 +94,7 @@ impl Runsc {
         if status.success() {
             return Ok(());
         }
-        let said = std::fs::read_to_string(output.1)
-            .map(|text| {
-                let lines: Vec<&str> = text.lines().collect();
-                lines[lines.len().saturating_sub(5)..].join("; ")
-            })
-            .unwrap_or_default();
+        let said = last_lines(output.1);
         Err(BackendError::Runtime(format!(
             "runsc create of {id} failed ({status}){}{said}",
             if said.is_empty() { "" } else { ": " }
@@ -168,6 +163,97 @@ impl Runsc {
         }
     }
 
+    /// Sends `signal` to one process of the sandbox, by its pid inside the sandbox.
+    pub async fn kill_pid(&self, id: &str, pid: u32, signal: &str) -> Result<(), BackendError> {
+        let pid = pid.to_string();
+        let args = ["kill", "--pid", &pid, id, signal];
+        match tokio::time::timeout(KILL_TIMEOUT, self.run(&args)).await {
+            Ok(done) => done.map(drop),
+            Err(_) => Err(BackendError::Runtime(format!(
+                "runsc kill --pid {pid} {id} {signal}: the sandbox did not answer within {} s",
+                KILL_TIMEOUT.as_secs()
+            ))),
+        }
+    }
+
+    /// `runsc --version`'s first line (`runsc version 0.0~20240729.0`): what a checkpoint
+    /// records of the binary that wrote it.
+    pub async fn version(&self) -> Result<String, BackendError> {
+        let out = self.run(&["--version"]).await?;
+        Ok(String::from_utf8_lossy(&out)
+            .lines()
+            .next()
+            .unwrap_or_default()
+            .trim()
+            .to_owned())
+    }
+
+    /// Saves the whole sandbox into `image` (uncompressed: restores read it faster) and
+    /// stops it; killed past `timeout`.
+    pub async fn checkpoint(
+        &self,
+        id: &str,
+        image: &Path,
+        timeout: std::time::Duration,
+    ) -> Result<(), BackendError> {
+        let image = format!("--image-path={}", image.display());
+        let args = ["checkpoint", "--compression=none", &image, id];
+        match tokio::time::timeout(timeout, self.run(&args)).await {
+            Ok(done) => done.map(drop),
+            Err(_) => Err(BackendError::TimedOut {
+                what: format!("the checkpoint of sandbox {id}"),
+                after: timeout,
+            }),
+        }
+    }
+
+    /// Restores sandbox `id` of `bundle` from the checkpoint in `image`, running (detached),
+    /// with its output and boot log as [`Self::create`] sets them; killed past `timeout`.
+    pub async fn restore(
+        &self,
+        id: &str,
+        bundle: &Path,
+        image: &Path,
+        output: (&Path, &Path),
+        boot_log: &Path,
+        timeout: std::time::Duration,
+    ) -> Result<(), BackendError> {
+        let (out, err) = (
+            Stdio::from(append(output.0)?),
+            Stdio::from(append(output.1)?),
+        );
+        let _ = std::fs::remove_file(boot_log);
+        let restored = self
+            .command()
+            .arg(format!("--debug-log={}", boot_log.display()))
+            .arg("--debug-command=boot")
+            .arg("restore")
+            .arg("--detach")
+            .arg(format!("--image-path={}", image.display()))
+            .arg("--bundle")
+            .arg(bundle)
+            .arg(id)
+            .stdout(out)
+            .stderr(err)
+            .status();
+        let status = match tokio::time::timeout(timeout, restored).await {
+            Ok(status) => status.map_err(|e| self.spawn_error(e))?,
+            Err(_) => {
+                return Err(BackendError::TimedOut {
+                    what: format!("the restore of sandbox {id}"),
+                    after: timeout,
+                })
+            }
+        };
+        if status.success() {
+            return Ok(());
+        }
+        Err(BackendError::Runtime(format!(
+            "runsc restore of {id} failed ({status}): {}",
+            last_lines(output.1)
+        )))
+    }
+
     /// Deletes the sandbox; one already deleted (by a second caller) is no error.
     pub async fn delete(&self, id: &str) -> Result<(), BackendError> {
         match self.run(&["delete", "--force", id]).await {
@@ -175,6 +261,16 @@ impl Runsc {
             other => other.map(drop),
         }
     }
+}
+
+/// The last lines of a sandbox's output file, for an error message.
+fn last_lines(path: &Path) -> String {
+    std::fs::read_to_string(path)
+        .map(|text| {
+            let lines: Vec<&str> = text.lines().collect();
+            lines[lines.len().saturating_sub(5)..].join("; ")
+        })
+        .unwrap_or_default()
 }
 
 /// `path` opened to append a process's output to, created if missing.

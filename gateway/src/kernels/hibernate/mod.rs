@@ -56,6 +56,8 @@ pub const STREAM_CHUNKS: usize = 8;
 const MAX_BACKOFF: Duration = Duration::from_secs(3600);
 /// The files of a committed state.
 const TAR: &str = "state.tar";
+/// The directory of a whole kernel's checkpoint (its engine's image).
+const MEMORY: &str = "memory";
 const META: &str = "kernel.json";
 
 /// What governs hibernation, from the configuration.
@@ -102,9 +104,31 @@ impl Default for Policy {
     }
 }
 
+/// What a hibernation keeps: the whole kernel (`memory`: a checkpoint of its sandbox, under
+/// an engine that can, docs/engines.md) or its namespace and files (`namespace`: what the
+/// kernel's helper can pickle).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Kind {
+    Memory,
+    #[default]
+    Namespace,
+}
+
+impl Kind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Kind::Memory => "memory",
+            Kind::Namespace => "namespace",
+        }
+    }
+}
+
 /// A kernel's hibernation, as its model shows it.
 #[derive(Debug, Default)]
 pub(super) struct Sleep {
+    /// What its committed state keeps, while it is there.
+    kind: Option<Kind>,
     /// When its state was committed to disk, and its bytes, while the state is there
     /// (whether it hibernates is its phase: `LiveKernel::hibernated`).
     since: Option<(DateTime<Utc>, u64)>,
@@ -150,6 +174,8 @@ struct Meta {
     hibernated_at: DateTime<Utc>,
     last_activity: DateTime<Utc>,
     bytes: u64,
+    #[serde(default)]
+    kind: Kind,
 }
 
 impl LiveKernel {
@@ -164,6 +190,19 @@ impl LiveKernel {
     /// kernel's model shows as `hibernated` (a kernel still saving is not yet).
     pub fn at_rest(&self) -> bool {
         self.relay.phase().is_at_rest()
+    }
+
+    /// What a hibernation of the kernel keeps: its committed state's kind while it
+    /// hibernates, else what the engine can do for its process.
+    pub fn hibernation_kind(&self) -> Kind {
+        if let Some(kind) = self.sleep().kind.filter(|_| self.at_rest()) {
+            return kind;
+        }
+        if self.lossless.load(Ordering::SeqCst) {
+            Kind::Memory
+        } else {
+            Kind::Namespace
+        }
     }
 
     /// Why the kernel could not hibernate last time it tried, until its next execution.
@@ -291,6 +330,9 @@ impl Hibernation {
         }
         let started = Instant::now();
         let since = activity.client_sends;
+        if self.kernels.backend.can_checkpoint(&live.handle()) {
+            return self.checkpoint(live, since, started).await;
+        }
         let code = format!(
             "__import__('kernelgate_state').save({}, lossy={}, max_bytes={})",
             py_str(STATE_DIR),
@@ -409,14 +451,7 @@ impl Hibernation {
             )));
         }
         let owner = live.owner();
-        let keys_bytes: u64 = self
-            .kernels
-            .lock()
-            .live
-            .values()
-            .filter(|l| l.owner() == owner && l.id() != live.id())
-            .filter_map(|l| l.sleep().since.map(|(_, bytes)| bytes))
-            .sum();
+        let keys_bytes = self.keys_bytes(live);
         if keys_bytes + kept.bytes > policy.key_max_bytes {
             return Err(HibernateError::Full(format!(
                 "key {owner:?} has {} MiB of hibernated state; this kernel's {} MiB would pass the {} MiB a key may keep (--hibernate-key-max-mb); the kernel keeps running",
@@ -425,10 +460,22 @@ impl Hibernation {
                 policy.key_max_bytes >> 20
             )));
         }
+        let meta = self.meta_of(live, kept.bytes, Kind::Namespace);
+        if live.relay.step(Event::Seal { since }).await.is_err() {
+            return Err(HibernateError::Busy(
+                "work came in while its state was saved".into(),
+            ));
+        }
+        self.finish(live, meta, partial, kept.dropped, started)
+            .await
+    }
+
+    /// What is kept beside `live`'s state of `bytes`.
+    fn meta_of(&self, live: &LiveKernel, bytes: u64, kind: Kind) -> Meta {
         let limits = live.origin.get().cloned().unwrap_or_default();
-        let meta = Meta {
+        Meta {
             id: live.id().to_owned(),
-            runtime_dir: policy.runtime_dir.clone(),
+            runtime_dir: self.kernels.settings.hibernate.runtime_dir.clone(),
             spec: live.name.clone(),
             owner: live.owner().to_owned(),
             env: limits.0,
@@ -437,13 +484,34 @@ impl Hibernation {
             max_hibernated: live.max_hibernated.get().copied(),
             hibernated_at: Utc::now(),
             last_activity: live.relay.activity().last_activity,
-            bytes: kept.bytes,
-        };
-        if live.relay.step(Event::Seal { since }).await.is_err() {
-            return Err(HibernateError::Busy(
-                "work came in while its state was saved".into(),
-            ));
+            bytes,
+            kind,
         }
+    }
+
+    /// Bytes of hibernated state the other kernels of `live`'s key keep.
+    fn keys_bytes(&self, live: &LiveKernel) -> u64 {
+        let owner = live.owner();
+        self.kernels
+            .lock()
+            .live
+            .values()
+            .filter(|l| l.owner() == owner && l.id() != live.id())
+            .filter_map(|l| l.sleep().since.map(|(_, bytes)| bytes))
+            .sum()
+    }
+
+    /// With the kernel sealed: commits its state (`partial`, described by `meta`), removes
+    /// its process and says it hibernates.
+    async fn finish(
+        &self,
+        live: &Arc<LiveKernel>,
+        meta: Meta,
+        partial: Partial,
+        dropped: Vec<String>,
+        started: Instant,
+    ) -> Result<(), HibernateError> {
+        let policy = &self.kernels.settings.hibernate;
         let dir = self.state_dir(live.id());
         let committed = {
             let (root, meta_ref, tar) = (policy.dir.clone(), &meta, partial.keep());
@@ -474,6 +542,7 @@ impl Hibernation {
         {
             let mut sleep = live.sleep();
             sleep.since = Some((meta.hibernated_at, meta.bytes));
+            sleep.kind = Some(meta.kind);
             sleep.blocked = None;
         }
         if let Some(ledger) = &self.kernels.settings.ledger {
@@ -488,10 +557,10 @@ impl Hibernation {
                 owner: live.owner().to_owned(),
                 bytes: meta.bytes,
                 took_ms: took.as_millis() as u64,
-                dropped: kept.dropped,
+                dropped,
             })
             .await;
-        tracing::info!(kernel = %live.id(), bytes = meta.bytes, ?took, "kernel hibernated");
+        tracing::info!(kernel = %live.id(), bytes = meta.bytes, kind = meta.kind.as_str(), ?took, "kernel hibernated");
         self.kernels.pool_wanted.notify_waiters();
         self.wake_on_request(live);
         Ok(())
@@ -621,6 +690,7 @@ fn py_str(s: &str) -> String {
     serde_json::to_string(s).unwrap_or_default()
 }
 
+mod memory;
 mod resume;
 mod store;
 use store::{commit, forget, keep_files, ChunkReader, Partial};

@@ -3,7 +3,9 @@
 //! the hibernated kernels an earlier run left, listed again at start.
 
 use super::store::forget;
-use super::{py_str, Hibernation, Meta, KERNEL_TIMEOUT, META, PYTHON, STATE_DIR, STATE_IN, TAR};
+use super::{
+    py_str, Hibernation, Meta, KERNEL_TIMEOUT, MEMORY, META, PYTHON, STATE_DIR, STATE_IN, TAR,
+};
 use crate::audit::Record;
 use crate::backend::{ExecRequest, ExecStdin};
 use crate::kernels::supervise::record_serving;
@@ -123,6 +125,14 @@ impl Hibernation {
         self.make_room_for(live).await?;
         let (env, limits) = live.origin.get().cloned().unwrap_or_default();
         let dir = self.state_dir(live.id());
+        let whole = dir.join(MEMORY).is_dir();
+        if whole && mode == Wake::Everything {
+            self.wake_whole(live, &dir).await?;
+            self.woke(live, &dir, started, mode).await;
+            return Ok(());
+        }
+        // A whole kernel's checkpoint has no files apart: discarding it starts fresh.
+        let mode = if whole { Wake::Fresh } else { mode };
         let tar = dir.join(TAR);
         if mode != Wake::Fresh {
             if let Err(e) = tokio::fs::metadata(&tar).await {
@@ -212,12 +222,19 @@ impl Hibernation {
         if let Err(e) = recorded.await {
             tracing::warn!(kernel = %live.id(), error = %e, "cannot record the kernel's new container");
         }
+        self.woke(live, &dir, started, mode).await;
+        Ok(())
+    }
+
+    /// What follows a wake that worked: the registry told, the state deleted, the resume
+    /// counted and audited.
+    async fn woke(&self, live: &Arc<LiveKernel>, dir: &Path, started: Instant, mode: Wake) {
         if let Some(ledger) = &self.kernels.settings.ledger {
             ledger.hibernated(live.id(), live.hibernated()).await;
         }
-        forget(&dir).await;
+        forget(dir).await;
         let took = started.elapsed();
-        if loading {
+        if mode == Wake::Everything {
             metrics::resumed(took);
             self.kernels
                 .settings
@@ -230,7 +247,6 @@ impl Hibernation {
                 .await;
         }
         tracing::info!(kernel = %live.id(), ?took, ?mode, "hibernated kernel runs again");
-        Ok(())
     }
 
     /// Loads the saved variables into the kernel's new process `handle` (its files are
@@ -318,7 +334,7 @@ impl Hibernation {
         Ok(())
     }
 
-    async fn drop_process(&self, handle: &str) {
+    pub(super) async fn drop_process(&self, handle: &str) {
         if let Err(e) = self.kernels.backend.remove(handle).await {
             tracing::warn!(container = %handle, error = %e, "cannot remove a kernel process that failed to resume");
         }
@@ -422,7 +438,11 @@ impl Hibernation {
         if let Some(max) = meta.max_hibernated {
             let _ = live.max_hibernated.set(max);
         }
-        live.sleep().since = Some((meta.hibernated_at, meta.bytes));
+        {
+            let mut sleep = live.sleep();
+            sleep.since = Some((meta.hibernated_at, meta.bytes));
+            sleep.kind = Some(meta.kind);
+        }
         self.kernels.supervisor().watch(&live);
         live
     }

@@ -42,6 +42,11 @@ impl Partial {
             .open(self.dir.join(TAR))
     }
 
+    /// The directory, where an engine writes a checkpoint's image.
+    pub(super) fn path(&self) -> &Path {
+        &self.dir
+    }
+
     /// Hands the directory to [`commit`], which deletes it if it fails.
     pub(super) fn keep(mut self) -> PathBuf {
         self.kept = true;
