@@ -264,6 +264,7 @@ async fn kernel_table(
             runtime_dir: config.runtime_dir.display().to_string(),
         },
         packages,
+        templates: config.kernel_templates,
         specs: Arc::new(specs),
         limits: ClientLimits {
             kernel_message_bytes: config.max_message_mb * 1024 * 1024,

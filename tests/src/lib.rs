@@ -251,6 +251,12 @@ impl Gateway {
         if !extra.contains(&"--pool-size") {
             args.extend(["--pool-size".into(), "0".into()]);
         }
+        // A template is made at start under the gVisor engine: a sandbox more for a few
+        // seconds, which tests that count sandboxes would see. The tests of templates
+        // turn them on.
+        if !extra.contains(&"--kernel-templates") {
+            args.extend(["--kernel-templates".into(), "false".into()]);
+        }
         args.extend(engine::engine_flags(extra)?);
         // Each gateway its own audit log, beside its runtime directory.
         let given_log = extra.iter().position(|a| *a == "--audit-log");

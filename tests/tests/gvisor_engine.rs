@@ -559,6 +559,83 @@ async fn a_checkpoint_past_the_budget_is_refused_and_the_kernel_runs_on() -> Res
     Ok(())
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn creates_restore_from_the_template_each_with_its_own_key_random_state_and_home(
+) -> Result<()> {
+    if skipped() {
+        return Ok(());
+    }
+    let images = image_store(&image())?;
+    let images = images.display().to_string();
+    let flags = ["--engine", "gvisor", "--image-store", images.as_str()];
+    let gw = Gateway::start(&[&flags[..], &["--kernel-templates", "true"]].concat()).await?;
+    let templates = kernelgate_tests::hibernate_dir(&gw.runtime_dir).join("templates");
+    let made = async {
+        loop {
+            let found = std::fs::read_dir(&templates)
+                .ok()
+                .and_then(|mut d| d.next());
+            if let Some(Ok(entry)) = found {
+                if entry.path().join("memory/checkpoint.json").is_file() {
+                    return entry.path();
+                }
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        }
+    };
+    let template = tokio::time::timeout(std::time::Duration::from_secs(180), made)
+        .await
+        .context("the template was made at start")?;
+    let mut seen = Vec::new();
+    for _ in 0..3 {
+        let kernel = gw.create_kernel().await?;
+        let id = kernel["id"].as_str().context("kernel id")?.to_owned();
+        let connection: serde_json::Value = serde_json::from_slice(&std::fs::read(
+            gw.runtime_dir.join(&id).join("kernel.json"),
+        )?)?;
+        let out = stdout_of(
+            &gw,
+            &id,
+            "import os, random, sys\nprint('numpy' in sys.modules, sorted(os.listdir(os.path.expanduser('~'))), random.random(), get_ipython().kernel.session.session)",
+        )
+        .await?;
+        let fields: Vec<String> = out.split_whitespace().map(str::to_owned).collect();
+        ensure!(fields.len() == 4, "one line of four fields: {out:?}");
+        assert_eq!(
+            fields[0], "True",
+            "restored from the preloaded template, not booted"
+        );
+        assert_eq!(fields[1], "[]", "an empty home");
+        seen.push((
+            connection["key"].to_string(),
+            fields[2].clone(),
+            fields[3].clone(),
+            id,
+        ));
+    }
+    for i in 0..seen.len() {
+        for j in i + 1..seen.len() {
+            ensure!(seen[i].0 != seen[j].0, "each kernel its own key: {seen:?}");
+            ensure!(
+                seen[i].1 != seen[j].1,
+                "each its own random state: {seen:?}"
+            );
+            ensure!(seen[i].2 != seen[j].2, "each its own session: {seen:?}");
+        }
+    }
+    ensure!(
+        template.join("memory").is_dir(),
+        "the template stays for the next create"
+    );
+    for (_, _, _, id) in &seen {
+        assert_eq!(gw.delete_kernel(id).await?, 204);
+    }
+    let runtime_dir = gw.runtime_dir.clone();
+    gw.stop().await?;
+    let _ = std::fs::remove_dir_all(&runtime_dir);
+    Ok(())
+}
+
 /// The host Python whose pip `packages sync` uses: the test venv's (`make test-tools`).
 fn host_python() -> PathBuf {
     std::env::var_os("KERNELGATE_TEST_PYTHON")

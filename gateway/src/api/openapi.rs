@@ -418,6 +418,7 @@ mod tests {
                 replay_for: Duration::from_secs(60),
             },
             packages: None,
+            templates: false,
         };
         let (tracker, cancel) = (TaskTracker::new(), CancellationToken::new());
         let kernels = Kernels::new(

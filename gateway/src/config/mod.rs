@@ -225,6 +225,12 @@ pub struct Config {
     #[arg(long, env = "KERNELGATE_HIBERNATE_RETENTION", default_value_t = 7 * 24 * 3600)]
     pub hibernate_retention: u64,
 
+    /// Under `--engine gvisor`: start kernels by restoring a checkpoint of a preloaded
+    /// kernel of their image (made once per image and runsc, in `--hibernate-dir`), not by
+    /// booting one. Kernels created with environment variables boot as before.
+    #[arg(long, env = "KERNELGATE_KERNEL_TEMPLATES", default_value_t = true, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    pub kernel_templates: bool,
+
     /// Hibernate even when some variables cannot be saved (generators, connections): they
     /// are dropped, and the first output after the resume names them.
     #[arg(long, env = "KERNELGATE_HIBERNATE_LOSSY", default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]

@@ -217,7 +217,8 @@ impl Kernels {
         Ok((live, Source::Cold))
     }
 
-    /// Starts a kernel, waits until it answers, and starts watching it.
+    /// Starts a kernel (from its image's template, when it can), waits until it
+    /// answers, and starts watching it.
     pub(super) async fn launch(
         self: &Arc<Self>,
         name: &str,
@@ -225,6 +226,33 @@ impl Kernels {
         preload: bool,
         owner: Option<&str>,
         limits: Limits,
+    ) -> Result<Arc<LiveKernel>, CreateError> {
+        self.start_kernel(name, env, preload, owner, limits, true)
+            .await
+    }
+
+    /// Boots a kernel (never from a template), waits until it answers, and starts
+    /// watching it.
+    pub(super) async fn launch_booted(
+        self: &Arc<Self>,
+        name: &str,
+        env: BTreeMap<String, String>,
+        preload: bool,
+        owner: Option<&str>,
+        limits: Limits,
+    ) -> Result<Arc<LiveKernel>, CreateError> {
+        self.start_kernel(name, env, preload, owner, limits, false)
+            .await
+    }
+
+    async fn start_kernel(
+        self: &Arc<Self>,
+        name: &str,
+        env: BTreeMap<String, String>,
+        preload: bool,
+        owner: Option<&str>,
+        limits: Limits,
+        template: bool,
     ) -> Result<Arc<LiveKernel>, CreateError> {
         let id = uuid::Uuid::new_v4().to_string();
         let image = match self.settings.specs.get(name) {
@@ -246,7 +274,14 @@ impl Kernels {
             memory_mb: limits.memory_mb,
             cpus: limits.cpus,
         };
-        let Launched { handle, connection } = self.backend.launch(&req).await?;
+        let restored = match template {
+            true => self.from_template(&req).await,
+            false => None,
+        };
+        let Launched { handle, connection } = match restored {
+            Some(launched) => launched,
+            None => self.backend.launch(&req).await?,
+        };
         let startup = self.settings.startup_timeout;
         let connected = self
             .connect_kernel(&id, name, handle.clone(), connection, startup)

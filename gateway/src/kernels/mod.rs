@@ -22,6 +22,7 @@ mod pool;
 pub mod runner;
 mod slot;
 mod supervise;
+mod template;
 use crate::audit::{Audit, Record};
 use crate::relay::lifecycle::Event;
 use crate::relay::{Attachment, KernelError, Relay};
@@ -99,6 +100,9 @@ pub struct Settings {
     pub hibernate: hibernate::Policy,
     /// The package allowlists and wheelhouse (`--packages`, `--wheelhouse`).
     pub packages: Option<Arc<crate::packages::Packages>>,
+    /// Start kernels from a checkpoint of a preloaded one, where the engine can
+    /// (`--kernel-templates`).
+    pub templates: bool,
 }
 
 /// The kernel process a [`LiveKernel`] runs in now: a restart may move it into a warm
@@ -290,6 +294,7 @@ pub struct Kernels {
     pool_wanted: Notify,
     tracker: TaskTracker,
     cancel: CancellationToken,
+    templates: template::Templates,
 }
 
 impl Kernels {
@@ -306,6 +311,7 @@ impl Kernels {
             pool_wanted: Notify::new(),
             tracker,
             cancel,
+            templates: template::Templates::default(),
         })
     }
 
@@ -386,6 +392,7 @@ impl Kernels {
     /// behind by an earlier run of the gateway.
     pub async fn start(self: &Arc<Self>) {
         adopt::remove_leftovers(self).await;
+        self.prepare_templates();
         for spec in self.settings.specs.iter().filter(|s| s.pool_size > 0) {
             let pool = self.pool();
             let (name, size) = (spec.name.clone(), spec.pool_size);

@@ -36,6 +36,7 @@ pub(super) fn settings() -> Settings {
             replay_for: Duration::from_secs(60),
         },
         packages: None,
+        templates: false,
     }
 }
 

@@ -351,6 +351,9 @@ impl Hibernation {
         while let Ok(Some(entry)) = entries.next_entry().await {
             let name = entry.file_name().to_string_lossy().into_owned();
             let path = entry.path();
+            if name == crate::kernels::template::TEMPLATES {
+                continue;
+            }
             if name.starts_with('.') {
                 // A commit a gateway did not finish (its kernel kept running); one under way
                 // now, of another gateway sharing the directory, is younger.
