@@ -636,6 +636,72 @@ async fn creates_restore_from_the_template_each_with_its_own_key_random_state_an
     Ok(())
 }
 
+/// The kernel image with its relay label turned off, as an image from before the relays
+/// would be: built from ours by Docker, offline.
+fn image_without_relays() -> Result<String> {
+    let base = image();
+    let tag = base.rsplit(':').next().unwrap_or("latest");
+    let name = format!("kernelgate-norelay:{tag}");
+    let mut build = Command::new("docker")
+        .args(["build", "-q", "-t", &name, "-"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .spawn()?;
+    std::io::Write::write_all(
+        build.stdin.as_mut().context("docker build's stdin")?,
+        format!("FROM {base}\nLABEL org.kernelgate.relay=0\n").as_bytes(),
+    )?;
+    drop(build.stdin.take());
+    ensure!(build.wait()?.success(), "docker build of {name}");
+    Ok(name)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_image_without_the_relays_hibernates_at_python_level_and_says_so() -> Result<()> {
+    if skipped() {
+        return Ok(());
+    }
+    let older = image_without_relays()?;
+    let images = image_store(&older)?;
+    let images = images.display().to_string();
+    let gw = Gateway::start(&[
+        "--engine",
+        "gvisor",
+        "--image-store",
+        images.as_str(),
+        "--image",
+        older.as_str(),
+    ])
+    .await?;
+    let kernel = gw.create_kernel().await?;
+    assert_eq!(kernel["hibernation"], "namespace", "{kernel}");
+    let id = kernel["id"].as_str().context("kernel id")?.to_owned();
+    let hibernate = format!("/api/kernels/{id}/hibernate");
+    gw.execute(&id, "x = 41\ng = (i for i in range(3))").await?;
+    let (status, refused) = gw.post_json(&hibernate, serde_json::json!({})).await?;
+    assert_eq!(
+        status, 409,
+        "Python-level hibernation refuses a generator: {refused}"
+    );
+    ensure!(
+        refused["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("generator"),
+        "{refused}"
+    );
+    gw.execute(&id, "del g").await?;
+    let (status, hibernated) = gw.post_json(&hibernate, serde_json::json!({})).await?;
+    assert_eq!(status, 200, "{hibernated}");
+    assert_eq!(hibernated["hibernation"], "namespace", "{hibernated}");
+    assert_eq!(stdout_of(&gw, &id, "print(x + 1)").await?, "42\n");
+    assert_eq!(gw.delete_kernel(&id).await?, 204);
+    let runtime_dir = gw.runtime_dir.clone();
+    gw.stop().await?;
+    let _ = std::fs::remove_dir_all(&runtime_dir);
+    Ok(())
+}
+
 /// The host Python whose pip `packages sync` uses: the test venv's (`make test-tools`).
 fn host_python() -> PathBuf {
     std::env::var_os("KERNELGATE_TEST_PYTHON")
