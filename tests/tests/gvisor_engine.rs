@@ -486,9 +486,23 @@ async fn a_host_socket_refuses_a_checkpoint_by_name_and_a_failed_restore_keeps_i
 
     gw.execute(
         &id,
-        "s.close()\nimport os\nos.unlink('/run/kernel/mine.sock')\ng = iter(range(5)); next(g)",
+        "s.close()\nimport os\nos.unlink('/run/kernel/mine.sock')\nt = socket.socket()\nt.bind(('127.0.0.1', 8765))\nt.listen()",
     )
     .await?;
+    let (status, refused) = gw.post_json(&hibernate, serde_json::json!({})).await?;
+    assert_eq!(status, 409, "{refused}");
+    let message = refused["message"].as_str().unwrap_or_default();
+    ensure!(
+        message.contains("TCP port 8765"),
+        "names the listener: {refused}"
+    );
+    assert_eq!(
+        stdout_of(&gw, &id, "print(x + 2)").await?,
+        "3\n",
+        "it keeps running"
+    );
+    gw.execute(&id, "t.close()\ng = iter(range(5)); next(g)")
+        .await?;
     let (status, hibernated) = gw.post_json(&hibernate, serde_json::json!({})).await?;
     assert_eq!(status, 200, "{hibernated}");
     // A checkpoint another runsc wrote: the restore is refused, and the checkpoint kept.

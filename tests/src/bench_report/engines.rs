@@ -1,4 +1,5 @@
-//! The engines' table: Docker+runc, Docker+gVisor and the gVisor engine, in the same rounds.
+//! The engines' tables: Docker+runc, Docker+gVisor and the gVisor engine (kernels started
+//! from its template, and booted), in the same rounds; and hibernation by engine.
 
 use super::{fmt, num, ratio_cell};
 use serde_json::Value;
@@ -16,7 +17,12 @@ const ROWS: [(&str, &str, usize); 5] = [
     ("memory charged per idle kernel (MiB)", "idle_mib", 1),
 ];
 
-const SIDES: [&str; 3] = ["docker-runc", "docker-runsc", "engine-gvisor"];
+const SIDES: [&str; 4] = [
+    "docker-runc",
+    "docker-runsc",
+    "engine-gvisor",
+    "engine-boot",
+];
 
 pub(super) fn table(m: &Value) -> String {
     let e = &m["engines"];
@@ -25,28 +31,91 @@ pub(super) fn table(m: &Value) -> String {
             .to_owned();
     }
     let mut out = String::from(
-        "\n| engines (median of rounds) | Docker+runc | Docker+gVisor | gVisor engine | \
-         Docker+runc / Docker+gVisor | gVisor engine / Docker+gVisor |\n\
-         |---|---:|---:|---:|---:|---:|\n",
+        "\n| engines (median of rounds) | Docker+runc | Docker+gVisor | gVisor engine, template starts | gVisor engine, booted | \
+         Docker+runc / Docker+gVisor | engine, template / Docker+gVisor | engine, booted / Docker+gVisor |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     for (label, key, decimals) in ROWS {
         let cell = |side: &str| fmt(num(&e[side][key]["median"]), decimals);
         out.push_str(&format!(
-            "| {label} | {} | {} | {} | {} | {} |\n",
+            "| {label} | {} | {} | {} | {} | {} | {} | {} |\n",
             cell(SIDES[0]),
             cell(SIDES[1]),
             cell(SIDES[2]),
+            cell(SIDES[3]),
             ratio_cell(&e[SIDES[0]][key]["ratio"]),
             ratio_cell(&e[SIDES[2]][key]["ratio"]),
+            ratio_cell(&e[SIDES[3]][key]["ratio"]),
         ));
     }
     let s = &e["settings"];
     out.push_str(&format!(
-        "\nThree release gateways, one per engine, measured one after the other in each of {} \
-         rounds; ratios are taken within a round (median, min-max). Round trip: p50 of {} runs; \
-         memory: the median of the {} idle kernels' cgroups (`memory.usage_in_bytes`: the kernel, \
-         and gVisor's sentry and gofer) with a {} MiB limit each.\n",
+        "\nFour release gateways, measured one after the other in each of {} rounds; ratios are \
+         taken within a round (median, min-max). Template starts restore a checkpoint of a \
+         preloaded kernel, so the scientific stack is imported already. Round trip: p50 of {} \
+         runs; memory: the median of the {} idle kernels' cgroups (`memory.usage_in_bytes`: the \
+         kernel, and gVisor's sentry and gofer) with a {} MiB limit each.\n",
         s["rounds"], s["rt_runs"], s["idle_kernels"], s["kernel_memory_mb"],
+    ));
+    out.push_str(&checkpoint_table(&e["checkpoint"]));
+    out
+}
+
+/// Hibernation by engine: Python-level under Docker, the whole kernel under the engine.
+fn checkpoint_table(c: &Value) -> String {
+    if c.is_null() {
+        return String::new();
+    }
+    let sides = ["docker-runc", "docker-runsc", "engine-gvisor"];
+    let mut out = String::from(
+        "\n| hibernation (median of rounds) | Docker+runc, Python-level | Docker+gVisor, Python-level | gVisor engine, whole kernel | engine / Docker+gVisor |\n\
+         |---|---:|---:|---:|---:|\n",
+    );
+    let rows: [(&str, &str, usize); 3] = [
+        (
+            "hibernate, 100 MiB array + 1M-row DataFrame (ms)",
+            "hibernate_ms",
+            0,
+        ),
+        ("resume, the execute that wakes it (ms)", "resume_ms", 0),
+        ("its state on disk (MiB)", "state_mib", 1),
+    ];
+    for (label, key, decimals) in rows {
+        let cell = |side: &str| fmt(num(&c[side][key]["median"]), decimals);
+        out.push_str(&format!(
+            "| {label} | {} | {} | {} | {} |\n",
+            cell(sides[0]),
+            cell(sides[1]),
+            cell(sides[2]),
+            ratio_cell(&c[sides[2]][key]["ratio"]),
+        ));
+    }
+    let idle: [(&str, &str); 3] = [
+        (
+            "memory charged per idle kernel, running (MiB)",
+            "running_mib",
+        ),
+        (
+            "memory charged per idle kernel, hibernated (MiB)",
+            "hibernated_mib",
+        ),
+        ("an idle kernel's state on disk (MiB)", "disk_mib"),
+    ];
+    for (label, key) in idle {
+        let cell = |side: &str| fmt(num(&c[side]["idle"][key]), 1);
+        out.push_str(&format!(
+            "| {label} | {} | {} | {} | |\n",
+            cell(sides[0]),
+            cell(sides[1]),
+            cell(sides[2]),
+        ));
+    }
+    out.push_str(&format!(
+        "\nOn the same gateways, one kernel per side and round ({} rounds), side after side: \
+         hibernated with `POST /api/kernels/{{id}}/hibernate` and woken by the execute that \
+         reads its array and frame back. Then {} idle kernels per side, running and hibernated \
+         (their cgroups' memory; none is left once they hibernate).\n",
+        c["settings"]["rounds"], c["settings"]["idle_kernels"],
     ));
     out
 }

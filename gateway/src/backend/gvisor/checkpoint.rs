@@ -11,7 +11,7 @@
 use super::bundle::{self, Written};
 use super::GvisorEngine;
 use crate::backend::docker::socket_dir;
-use crate::backend::{BackendError, LaunchRequest, Launched};
+use crate::backend::{BackendError, ExecRequest, LaunchRequest, Launched};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -29,6 +29,8 @@ const QUIESCE_WAIT: Duration = Duration::from_secs(6);
 /// How long `runsc checkpoint` and `runsc restore` may take.
 const CHECKPOINT_TIMEOUT: Duration = Duration::from_secs(300);
 const RESTORE_TIMEOUT: Duration = Duration::from_secs(120);
+/// How long reading the sandbox's listening sockets may take.
+const LISTENERS_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// A checkpoint's record: what restores it.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -55,6 +57,24 @@ fn sockets_in(dir: &Path) -> Vec<String> {
         .collect();
     found.sort();
     found
+}
+
+/// The local ports of the sockets in state LISTEN (`0A`) of `/proc/net/tcp` text.
+fn listening_ports(text: &str) -> Vec<u16> {
+    let mut ports: Vec<u16> = text
+        .lines()
+        .filter_map(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let (local, state) = (fields.get(1)?, fields.get(3)?);
+            if *state != "0A" {
+                return None;
+            }
+            u16::from_str_radix(local.rsplit(':').next()?, 16).ok()
+        })
+        .collect();
+    ports.sort_unstable();
+    ports.dedup();
+    ports
 }
 
 /// Whether `name` is one of the relays' own sockets (`kernel-<port>`).
@@ -129,6 +149,14 @@ impl GvisorEngine {
         if !foreign.is_empty() {
             return Err(BackendError::Refused(held_sockets(&foreign)));
         }
+        let listening = self.tcp_listeners(handle).await?;
+        if !listening.is_empty() {
+            let ports: Vec<String> = listening.iter().map(u16::to_string).collect();
+            return Err(BackendError::Refused(format!(
+                "the kernel listens on TCP port {} (a server started in it); runsc cannot save a listening socket, and would stop the kernel trying. Stop the server, then hibernate again",
+                ports.join(", ")
+            )));
+        }
         self.runsc.kill_pid(handle, pid, "USR1").await?;
         let deadline = Instant::now() + QUIESCE_WAIT;
         let mut left = sockets_in(&dir);
@@ -169,6 +197,17 @@ impl GvisorEngine {
         let path = image.join(CHECKPOINT_FILE);
         let json = serde_json::to_vec_pretty(&record).unwrap_or_default();
         std::fs::write(&path, json).map_err(|e| bundle::io_error(&path, e))
+    }
+
+    /// The TCP ports something in the sandbox listens on (its own loopback: it has no
+    /// other network), from its `/proc/net/tcp` and `tcp6`.
+    async fn tcp_listeners(&self, handle: &str) -> Result<Vec<u16>, BackendError> {
+        let argv = ["cat", "/proc/net/tcp", "/proc/net/tcp6"]
+            .map(str::to_owned)
+            .to_vec();
+        let request = ExecRequest::new(argv, bytes::Bytes::new(), 1 << 20, LISTENERS_TIMEOUT);
+        let out = self.exec_inner(handle, request).await?;
+        Ok(listening_ports(&String::from_utf8_lossy(&out.stdout)))
     }
 
     /// The relays bind their host sockets again.
@@ -263,6 +302,11 @@ mod tests {
         ] {
             assert!(!is_relay_socket(name), "{name}");
         }
+        let tcp = "  sl  local_address rem_address   st tx_queue rx_queue\n\
+                   0: 0100007F:1F90 00000000:0000 0A 00000000:00000000\n\
+                   1: 0100007F:D431 0100007F:1F90 01 00000000:00000000\n\
+                   0: 00000000000000000000000001000000:1F90 00000000000000000000000000000000:0000 0A";
+        assert_eq!(listening_ports(tcp), [8080], "listeners only, once each");
         let why = held_sockets(&["x.sock".to_owned()]);
         assert!(why.contains("/run/kernel/x.sock"), "{why}");
         assert!(why.contains("delete the file"), "{why}");

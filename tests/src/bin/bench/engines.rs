@@ -1,12 +1,16 @@
 //! The engines side by side: Kernelgate with its kernels as Docker containers under runc,
 //! as Docker containers under gVisor (`--runtime runsc`), and as runsc sandboxes it runs
-//! itself (`--engine gvisor`, images from the image store, no Docker), in the same
-//! alternating rounds: cold create, the first `import numpy, pandas, matplotlib.pyplot`
-//! in that kernel, `1+1` p50 and a 20 MiB stream. Then, side after side in each round, the
-//! memory ten idle kernels are charged on the host (their cgroups' `memory.usage_in_bytes`,
-//! which holds gVisor's sentry and gofer as well as the kernel). Ratios are taken within a
-//! round against Docker+gVisor, the engine's goal being no worse on every row.
+//! itself (`--engine gvisor`, images from the image store, no Docker), once with kernels
+//! started from the engine's template (the default) and once booted
+//! (`--kernel-templates false`), in the same alternating rounds: cold create, the first
+//! `import numpy, pandas, matplotlib.pyplot` in that kernel, `1+1` p50 and a 20 MiB
+//! stream. Then, side after side in each round, the memory ten idle kernels are charged
+//! on the host (their cgroups' `memory.usage_in_bytes`, which holds gVisor's sentry and
+//! gofer as well as the kernel). Ratios are taken within a round against Docker+gVisor,
+//! the engine's goal being no worse on every row. Hibernation by engine follows, on the
+//! same gateways (checkpoint.rs).
 
+use crate::checkpoint;
 use crate::conn::Conn;
 use crate::procs::{Paths, Server};
 use crate::stats::{median, ms, percentile};
@@ -18,8 +22,15 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-/// The sides, in table order; the ratios are against `docker-runsc`.
-pub const SIDES: [&str; 3] = ["docker-runc", "docker-runsc", "engine-gvisor"];
+/// The sides, in table order; the ratios are against `docker-runsc`. `engine-gvisor`
+/// starts kernels from its template (the default), `engine-boot` boots each.
+pub const SIDES: [&str; 4] = [
+    "docker-runc",
+    "docker-runsc",
+    "engine-gvisor",
+    "engine-boot",
+];
+const N: usize = SIDES.len();
 const BASE: usize = 1;
 
 /// Rounds at least, whatever `--rounds` says.
@@ -51,24 +62,70 @@ pub async fn compare(opts: &Opts, paths: &Paths, results: &mut Results) -> Resul
     let rounds = opts.rounds.max(MIN_ROUNDS);
     let max = (IDLE + 4).to_string();
     let mut servers = Vec::new();
+    let mut hibernate_dirs = Vec::new();
     for side in SIDES {
         let flags: Vec<&str> = match side {
             "docker-runc" => vec!["--runtime", "runc"],
             "docker-runsc" => vec!["--runtime", "runsc"],
-            _ => vec!["--engine", "gvisor", "--image-store", &store_arg],
+            "engine-gvisor" => vec!["--engine", "gvisor", "--image-store", &store_arg],
+            _ => vec![
+                "--engine",
+                "gvisor",
+                "--image-store",
+                &store_arg,
+                "--kernel-templates",
+                "false",
+            ],
         };
+        let dir = paths.work.join(format!("hibernated-{side}"));
+        let dir_arg = dir.display().to_string();
         let mut flags = flags;
-        flags.extend(["--max-kernels", &max, "--kernel-memory-mb", "512"]);
+        flags.extend(["--max-kernels", &max, "--kernel-memory-mb", "1024"]);
+        flags.extend(["--hibernate-dir", &dir_arg, "--hibernate-after", "0"]);
         servers.push(Server::kernelgate(paths, 0, &flags).await?);
+        hibernate_dirs.push(dir);
     }
-    let measured = measure(opts, &servers, rounds, long).await;
+    let measured = async {
+        template_made(&hibernate_dirs[2], long).await?;
+        let per_round = measure(opts, &servers, rounds, long).await?;
+        let checkpoints = checkpoint::measure(&servers, &SIDES, &hibernate_dirs, rounds).await?;
+        anyhow::Ok((per_round, checkpoints))
+    }
+    .await;
     for (server, side) in servers.into_iter().zip(SIDES) {
         if let Err(e) = stop_and_check(server).await {
             log(format!("stopping {side}: {e:#}"));
         }
     }
-    store_results(results, &measured?, rounds, opts);
+    for dir in &hibernate_dirs {
+        let _ = std::fs::remove_dir_all(dir);
+    }
+    let (per_round, checkpoints) = measured?;
+    store_results(results, &per_round, rounds, opts);
+    results.set("engines", "checkpoint", checkpoints);
     Ok(())
+}
+
+/// Waits until the engine's template is on disk: kernels start from it from then on.
+async fn template_made(hibernate_dir: &Path, long: Duration) -> Result<()> {
+    let templates = hibernate_dir.join("templates");
+    let deadline = Instant::now() + long;
+    loop {
+        let made = std::fs::read_dir(&templates).ok().is_some_and(|entries| {
+            entries
+                .filter_map(|e| e.ok())
+                .any(|e| e.path().join("memory/checkpoint.json").is_file())
+        });
+        if made {
+            return Ok(());
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "the engine made no kernel template within {long:?} (in {})",
+            templates.display()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 }
 
 async fn measure(
@@ -76,7 +133,7 @@ async fn measure(
     servers: &[Server],
     rounds: usize,
     long: Duration,
-) -> Result<Vec<[Round; 3]>> {
+) -> Result<Vec<[Round; N]>> {
     let mut kept = Vec::new();
     for server in servers {
         let id = server.create_kernel(None).await?;
@@ -89,7 +146,7 @@ async fn measure(
     let code = stream_code(STREAM_MIB * 16);
     let mut per_round = Vec::with_capacity(rounds);
     for round in 0..rounds {
-        let mut r = [Round::default(); 3];
+        let mut r = [Round::default(); N];
         for (s, server) in servers.iter().enumerate() {
             let t0 = Instant::now();
             let id = server.create_kernel(None).await?;
@@ -142,7 +199,7 @@ async fn idle_memory(server: &Server, side: &str) -> Result<f64> {
     }
     tokio::time::sleep(Duration::from_secs(5)).await;
     let runtime_dir = server.runtime_dir.clone().context("a Kernelgate")?;
-    let charged = if side == "engine-gvisor" {
+    let charged = if side.starts_with("engine") {
         sandbox_memory(&runtime_dir)?
     } else {
         container_memory(&runtime_dir)?
@@ -161,7 +218,7 @@ async fn idle_memory(server: &Server, side: &str) -> Result<f64> {
 }
 
 /// The memory charged to each Docker container of the gateway on `runtime_dir`, in bytes.
-fn container_memory(runtime_dir: &Path) -> Result<Vec<f64>> {
+pub(crate) fn container_memory(runtime_dir: &Path) -> Result<Vec<f64>> {
     let filter = format!("label=org.kernelgate.runtime_dir={}", runtime_dir.display());
     let out = Command::new("docker")
         .args(["ps", "-q", "--no-trunc", "--filter", &filter])
@@ -173,7 +230,7 @@ fn container_memory(runtime_dir: &Path) -> Result<Vec<f64>> {
 }
 
 /// The memory charged to each runsc sandbox of the gateway on `runtime_dir`, in bytes.
-fn sandbox_memory(runtime_dir: &Path) -> Result<Vec<f64>> {
+pub(crate) fn sandbox_memory(runtime_dir: &Path) -> Result<Vec<f64>> {
     let out = Command::new(kernelgate_tests::engine::runsc())
         .arg("--root")
         .arg(runtime_dir.join("gvisor/root"))
@@ -247,7 +304,7 @@ fn fill_store(paths: &Paths) -> Result<PathBuf> {
 
 type Metric = (&'static str, fn(&Round) -> f64);
 
-fn store_results(results: &mut Results, per_round: &[[Round; 3]], rounds: usize, opts: &Opts) {
+fn store_results(results: &mut Results, per_round: &[[Round; N]], rounds: usize, opts: &Opts) {
     let metrics: [Metric; 5] = [
         ("create_ms", |r| r.create_ms),
         ("imports_ms", |r| r.imports_ms),
@@ -272,6 +329,6 @@ fn store_results(results: &mut Results, per_round: &[[Round; 3]], rounds: usize,
         "engines",
         "settings",
         json!({"rounds": rounds, "rt_runs": opts.rt_runs, "stream_mib": STREAM_MIB,
-               "idle_kernels": IDLE, "kernel_memory_mb": 512}),
+               "idle_kernels": IDLE, "kernel_memory_mb": 1024}),
     );
 }

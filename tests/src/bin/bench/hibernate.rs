@@ -19,11 +19,11 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 /// One kernel's workload: what it holds, and the cell that wakes it and what it prints.
-struct Case {
-    name: &'static str,
-    setup: &'static str,
-    check: &'static str,
-    prints: &'static str,
+pub(crate) struct Case {
+    pub(crate) name: &'static str,
+    pub(crate) setup: &'static str,
+    pub(crate) check: &'static str,
+    pub(crate) prints: &'static str,
 }
 
 const IDLE: Case = Case {
@@ -33,7 +33,7 @@ const IDLE: Case = Case {
     prints: "1\n",
 };
 
-const LARGE: Case = Case {
+pub(crate) const LARGE: Case = Case {
     name: "large",
     setup: "import numpy as np, pandas as pd\n\
             a = np.ones(100 * 2**20 // 8)\n\
@@ -242,7 +242,7 @@ async fn pool_ready(server: &Server, containers: usize, timeout: Duration) -> Re
 
 /// Runs `code` through the agent API; how long the answer took. Fails unless it ran and
 /// printed `prints` (anything, when empty).
-async fn run(server: &Server, id: &str, code: &str, prints: &str) -> Result<Duration> {
+pub(crate) async fn run(server: &Server, id: &str, code: &str, prints: &str) -> Result<Duration> {
     let body = ExecuteBody {
         code: code.into(),
         ..ExecuteBody::default()
@@ -257,7 +257,7 @@ async fn run(server: &Server, id: &str, code: &str, prints: &str) -> Result<Dura
 }
 
 /// `POST /api/kernels/{id}/hibernate`; fails unless the kernel hibernated.
-async fn hibernate(server: &Server, id: &str) -> Result<()> {
+pub(crate) async fn hibernate(server: &Server, id: &str) -> Result<()> {
     let request = server
         .client()
         .request(Method::POST, &format!("/api/kernels/{id}/hibernate"))

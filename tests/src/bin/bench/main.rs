@@ -13,6 +13,7 @@
 //! the direct baseline (walls.rs); JKG and the direct baseline run local kernel processes. All three run the kernel image's own
 //! launcher (kernel-image/launch.py) with the same ipykernel and matplotlib versions.
 
+mod checkpoint;
 mod cluster;
 mod conn;
 mod e2b;
