@@ -10,7 +10,7 @@ include mk/bench.mk
 include mk/python.mk
 include mk/gateway-image.mk
 
-.PHONY: all build run test lint unit e2e e2e-runc e2e-gvisor e2e-engine e2e-gvisor-ptrace gvisor debug-build test-tools leftovers test-stamp
+.PHONY: all build run test test-machine test-build e2e-build lint unit e2e e2e-runc e2e-gvisor e2e-engine e2e-gvisor-ptrace gvisor debug-build test-tools leftovers test-stamp
 
 all: build
 
@@ -33,7 +33,8 @@ run: image build
 TEST_STAMP := target/.test-started
 # Each long step prints when it starts and ends, so a log shows where the time went.
 CLOCK = @echo "[$$(date +%T)] $@ $(1)"
-test: test-stamp lint unit e2e-prep
+test: test-stamp
+	$(MAKE) --no-print-directory -j2 --output-sync=target test-machine test-build
 	$(call CLOCK,starts the end-to-end suites and fuzzing)
 	$(MAKE) --no-print-directory -k -j2 --output-sync=target E2E_THREADS=2 $(E2E_ORDER)
 	$(MAKE) --no-print-directory -k E2E_THREADS=2 $(HEAVY_TARGETS)
@@ -62,9 +63,21 @@ debug-build:
 	$(CARGO) build -p kernelgate
 
 # Everything the end-to-end suites need, built once before they run side by side.
-e2e-prep: gvisor image debug-build test-tools fixture-image python-venv
+e2e-prep: gvisor image test-tools fixture-image python-venv e2e-build
+e2e-build: debug-build
 	$(CARGO) test -p kernelgate-tests --no-run
 	$(CARGO) test $(UNIT_CRATES) --lib --no-run
+
+# What `make test` needs before its suites, in two lanes side by side: the machine's part
+# (gVisor, Debian's packages, the images, the test venv: mostly downloads and Docker, one
+# at a time, as apt takes one lock) and the build's (lints, unit tests, the binaries the
+# suites run: the cores).
+test-machine:
+	$(MAKE) --no-print-directory -j1 gvisor test-tools image fixture-image python-venv
+	$(call CLOCK,has the machine ready)
+test-build:
+	$(MAKE) --no-print-directory -j1 lint unit e2e-build
+	$(call CLOCK,has the build ready)
 
 # Every suite is a target of its own (e2e-<runtime>-<suite>), so that `make -j2` packs
 # them onto the two cores as they end. KERNELGATE_RUNTIME picks the runtime for every

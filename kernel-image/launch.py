@@ -402,20 +402,44 @@ class Relays:
                 self.quiet[name].set()
 
     def start(self) -> None:
+        """Starts the channel threads and the control thread, which serves at once, then
+        quiesces on each SIGUSR1 and serves again on each SIGUSR2. The signals reach it
+        through Python's wakeup fd, which the C-level handler writes on whichever thread the
+        signal lands: a Python-level handler would wait for the main thread's next bytecode,
+        which an idle kernel's event loop may not run for a long time."""
+        import signal
         import threading
 
-        import zmq
-
+        wake_r, wake_w = os.pipe()
+        os.set_blocking(wake_w, False)
+        for signum in (signal.SIGUSR1, signal.SIGUSR2):
+            signal.signal(signum, lambda *_: None)
+        signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
         for name in CHANNELS:
             threading.Thread(
                 target=self._channel, args=(name,), name=f"kernelgate-relay-{name}", daemon=True
             ).start()
+        threading.Thread(
+            target=self._control, args=(wake_r,), name="kernelgate-relay-signals", daemon=True
+        ).start()
+
+    def _control(self, wake_r: int) -> None:
+        import signal
+
+        import zmq
+
         for name in CHANNELS:
-            # The thread binds its end first; inproc connects to a later bind too.
+            # The channel thread binds its end; inproc connects to a later bind too.
             control = self.ctx.socket(zmq.PAIR)
             control.connect(f"inproc://kernelgate-relay-{name}")
             self.controls[name] = control
         self.serve()
+        while True:
+            for signum in os.read(wake_r, 64):
+                if signum == signal.SIGUSR1:
+                    self.quiesce()
+                elif signum == signal.SIGUSR2:
+                    self.resume()
 
     def serve(self) -> None:
         import zmq
@@ -438,7 +462,7 @@ class Relays:
         except OSError as err:
             _warn(f"cannot write {path}: {err}")
 
-    def quiesce(self, *_args) -> None:
+    def quiesce(self) -> None:
         """Closes every host socket (SIGUSR1): nothing of the sandbox is bound outside."""
         if not self.serving:
             return
@@ -462,7 +486,7 @@ class Relays:
             except OSError as err:
                 _warn(f"cannot remove {path}: {err}")
 
-    def resume(self, *_args) -> None:
+    def resume(self) -> None:
         """Reads the connection file again and serves on it (SIGUSR2): after a restore the
         gateway wrote a new key and session there."""
         if self.serving:
@@ -578,13 +602,9 @@ def main(argv: list[str]) -> int:
     bound_output_backlog()
     relays = None
     if os.environ.get(RELAY_ENV) == "1":
-        import signal
-
         relays = Relays(connection_file)
         ipc_fork_pipe()
         connection_file = relays.inner_file()
-        signal.signal(signal.SIGUSR1, relays.quiesce)
-        signal.signal(signal.SIGUSR2, relays.resume)
     app = make_app_class().instance()
     app.initialize(["-f", connection_file])
     if relays is not None:

@@ -573,6 +573,39 @@ async fn a_checkpoint_past_the_budget_is_refused_and_the_kernel_runs_on() -> Res
     Ok(())
 }
 
+/// Whether kernel `id` answers a `kernel_info_request` signed with `key`, sent straight to
+/// its shell socket by jupyter_client: `answered` or `silent` (3 s).
+fn answers(gw: &Gateway, id: &str, key: &str) -> Result<String> {
+    let dir = gw.runtime_dir.join(id);
+    let script = "\
+import json, sys
+from jupyter_client import BlockingKernelClient
+info = json.load(open(sys.argv[1] + '/kernel.json'))
+info.update(ip=sys.argv[1] + '/kernel', key=sys.argv[2])
+c = BlockingKernelClient()
+c.load_connection_info(info)
+c.start_channels()
+c.kernel_info()
+try:
+    c.get_shell_msg(timeout=3)
+    print('answered')
+except Exception:
+    print('silent')
+c.stop_channels()
+";
+    let out = Command::new(host_python())
+        .args(["-c", script])
+        .arg(&dir)
+        .arg(key)
+        .output()?;
+    ensure!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn creates_restore_from_the_template_each_with_its_own_key_random_state_and_home(
 ) -> Result<()> {
@@ -640,6 +673,18 @@ async fn creates_restore_from_the_template_each_with_its_own_key_random_state_an
     ensure!(
         template.join("memory").is_dir(),
         "the template stays for the next create"
+    );
+    // A clone answers its own key only: not the template's, which every clone began with.
+    let record: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(template.join("template.json"))?)?;
+    let template_key = record["key"].as_str().context("the template's key")?;
+    let clone = &seen[0].3;
+    let own_key = seen[0].0.trim_matches('"').to_owned();
+    assert_eq!(answers(&gw, clone, &own_key)?, "answered");
+    assert_eq!(
+        answers(&gw, clone, template_key)?,
+        "silent",
+        "the template's key is refused"
     );
     for (_, _, _, id) in &seen {
         assert_eq!(gw.delete_kernel(id).await?, 204);

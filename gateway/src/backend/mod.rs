@@ -244,7 +244,8 @@ pub struct Capabilities {
     pub run_once: bool,
     /// [`KernelBackend::read_home`] and [`KernelBackend::put_tree`].
     pub files: bool,
-    /// A sandbox's memory image saved and brought back (lossless hibernation).
+    /// A kernel's whole sandbox saved ([`KernelBackend::checkpoint`]) and brought back
+    /// ([`KernelBackend::restore_kernel`]): lossless hibernation and template starts.
     pub checkpoint: bool,
     pub restore: bool,
     /// A running sandbox copied into a second one (fork).

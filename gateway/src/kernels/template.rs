@@ -36,8 +36,9 @@ fn dir_name(image: &str) -> String {
 
 /// The directory, under `--hibernate-dir`, of every template.
 pub(in crate::kernels) const TEMPLATES: &str = "templates";
-/// Inside a template's directory: the engine's checkpoint.
+/// Inside a template's directory: the engine's checkpoint, and what it was made from.
 const MEMORY: &str = "memory";
+const RECORD: &str = "template.json";
 
 impl Kernels {
     fn template_dir(&self, image: &str) -> PathBuf {
@@ -128,6 +129,13 @@ impl Kernels {
         live.cancel.cancel();
         let _ = live.relay.step(Event::Unlinked).await;
         let handle = live.handle();
+        // The template's own key, kept beside it: no clone answers it (each takes its own),
+        // which is what this record lets an operator check.
+        let record = serde_json::json!({
+            "image": image,
+            "made": chrono::Utc::now().to_rfc3339(),
+            "key": live.process().connection.key,
+        });
         let dir = self.template_dir(image);
         let parent = dir.parent().map(PathBuf::from).unwrap_or_default();
         let partial = parent.join(format!(
@@ -143,6 +151,9 @@ impl Kernels {
                 .checkpoint(&handle, &partial.join(MEMORY))
                 .await
                 .map_err(|e| e.to_string())?;
+            tokio::fs::write(partial.join(RECORD), record.to_string())
+                .await
+                .map_err(|e| format!("{}: {e}", partial.display()))?;
             let _ = tokio::fs::remove_dir_all(&dir).await;
             tokio::fs::rename(&partial, &dir)
                 .await

@@ -24,8 +24,12 @@ pub const RELAY_ENV: &str = "KERNELGATE_RELAY";
 const RELAY_PID_FILE: &str = "relay.pid";
 /// What the engine records beside a checkpoint's image.
 pub const CHECKPOINT_FILE: &str = "checkpoint.json";
-/// How long the relays may take to close their host sockets.
-const QUIESCE_WAIT: Duration = Duration::from_secs(6);
+/// How long the relays may take to close or open their host sockets after a signal, and
+/// how many signals they get.
+const SIGNAL_WAIT: Duration = Duration::from_secs(2);
+const SIGNAL_TRIES: u32 = 4;
+/// The host sockets of a kernel's relays: shell, iopub, stdin, control, heartbeat.
+const RELAY_SOCKETS: usize = 5;
 /// How long `runsc checkpoint` and `runsc restore` may take.
 const CHECKPOINT_TIMEOUT: Duration = Duration::from_secs(300);
 const RESTORE_TIMEOUT: Duration = Duration::from_secs(120);
@@ -157,18 +161,24 @@ impl GvisorEngine {
                 ports.join(", ")
             )));
         }
-        self.runsc.kill_pid(handle, pid, "USR1").await?;
-        let deadline = Instant::now() + QUIESCE_WAIT;
-        let mut left = sockets_in(&dir);
-        while !left.is_empty() && Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(20)).await;
+        let mut left = Vec::new();
+        for _ in 0..SIGNAL_TRIES {
+            self.runsc.kill_pid(handle, pid, "USR1").await?;
+            let deadline = Instant::now() + SIGNAL_WAIT;
             left = sockets_in(&dir);
+            while !left.is_empty() && Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                left = sockets_in(&dir);
+            }
+            if left.is_empty() {
+                break;
+            }
         }
         if !left.is_empty() {
-            self.serve_again(handle, pid).await;
+            self.serve_again(handle, pid, &dir).await;
             return Err(BackendError::Runtime(format!(
                 "the kernel's relays did not close their host sockets within {} s ({}); the kernel runs on",
-                QUIESCE_WAIT.as_secs(),
+                (SIGNAL_WAIT * SIGNAL_TRIES).as_secs(),
                 left.join(", ")
             )));
         }
@@ -179,7 +189,7 @@ impl GvisorEngine {
             .await
         {
             if self.running(handle).await.unwrap_or(false) {
-                self.serve_again(handle, pid).await;
+                self.serve_again(handle, pid, &dir).await;
                 return Err(BackendError::Runtime(format!(
                     "the checkpoint failed and the kernel runs on: {e}"
                 )));
@@ -210,9 +220,33 @@ impl GvisorEngine {
         Ok(listening_ports(&String::from_utf8_lossy(&out.stdout)))
     }
 
+    /// Tells a restored kernel's relays (launcher `pid`) to take the new connection file
+    /// in `dir`, until their five sockets are there (a signal is sent again each
+    /// [`SIGNAL_WAIT`]: the launcher answers each once).
+    async fn relays_up(&self, handle: &str, pid: u32, dir: &Path) -> Result<(), BackendError> {
+        for _ in 0..SIGNAL_TRIES {
+            self.runsc.kill_pid(handle, pid, "USR2").await?;
+            let deadline = Instant::now() + SIGNAL_WAIT;
+            while Instant::now() < deadline {
+                let up = sockets_in(dir)
+                    .iter()
+                    .filter(|n| is_relay_socket(n))
+                    .count();
+                if up >= RELAY_SOCKETS {
+                    return Ok(());
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+        Err(BackendError::Runtime(format!(
+            "the restored kernel's relays did not bind its sockets within {} s",
+            (SIGNAL_WAIT * SIGNAL_TRIES).as_secs()
+        )))
+    }
+
     /// The relays bind their host sockets again.
-    async fn serve_again(&self, handle: &str, pid: u32) {
-        if let Err(e) = self.runsc.kill_pid(handle, pid, "USR2").await {
+    async fn serve_again(&self, handle: &str, pid: u32, dir: &Path) {
+        if let Err(e) = self.relays_up(handle, pid, dir).await {
             tracing::warn!(sandbox = %handle, error = %e, "cannot tell a kernel's relays to serve again");
         }
     }
@@ -274,7 +308,10 @@ impl GvisorEngine {
             return Err(e);
         }
         self.watch(&handle);
-        if let Err(e) = self.runsc.kill_pid(&handle, record.relay_pid, "USR2").await {
+        if let Err(e) = self
+            .relays_up(&handle, record.relay_pid, &prepared.dir)
+            .await
+        {
             let _ = self.remove_inner(&handle).await;
             return Err(e);
         }
