@@ -272,7 +272,11 @@ impl GvisorEngine {
         };
         let meta = self.read_meta(handle).ok();
         self.end(handle, Duration::from_secs(5)).await?;
-        std::fs::remove_dir_all(&bundle).map_err(|e| io_error(&bundle, e))?;
+        match std::fs::remove_dir_all(&bundle) {
+            // Removed meanwhile by another caller (a delete racing a resume that gave up).
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            other => other.map_err(|e| io_error(&bundle, e))?,
+        }
         self.tidy();
         if let Some(dir) = meta.and_then(|m| m.socket_dir) {
             socket_dir::remove(&dir).map_err(|source| BackendError::SocketDir {

@@ -175,6 +175,11 @@ impl Hibernation {
         let slept = live.sleep().since.take();
         // Answered with its new key, or it is no resume.
         if let Err(e) = self.kernels.supervisor().connect_into(live, &new).await {
+            if live.cancel.is_cancelled() {
+                // Deleted (or the gateway stops) while it woke: nothing to keep.
+                self.drop_process(&new.handle).await;
+                return Err(CreateError::ShuttingDown);
+            }
             live.sleep().since = slept;
             let why = format!("the hibernated kernel's checkpoint was restored but the kernel did not answer ({e}); the checkpoint is kept: run the cell again to retry");
             let _ = live

@@ -48,6 +48,8 @@ impl Hibernation {
                         Ok(()) => return,
                         // Its waiting executions were answered already, saying so.
                         Err(CreateError::StateNotLoaded { .. }) => {}
+                        // Deleted while it woke, or the gateway stops.
+                        Err(CreateError::ShuttingDown) => return,
                         Err(e) => {
                             let why = format!("the hibernated kernel could not be resumed ({e}); try again, or delete it");
                             tracing::warn!(kernel = %live.id(), "{why}");
