@@ -305,6 +305,8 @@ async fn the_gateway_image_serves_kernels_privileged_without_docker_and_survives
             "serve",
             "--listen=0.0.0.0:8888",
             "--pool-size=0",
+            // No template is made at start: the test counts the sandboxes.
+            "--kernel-templates=false",
         ])
         .args([
             format!("--token={token}"),

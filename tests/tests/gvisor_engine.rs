@@ -30,6 +30,23 @@ fn runsc_sandboxes(runtime_dir: &Path) -> Result<Vec<String>> {
         .collect())
 }
 
+/// A gateway on the engine, with `image` in the tests' image store, plus `extra` flags.
+async fn on_engine(image: &str, extra: &[&str]) -> Result<Gateway> {
+    let images = image_store(image)?;
+    let images = images.display().to_string();
+    let mut flags = vec!["--engine", "gvisor", "--image-store", images.as_str()];
+    flags.extend_from_slice(extra);
+    Gateway::start(&flags).await
+}
+
+/// Stops the gateway (its kernels go) and removes its runtime directory.
+async fn stop_and_clean(gw: Gateway) -> Result<()> {
+    let runtime_dir = gw.runtime_dir.clone();
+    gw.stop().await?;
+    let _ = std::fs::remove_dir_all(&runtime_dir);
+    Ok(())
+}
+
 async fn stdout_of(gw: &Gateway, id: &str, code: &str) -> Result<String> {
     let answer = gw.execute(id, code).await?;
     match answer["stdout"].as_str() {
@@ -154,10 +171,7 @@ async fn a_kernel_runs_in_a_runsc_sandbox_without_docker() -> Result<()> {
         !engine_dir.exists(),
         "no bundle left, nor the engine's directories"
     );
-    let runtime_dir = gw.runtime_dir.clone();
-    gw.stop().await?;
-    let _ = std::fs::remove_dir_all(&runtime_dir);
-    Ok(())
+    stop_and_clean(gw).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -313,9 +327,7 @@ async fn a_kernel_hibernates_and_resumes_with_its_variables_and_files() -> Resul
     if skipped() {
         return Ok(());
     }
-    let images = image_store(&image())?;
-    let images = images.display().to_string();
-    let gw = Gateway::start(&["--engine", "gvisor", "--image-store", &images]).await?;
+    let gw = on_engine(&image(), &[]).await?;
     let kernel = gw.create_kernel().await?;
     let id = kernel["id"].as_str().context("kernel id")?.to_owned();
     gw.execute(&id, "x = 41\nopen('notes.txt', 'w').write('kept\\n')")
@@ -339,10 +351,7 @@ async fn a_kernel_hibernates_and_resumes_with_its_variables_and_files() -> Resul
         "state and files came back"
     );
     assert_eq!(gw.delete_kernel(&id).await?, 204);
-    let runtime_dir = gw.runtime_dir.clone();
-    gw.stop().await?;
-    let _ = std::fs::remove_dir_all(&runtime_dir);
-    Ok(())
+    stop_and_clean(gw).await
 }
 
 /// A kernel holding what Python-level hibernation cannot keep: a 100 MiB array, a
@@ -465,10 +474,7 @@ async fn a_host_socket_refuses_a_checkpoint_by_name_and_a_failed_restore_keeps_i
     if skipped() {
         return Ok(());
     }
-    let images = image_store(&image())?;
-    let images = images.display().to_string();
-    let flags = ["--engine", "gvisor", "--image-store", images.as_str()];
-    let gw = Gateway::start(&flags).await?;
+    let gw = on_engine(&image(), &[]).await?;
     let kernel = gw.create_kernel().await?;
     let id = kernel["id"].as_str().context("kernel id")?.to_owned();
     let hibernate = format!("/api/kernels/{id}/hibernate");
@@ -535,10 +541,7 @@ async fn a_host_socket_refuses_a_checkpoint_by_name_and_a_failed_restore_keeps_i
         "a retry restores it"
     );
     assert_eq!(gw.delete_kernel(&id).await?, 204);
-    let runtime_dir = gw.runtime_dir.clone();
-    gw.stop().await?;
-    let _ = std::fs::remove_dir_all(&runtime_dir);
-    Ok(())
+    stop_and_clean(gw).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -546,10 +549,7 @@ async fn a_checkpoint_past_the_budget_is_refused_and_the_kernel_runs_on() -> Res
     if skipped() {
         return Ok(());
     }
-    let images = image_store(&image())?;
-    let images = images.display().to_string();
-    let flags = ["--engine", "gvisor", "--image-store", images.as_str()];
-    let gw = Gateway::start(&[&flags[..], &["--hibernate-max-mb", "8"]].concat()).await?;
+    let gw = on_engine(&image(), &["--hibernate-max-mb", "8"]).await?;
     let kernel = gw.create_kernel().await?;
     let id = kernel["id"].as_str().context("kernel id")?.to_owned();
     gw.execute(&id, "g = iter(range(5)); next(g)").await?;
@@ -573,10 +573,7 @@ async fn a_checkpoint_past_the_budget_is_refused_and_the_kernel_runs_on() -> Res
     let (_, model) = gw.get_json(&format!("/api/kernels/{id}")).await?;
     assert_eq!(model["hibernated"], false, "{model}");
     assert_eq!(gw.delete_kernel(&id).await?, 204);
-    let runtime_dir = gw.runtime_dir.clone();
-    gw.stop().await?;
-    let _ = std::fs::remove_dir_all(&runtime_dir);
-    Ok(())
+    stop_and_clean(gw).await
 }
 
 /// Whether kernel `id` answers a `kernel_info_request` signed with `key`, sent straight to
@@ -618,10 +615,7 @@ async fn creates_restore_from_the_template_each_with_its_own_key_random_state_an
     if skipped() {
         return Ok(());
     }
-    let images = image_store(&image())?;
-    let images = images.display().to_string();
-    let flags = ["--engine", "gvisor", "--image-store", images.as_str()];
-    let gw = Gateway::start(&[&flags[..], &["--kernel-templates", "true"]].concat()).await?;
+    let gw = on_engine(&image(), &["--kernel-templates", "true"]).await?;
     let templates = kernelgate_tests::hibernate_dir(&gw.runtime_dir).join("templates");
     let made = async {
         loop {
@@ -695,10 +689,7 @@ async fn creates_restore_from_the_template_each_with_its_own_key_random_state_an
     for (_, _, _, id) in &seen {
         assert_eq!(gw.delete_kernel(id).await?, 204);
     }
-    let runtime_dir = gw.runtime_dir.clone();
-    gw.stop().await?;
-    let _ = std::fs::remove_dir_all(&runtime_dir);
-    Ok(())
+    stop_and_clean(gw).await
 }
 
 /// The kernel image with its relay label turned off, as an image from before the relays
@@ -727,17 +718,7 @@ async fn an_image_without_the_relays_hibernates_at_python_level_and_says_so() ->
         return Ok(());
     }
     let older = image_without_relays()?;
-    let images = image_store(&older)?;
-    let images = images.display().to_string();
-    let gw = Gateway::start(&[
-        "--engine",
-        "gvisor",
-        "--image-store",
-        images.as_str(),
-        "--image",
-        older.as_str(),
-    ])
-    .await?;
+    let gw = on_engine(&older, &["--image", older.as_str()]).await?;
     let kernel = gw.create_kernel().await?;
     assert_eq!(kernel["hibernation"], "namespace", "{kernel}");
     let id = kernel["id"].as_str().context("kernel id")?.to_owned();
@@ -761,10 +742,7 @@ async fn an_image_without_the_relays_hibernates_at_python_level_and_says_so() ->
     assert_eq!(hibernated["hibernation"], "namespace", "{hibernated}");
     assert_eq!(stdout_of(&gw, &id, "print(x + 1)").await?, "42\n");
     assert_eq!(gw.delete_kernel(&id).await?, 204);
-    let runtime_dir = gw.runtime_dir.clone();
-    gw.stop().await?;
-    let _ = std::fs::remove_dir_all(&runtime_dir);
-    Ok(())
+    stop_and_clean(gw).await
 }
 
 /// The host Python whose pip `packages sync` uses: the test venv's (`make test-tools`).
@@ -838,8 +816,5 @@ async fn an_allowed_package_installs_from_the_wheelhouse_in_a_sandbox() -> Resul
         "hello from the wheelhouse\n"
     );
     assert_eq!(gw.delete_kernel(&id).await?, 204);
-    let runtime_dir = gw.runtime_dir.clone();
-    gw.stop().await?;
-    let _ = std::fs::remove_dir_all(&runtime_dir);
-    Ok(())
+    stop_and_clean(gw).await
 }

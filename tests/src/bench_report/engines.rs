@@ -30,6 +30,9 @@ pub(super) fn table(m: &Value) -> String {
         return "\nEngines: gVisor is not set up (`make gvisor`), so they were not compared.\n"
             .to_owned();
     }
+    if e["engine-boot"].is_null() {
+        return three_sides(e);
+    }
     let mut out = String::from(
         "\n| engines (median of rounds) | Docker+runc | Docker+gVisor | gVisor engine, template starts | gVisor engine, booted | \
          Docker+runc / Docker+gVisor | engine, template / Docker+gVisor | engine, booted / Docker+gVisor |\n\
@@ -58,6 +61,36 @@ pub(super) fn table(m: &Value) -> String {
         s["rounds"], s["rt_runs"], s["idle_kernels"], s["kernel_memory_mb"],
     ));
     out.push_str(&checkpoint_table(&e["checkpoint"]));
+    out
+}
+
+/// The table of samples from before template starts: three sides, the engine's kernels
+/// booted.
+fn three_sides(e: &Value) -> String {
+    let mut out = String::from(
+        "\n| engines (median of rounds) | Docker+runc | Docker+gVisor | gVisor engine | \
+         Docker+runc / Docker+gVisor | gVisor engine / Docker+gVisor |\n\
+         |---|---:|---:|---:|---:|---:|\n",
+    );
+    for (label, key, decimals) in ROWS {
+        let cell = |side: &str| fmt(num(&e[side][key]["median"]), decimals);
+        out.push_str(&format!(
+            "| {label} | {} | {} | {} | {} | {} |\n",
+            cell(SIDES[0]),
+            cell(SIDES[1]),
+            cell(SIDES[2]),
+            ratio_cell(&e[SIDES[0]][key]["ratio"]),
+            ratio_cell(&e[SIDES[2]][key]["ratio"]),
+        ));
+    }
+    let s = &e["settings"];
+    out.push_str(&format!(
+        "\nThree release gateways, one per engine, measured one after the other in each of {} \
+         rounds; ratios are taken within a round (median, min-max). Round trip: p50 of {} runs; \
+         memory: the median of the {} idle kernels' cgroups (`memory.usage_in_bytes`: the kernel, \
+         and gVisor's sentry and gofer) with a {} MiB limit each.\n",
+        s["rounds"], s["rt_runs"], s["idle_kernels"], s["kernel_memory_mb"],
+    ));
     out
 }
 
