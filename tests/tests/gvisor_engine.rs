@@ -47,6 +47,21 @@ async fn stop_and_clean(gw: Gateway) -> Result<()> {
     Ok(())
 }
 
+/// Runs `setup` in kernel `id`, then asks it to hibernate: refused (409), naming `names`.
+async fn hibernation_refused(gw: &Gateway, id: &str, setup: &str, names: &str) -> Result<()> {
+    gw.execute(id, setup).await?;
+    let (status, refused) = gw
+        .post_json(
+            &format!("/api/kernels/{id}/hibernate"),
+            serde_json::json!({}),
+        )
+        .await?;
+    assert_eq!(status, 409, "{refused}");
+    let message = refused["message"].as_str().unwrap_or_default();
+    ensure!(message.contains(names), "names {names:?}: {refused}");
+    Ok(())
+}
+
 async fn stdout_of(gw: &Gateway, id: &str, code: &str) -> Result<String> {
     let answer = gw.execute(id, code).await?;
     match answer["stdout"].as_str() {
@@ -478,36 +493,26 @@ async fn a_host_socket_refuses_a_checkpoint_by_name_and_a_failed_restore_keeps_i
     let kernel = gw.create_kernel().await?;
     let id = kernel["id"].as_str().context("kernel id")?.to_owned();
     let hibernate = format!("/api/kernels/{id}/hibernate");
-    gw.execute(
+    hibernation_refused(
+        &gw,
         &id,
         "import socket\ns = socket.socket(socket.AF_UNIX)\ns.bind('/run/kernel/mine.sock')\nx = 1",
+        "/run/kernel/mine.sock",
     )
     .await?;
-    let (status, refused) = gw.post_json(&hibernate, serde_json::json!({})).await?;
-    assert_eq!(status, 409, "{refused}");
-    let message = refused["message"].as_str().unwrap_or_default();
-    ensure!(
-        message.contains("/run/kernel/mine.sock"),
-        "names the socket: {refused}"
-    );
     assert_eq!(
         stdout_of(&gw, &id, "print(x + 1)").await?,
         "2\n",
         "it keeps running"
     );
 
-    gw.execute(
+    hibernation_refused(
+        &gw,
         &id,
         "s.close()\nimport os\nos.unlink('/run/kernel/mine.sock')\nt = socket.socket()\nt.bind(('127.0.0.1', 8765))\nt.listen()",
+        "TCP port 8765",
     )
     .await?;
-    let (status, refused) = gw.post_json(&hibernate, serde_json::json!({})).await?;
-    assert_eq!(status, 409, "{refused}");
-    let message = refused["message"].as_str().unwrap_or_default();
-    ensure!(
-        message.contains("TCP port 8765"),
-        "names the listener: {refused}"
-    );
     assert_eq!(
         stdout_of(&gw, &id, "print(x + 2)").await?,
         "3\n",
