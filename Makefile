@@ -96,12 +96,13 @@ test-build:
 # its promises (ENGINE_SUITES): the second wall and the CPU quota read from the host's cgroup
 # (second_wall), hostile kernels and the gateway's memory budget against them
 # (hostile_kernels), the sandbox and isolation checks (gateway), deaths named with their
-# cause and recovery (recovery), files (agent) and packages.
+# cause and recovery (recovery), files (agent), packages, and snapshots and forks of whole
+# kernels (snapshots).
 E2E_THREADS ?= 3
 SUITES := $(basename $(notdir $(wildcard tests/tests/*.rs)))
 GVISOR_SUITES := agent environment gateway gvisor_container gvisor_engine hibernation \
 	hostile_kernels image lifecycle output_limits packages recovery second_wall testnet
-ENGINE_SUITES := second_wall hostile_kernels gateway recovery agent packages
+ENGINE_SUITES := second_wall hostile_kernels gateway recovery agent packages snapshots
 RUNC_TARGETS := $(addprefix e2e-runc-,$(SUITES))
 GVISOR_TARGETS := $(addprefix e2e-runsc-,$(GVISOR_SUITES))
 ENGINE_TARGETS := $(addprefix e2e-engine-,$(ENGINE_SUITES))

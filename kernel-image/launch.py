@@ -53,8 +53,10 @@ that holds a bound host Unix socket cannot be saved. ipykernel then binds its fi
 the sandbox's own tmpfs (RELAY_DIR) and in-process relay threads (zmq.proxy_steerable: C code
 that runs without the GIL) bridge them to the host-visible sockets of CONNECTION_FILE.
 SIGUSR1 makes the relays close every host socket (the sockets' files go with them); SIGUSR2
-re-reads CONNECTION_FILE (after a restore: a new HMAC key and session id, perhaps new
-ports), reseeds `random` and `numpy.random` and binds the host sockets again. The pid the
+re-reads CONNECTION_FILE and binds the host sockets again; after a restore the file holds a
+new HMAC key (perhaps new ports), and the kernel takes it with a new session id and reseeds
+`random` and `numpy.random`; an unchanged key (a snapshot taken of a running kernel) changes
+nothing. The pid the
 signals go to is written to RELAY_PID_FILE beside the connection file. ipykernel's pipe for
 the output of forked children is moved from tcp://127.0.0.1 to an ipc socket there too (a
 listening TCP socket cannot be saved either).
@@ -488,7 +490,8 @@ class Relays:
 
     def resume(self) -> None:
         """Reads the connection file again and serves on it (SIGUSR2): after a restore the
-        gateway wrote a new key and session there."""
+        gateway wrote a new key and session there. The same key means the same kernel goes
+        on (a snapshot was taken of it): its session and random state stay as they were."""
         if self.serving:
             return
         try:
@@ -496,7 +499,8 @@ class Relays:
         except (OSError, ValueError) as err:
             _warn(f"cannot read {self.host_file}, the relays stay closed: {err}")
             return
-        rekey(host)
+        if host.get("key") != self.host.get("key"):
+            rekey(host)
         # The relays' connections to the kernel stay; their host sockets take the new names.
         self.host = host
         self.serve()

@@ -6,7 +6,10 @@ use kernelgate_protocol::agent::{
 };
 use kernelgate_protocol::content::ErrorContent;
 use kernelgate_protocol::execution::Event;
-use kernelgate_protocol::rest::{CreateKernel, Installed, KernelModel};
+use kernelgate_protocol::rest::{
+    CreateKernel, CreateSnapshot, ForkKernel, Forks, Installed, KernelModel, SnapshotModel,
+    SnapshotPage,
+};
 use reqwest::{Method, RequestBuilder, Response, StatusCode};
 use serde_json::{json, Map, Value};
 use tokio::sync::mpsc;
@@ -27,6 +30,9 @@ pub enum Error {
     NotAKernelList(Value),
     #[error("the answer is not an install's report (installed, already, refused): {0}")]
     NotAnInstall(Value),
+    /// The answer is not the model the route gives (a snapshot, a page, a fork's).
+    #[error("the answer is not {what}: {answer}")]
+    Unexpected { what: &'static str, answer: Value },
     /// Refused here, before the request: the gateway would not see the path as given.
     #[error("{path}: {reason}")]
     BadPath { path: String, reason: &'static str },
@@ -46,6 +52,11 @@ impl Error {
             _ => None,
         }
     }
+}
+
+/// `answer` as the type a route gives, or [`Error::Unexpected`].
+fn typed<T: serde::de::DeserializeOwned>(answer: Value, what: &'static str) -> Result<T, Error> {
+    serde_json::from_value(answer.clone()).map_err(|_| Error::Unexpected { what, answer })
 }
 
 /// A gateway's base URL and token.
@@ -163,12 +174,17 @@ impl Gateway {
 
     /// Starts a kernel (of the kernel spec `name`, or the default); its id.
     pub async fn create_kernel(&self, name: Option<&str>) -> Result<String, Error> {
-        let body = CreateKernel {
+        self.create_with(&CreateKernel {
             name: name.map(str::to_owned),
             ..CreateKernel::default()
-        };
+        })
+        .await
+    }
+
+    /// `POST /api/kernels` with `body`; the new kernel's id.
+    pub async fn create_with(&self, body: &CreateKernel) -> Result<String, Error> {
         let model = self
-            .json(self.request(Method::POST, "/api/kernels").json(&body))
+            .json(self.request(Method::POST, "/api/kernels").json(body))
             .await?;
         match serde_json::from_value::<KernelModel>(model.clone()) {
             Ok(kernel) => Ok(kernel.id),
@@ -202,6 +218,50 @@ impl Gateway {
     pub async fn interrupt_kernel(&self, id: &str) -> Result<(), Error> {
         let r = self.request(Method::POST, &format!("/api/kernels/{id}/interrupt"));
         self.send(r).await.map(drop)
+    }
+
+    /// Starts a kernel with the state of a snapshot (its id, or its name among this key's);
+    /// the new kernel's id.
+    pub async fn create_from_snapshot(&self, snapshot: &str) -> Result<String, Error> {
+        self.create_with(&CreateKernel {
+            snapshot: Some(snapshot.to_owned()),
+            ..CreateKernel::default()
+        })
+        .await
+    }
+
+    /// Takes a snapshot of the kernel, which runs on.
+    pub async fn snapshot(&self, id: &str, body: &CreateSnapshot) -> Result<SnapshotModel, Error> {
+        let r = self.request(Method::POST, &format!("/api/kernels/{id}/snapshots"));
+        let answer = self.json(r.json(body)).await?;
+        typed(answer, "a snapshot's model")
+    }
+
+    /// Forks the kernel into `count` kernels: one result per fork.
+    pub async fn fork(&self, id: &str, count: usize) -> Result<Forks, Error> {
+        let r = self.request(Method::POST, &format!("/api/kernels/{id}/fork"));
+        let body = ForkKernel {
+            count,
+            accept_loss: false,
+        };
+        let answer = self.json(r.json(&body)).await?;
+        typed(answer, "a fork's answer")
+    }
+
+    /// A page of this key's snapshots, newest first (`next` from the previous page).
+    pub async fn snapshots(&self, next: Option<&str>) -> Result<SnapshotPage, Error> {
+        let mut r = self.request(Method::GET, "/api/kernelgate/snapshots");
+        if let Some(next) = next {
+            r = r.query(&[("next", next)]);
+        }
+        typed(self.json(r).await?, "a page of snapshots")
+    }
+
+    pub async fn delete_snapshot(&self, id: &str) -> Result<(), Error> {
+        let path = format!("/api/kernelgate/snapshots/{id}");
+        self.send(self.request(Method::DELETE, &path))
+            .await
+            .map(drop)
     }
 
     /// Installs packages from the gateway's allowlist into the kernel: the gateway's

@@ -263,6 +263,12 @@ async fn kernel_table(
             key_max_bytes: config.hibernate_key_max_mb << 20,
             runtime_dir: config.runtime_dir.display().to_string(),
         },
+        snapshots: kernelgate::kernels::snapshots::Policy {
+            per_key: config.snapshots_per_key,
+            key_max_bytes: config.snapshot_key_max_mb << 20,
+            retention: (config.snapshot_retention > 0)
+                .then(|| Duration::from_secs(config.snapshot_retention)),
+        },
         packages,
         templates: config.kernel_templates,
         specs: Arc::new(specs),

@@ -18,6 +18,8 @@ use std::time::Duration;
 pub enum Source {
     Pool,
     Cold,
+    /// Restored whole from a snapshot.
+    Snapshot,
 }
 
 /// Which way a relayed message went.
@@ -114,6 +116,10 @@ struct Metrics {
     hibernations: Family<OutcomeLabel, Counter>,
     hibernate_seconds: Histogram,
     resume_seconds: Histogram,
+    snapshots: Gauge,
+    snapshot_bytes: Gauge,
+    snapshots_taken: Family<OutcomeLabel, Counter>,
+    snapshot_seconds: Histogram,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -163,6 +169,10 @@ static METRICS: LazyLock<Metrics> = LazyLock::new(|| {
         hibernations: Family::default(),
         hibernate_seconds: seconds_histogram(),
         resume_seconds: seconds_histogram(),
+        snapshots: Gauge::default(),
+        snapshot_bytes: Gauge::default(),
+        snapshots_taken: Family::default(),
+        snapshot_seconds: seconds_histogram(),
         registry: Registry::default(),
     };
     registry.register(
@@ -240,6 +250,23 @@ static METRICS: LazyLock<Metrics> = LazyLock::new(|| {
          none free (over_quota)",
         m.reconciled.clone(),
     );
+    registry.register("snapshots", "Snapshots kept on disk", m.snapshots.clone());
+    registry.register(
+        "snapshot_bytes",
+        "Bytes of the snapshots kept on disk",
+        m.snapshot_bytes.clone(),
+    );
+    registry.register(
+        "snapshot_takes",
+        "Snapshots asked for, by outcome: the kind taken (memory, namespace, filesystem), \
+         refused (a variable or a budget; the kernel runs on), busy or failed",
+        m.snapshots_taken.clone(),
+    );
+    registry.register(
+        "snapshot_seconds",
+        "Time to take a snapshot, the kernel paused or not",
+        m.snapshot_seconds.clone(),
+    );
     registry.register(
         "hibernated_kernels",
         "Kernels hibernated: their state on disk, no container",
@@ -293,6 +320,7 @@ pub fn kernel_created(source: Source, took: Duration) {
     let source = match source {
         Source::Pool => "pool",
         Source::Cold => "cold",
+        Source::Snapshot => "snapshot",
     };
     let label = SourceLabel { source };
     METRICS.creates.get_or_create(&label).inc();
@@ -382,6 +410,17 @@ pub fn hibernation(outcome: &'static str, took: Duration) {
     }
 }
 
+/// A snapshot was asked for: `outcome` is the kind taken, or why none was.
+pub fn snapshot_taken(outcome: &'static str, took: Duration) {
+    METRICS
+        .snapshots_taken
+        .get_or_create(&OutcomeLabel { outcome })
+        .inc();
+    if matches!(outcome, "memory" | "namespace" | "filesystem") {
+        METRICS.snapshot_seconds.observe(took.as_secs_f64());
+    }
+}
+
 /// A hibernated kernel runs again, `took` after the request that woke it.
 pub fn resumed(took: Duration) {
     METRICS.resume_seconds.observe(took.as_secs_f64());
@@ -396,6 +435,8 @@ pub struct TableSnapshot {
     pub buffered_bytes: i64,
     pub hibernated: i64,
     pub hibernated_bytes: i64,
+    pub snapshots: i64,
+    pub snapshot_bytes: i64,
 }
 
 /// The exposition text, with the table gauges set from `snapshot`.
@@ -412,6 +453,8 @@ pub fn render(snapshot: &TableSnapshot) -> String {
     METRICS.replay_bytes.set(snapshot.buffered_bytes);
     METRICS.hibernated.set(snapshot.hibernated);
     METRICS.hibernated_bytes.set(snapshot.hibernated_bytes);
+    METRICS.snapshots.set(snapshot.snapshots);
+    METRICS.snapshot_bytes.set(snapshot.snapshot_bytes);
     let mut text = String::new();
     // Writing into a String cannot fail.
     let _ = prometheus_client::encoding::text::encode(&mut text, &METRICS.registry);
@@ -433,12 +476,15 @@ mod tests {
         dropped(DropReason::ClientBehind, 3);
         docker_error("launch");
         hibernation("blocked", Duration::ZERO);
+        snapshot_taken("memory", Duration::from_millis(700));
         let text = render(&TableSnapshot {
             states: vec![("idle", 2), ("busy", 1)],
             pooled: 1,
             buffered_bytes: 42,
             hibernated: 3,
             hibernated_bytes: 4096,
+            snapshots: 2,
+            snapshot_bytes: 8192,
         });
         for needle in [
             r#"kernelgate_kernels{state="idle"} 2"#,
@@ -456,6 +502,10 @@ mod tests {
             "kernelgate_hibernated_state_bytes 4096",
             r#"kernelgate_hibernations_total{outcome="blocked"} 1"#,
             "kernelgate_resume_seconds_count",
+            "kernelgate_snapshots 2",
+            "kernelgate_snapshot_bytes 8192",
+            r#"kernelgate_snapshot_takes_total{outcome="memory"} 1"#,
+            "kernelgate_snapshot_seconds_count 1",
             r#"kernelgate_docker_errors_total{call="launch"}"#,
             "# EOF",
         ] {

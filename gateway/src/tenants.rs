@@ -31,6 +31,10 @@ pub struct Tenant {
     pub max_memory_mb: Option<u64>,
     /// Per kernel, at most.
     pub max_cpus: Option<f64>,
+    /// Snapshots it may keep (docs/snapshots.md).
+    pub max_snapshots: Option<usize>,
+    /// MiB its snapshots may take together.
+    pub snapshot_max_mb: Option<u64>,
     /// Cancelled when the key is revoked.
     pub revoked: CancellationToken,
 }
@@ -45,6 +49,8 @@ impl Tenant {
             max_hibernated: None,
             max_memory_mb: None,
             max_cpus: None,
+            max_snapshots: None,
+            snapshot_max_mb: None,
             revoked: CancellationToken::new(),
         })
     }
@@ -71,6 +77,10 @@ pub struct KeyEntry {
     pub max_memory_mb: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_cpus: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_snapshots: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub snapshot_max_mb: Option<u64>,
 }
 
 #[derive(Debug, Default, Serialize, Deserialize)]
@@ -120,7 +130,10 @@ impl KeysFile {
                     k.name
                 ));
             }
-            if k.max_memory_mb == Some(0) || k.max_kernels == Some(0) {
+            if k.max_memory_mb == Some(0)
+                || k.max_kernels == Some(0)
+                || k.snapshot_max_mb == Some(0)
+            {
                 return Err(format!(
                     "keys file {}: key {:?}: limits must be above 0 (leave a limit out for none)",
                     path.display(),
@@ -276,6 +289,8 @@ impl Keys {
                     max_hibernated: entry.max_hibernated,
                     max_memory_mb: entry.max_memory_mb,
                     max_cpus: entry.max_cpus,
+                    max_snapshots: entry.max_snapshots,
+                    snapshot_max_mb: entry.snapshot_max_mb,
                     revoked: revoked_token,
                 }),
             ));
@@ -331,6 +346,8 @@ pub fn keys_command(args: KeysArgs) -> anyhow::Result<()> {
             max_hibernated,
             max_memory_mb,
             max_cpus,
+            max_snapshots,
+            snapshot_max_mb,
         } => {
             if file.key.iter().any(|k| k.name == name) {
                 bail!(
@@ -347,6 +364,8 @@ pub fn keys_command(args: KeysArgs) -> anyhow::Result<()> {
                 max_hibernated,
                 max_memory_mb,
                 max_cpus,
+                max_snapshots,
+                snapshot_max_mb,
             });
             file.write(&args.file).map_err(anyhow::Error::msg)?;
             // Checks the new entry as the gateway will.
@@ -396,6 +415,8 @@ mod tests {
             max_hibernated: None,
             max_memory_mb: None,
             max_cpus: None,
+            max_snapshots: None,
+            snapshot_max_mb: None,
         }
     }
 

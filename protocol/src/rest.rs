@@ -69,6 +69,111 @@ pub struct CreateKernel {
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     #[cfg_attr(feature = "openapi", schema(value_type = HashMap<String, Value>))]
     pub env: BTreeMap<String, Value>,
+    /// Start with the state of this snapshot (its id, or its name among the caller's):
+    /// its own id, key and session, reseeded random state. A `memory` snapshot takes no
+    /// `env`; `name`, if given, must be the snapshot's spec.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub snapshot: Option<String>,
+}
+
+/// A snapshot of a kernel's state (docs/snapshots.md).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+pub struct SnapshotModel {
+    #[cfg_attr(feature = "openapi", schema(format = "uuid"))]
+    pub id: String,
+    /// Unique among the key's snapshots: a new one of the same name replaces it.
+    pub name: Option<String>,
+    pub metadata: BTreeMap<String, String>,
+    /// The kernel it was taken of (which may be gone).
+    #[cfg_attr(feature = "openapi", schema(format = "uuid"))]
+    pub kernel_id: String,
+    /// The kernel spec a kernel started from it runs.
+    #[cfg_attr(feature = "openapi", schema(example = "python3"))]
+    pub kernelspec: String,
+    /// `memory` (the whole kernel), `namespace` (the variables its helper could save, and
+    /// the home's files) or `filesystem` (the files only).
+    #[cfg_attr(feature = "openapi", schema(example = "memory"))]
+    pub kind: String,
+    /// Bytes on disk.
+    pub size: u64,
+    /// ISO 8601, UTC.
+    pub created: String,
+    /// What a lossy (`accept_loss`) snapshot left out.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub dropped: Vec<String>,
+}
+
+/// The body of `POST /api/kernels/{id}/snapshots`; no body takes a `full` one, unnamed.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct CreateSnapshot {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub metadata: BTreeMap<String, String>,
+    /// `full` (default: everything the engine can keep) or `filesystem` (the home's files).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(example = "full"))]
+    pub mode: Option<String>,
+    /// Under a Python-level snapshot, leave out (and name) the variables that cannot be
+    /// saved instead of refusing.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub accept_loss: bool,
+}
+
+/// A page of `GET /api/kernelgate/snapshots`, newest first.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+pub struct SnapshotPage {
+    pub snapshots: Vec<SnapshotModel>,
+    /// Pass as `next` for the following page; `null` on the last.
+    pub next: Option<String>,
+}
+
+/// The body of `POST /api/kernels/{id}/fork`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct ForkKernel {
+    /// Kernels to start, 1 to 20.
+    #[cfg_attr(feature = "openapi", schema(minimum = 1, maximum = 20, example = 3))]
+    pub count: usize,
+    /// As for a snapshot: under a Python-level one, leave out what cannot be saved.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub accept_loss: bool,
+}
+
+/// One fork: its kernel, or why it did not start (HTTP status and message).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+pub struct ForkResult {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kernel: Option<KernelModel>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<ForkError>,
+}
+
+/// Why one fork did not start.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+pub struct ForkError {
+    pub status: u16,
+    pub message: String,
+}
+
+/// The answer of `POST /api/kernels/{id}/fork`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+pub struct Forks {
+    /// What the fork's snapshot kept: `memory` or `namespace`.
+    pub kind: String,
+    /// What a lossy fork left out.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub dropped: Vec<String>,
+    /// One per fork asked for, in no particular order.
+    pub forks: Vec<ForkResult>,
 }
 
 /// One execution waiting for an administrator, as the approvals API lists it.

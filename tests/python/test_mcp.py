@@ -32,7 +32,7 @@ from mcp.shared._httpx_utils import create_mcp_http_client
 from conftest import ARTIFACTS, POLICY, REPO, Gateway, start_gateway, stop_gateway, wait_until
 
 EXPECTED_TOOLS = {"run_python", "list_files", "read_file", "write_file", "install_packages", "restart_kernel",
-                  "start_kernel"}
+                  "start_kernel", "snapshot_kernel", "fork_kernel"}
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # Two tenants besides the admin token, for the ownership tests.
 ALICE, BOB = secrets.token_hex(16), secrets.token_hex(16)
@@ -891,3 +891,37 @@ def test_restart_removes_the_files_and_says_so(gw: Gateway, transport: str, mode
     assert "notes.txt" not in text(listed), text(listed)
     assert "file in the working directory is removed" in description, description
     assert "stay" not in description
+
+
+@pytest.mark.parametrize(("transport", "mode"), [("http", "auto"), ("stdio-url", "auto")], ids=["http", "stdio-url"])
+def test_a_model_forks_a_kernel_and_starts_one_from_a_snapshot(gw: Gateway, transport: str, mode: str):
+    """snapshot_kernel, start_kernel with its snapshot and fork_kernel, in this gateway's
+    table (HTTP) and through another gateway's HTTP API (stdio with --url): each new
+    kernel sees the state, and a change in one stays in it."""
+    async def scenario():
+        async with connected(gw, mode, transport=transport) as (c, target):
+            ran = await c.call_tool("run_python", {"code": "x = 41\nopen('seen.txt', 'w').write('yes')", **target})
+            assert not ran.is_error, text(ran)
+            name = f"base-{secrets.token_hex(4)}"
+            snap = await c.call_tool("snapshot_kernel", {"name": name, **target})
+            assert not snap.is_error, text(snap)
+            assert snap.structured_content["name"] == name and "snapshot_id" in text(snap)
+            started = await c.call_tool("start_kernel", {"snapshot": name})
+            assert not started.is_error, text(started)
+            restored = started.structured_content["kernel_id"]
+            seen = await c.call_tool("run_python", {"code": "print(x + 1, open('seen.txt').read())", "kernel_id": restored})
+            assert text(seen).split() == ["42", "yes"], text(seen)
+            forked = await c.call_tool("fork_kernel", {"count": 2, **target})
+            assert not forked.is_error, text(forked)
+            copies = forked.structured_content["kernel_ids"]
+            assert len(copies) == 2 and len(set(copies)) == 2, text(forked)
+            changed = await c.call_tool("run_python", {"code": "x = 0", "kernel_id": copies[0]})
+            assert not changed.is_error, text(changed)
+            other = await c.call_tool("run_python", {"code": "x + 1", "kernel_id": copies[1]})
+            assert text(other).strip() == "42", text(other)
+            missing = await c.call_tool("start_kernel", {"snapshot": "no-such-snapshot"})
+            assert missing.is_error and "no snapshot" in text(missing), text(missing)
+            too_many = await c.call_tool("fork_kernel", {"count": 21, **target})
+            assert too_many.is_error and "1 to 20" in text(too_many), text(too_many)
+
+    run(scenario())

@@ -72,6 +72,11 @@ OPERATIONS = sorted(
         "POST /api/kernels/{id}/restart",
         "POST /api/kernels/{id}/hibernate",
         "POST /api/kernels/{id}/discard-state",
+        "POST /api/kernels/{id}/snapshots",
+        "POST /api/kernels/{id}/fork",
+        "GET /api/kernelgate/snapshots",
+        "GET /api/kernelgate/snapshots/{id}",
+        "DELETE /api/kernelgate/snapshots/{id}",
         "POST /api/kernels/{id}/execute",
         "POST /api/kernels/{id}/packages",
         "GET /api/kernels/{id}/files",
@@ -278,6 +283,11 @@ def check_case(case, target: Target) -> None:
     if path.startswith("/api/kernels/{id}/files") and case.path_parameters["id"] == target.kernel_id:
         r = target.gateway.request("PUT", f"/api/kernels/{target.kernel_id}/files/{EXAMPLE_FILE}", data=b"m,sales\n1,100\n")
         assert r.status_code == 201, r.text
+    # A fork of the real kernel starts real kernels: at most two, within --max-kernels.
+    if path == "/api/kernels/{id}/fork" and isinstance(case.body, dict):
+        count = case.body.get("count")
+        if isinstance(count, int) and not isinstance(count, bool) and count > 2:
+            case.body["count"] = 2
     if path == "/api/kernels/{id}/execute" and isinstance(case.body, dict):
         timeout = case.body.get("timeout")
         number = isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
@@ -298,6 +308,12 @@ def check_case(case, target: Target) -> None:
     # is replaced.
     if case.method == "POST" and path == "/api/kernels" and response.status_code == 201:
         target.gateway.request("DELETE", f"/api/kernels/{response.json()['id']}")
+    if case.method == "POST" and path == "/api/kernels/{id}/fork" and response.status_code == 200:
+        for fork in response.json()["forks"]:
+            if fork.get("kernel"):
+                target.gateway.request("DELETE", f"/api/kernels/{fork['kernel']['id']}")
+    if case.method == "POST" and path == "/api/kernels/{id}/snapshots" and response.status_code == 201:
+        target.gateway.request("DELETE", f"/api/kernelgate/snapshots/{response.json()['id']}")
     if case.method == "POST" and path == "/v2/sandboxes" and response.status_code == 201:
         sandbox = response.json()["sandboxID"]
         r = requests.delete(f"{target.gateway.url}/sandboxes/{sandbox}", headers=target.e2b_headers(), timeout=60)

@@ -995,3 +995,20 @@ pub fn machine_to_myself() -> Result<std::fs::File> {
         .with_context(|| format!("locking {}", path.display()))?;
     Ok(file)
 }
+
+/// `kernelgate keys ARGS --file FILE` (keys made as an operator makes them); its stdout.
+pub fn keys(file: &Path, args: &[&str]) -> Result<String> {
+    let out = std::process::Command::new(binary())
+        .arg("keys")
+        .args(args)
+        .arg("--file")
+        .arg(file)
+        .output()?;
+    if !out.status.success() {
+        bail!(
+            "kernelgate keys {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(String::from_utf8(out.stdout)?)
+}

@@ -6,28 +6,11 @@
 //! tokens never.
 
 use anyhow::{bail, Context, Result};
-use kernelgate_tests::{binary, Gateway};
+use kernelgate_tests::{keys, Gateway};
 use reqwest::Method;
 use serde_json::{json, Value};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
-
-/// `kernelgate keys ARGS --file FILE`; its stdout.
-fn keys(file: &Path, args: &[&str]) -> Result<String> {
-    let out = std::process::Command::new(binary())
-        .arg("keys")
-        .args(args)
-        .arg("--file")
-        .arg(file)
-        .output()?;
-    if !out.status.success() {
-        bail!(
-            "kernelgate keys {args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    Ok(String::from_utf8(out.stdout)?)
-}
 
 struct Tenants {
     _dir: tempfile::TempDir,

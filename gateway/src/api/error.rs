@@ -233,9 +233,10 @@ impl From<CreateError> for ApiError {
                 StatusCode::SERVICE_UNAVAILABLE,
                 format!("{e}; try again, or delete the kernel"),
             ),
-            CreateError::StateNotLoaded { .. } => {
+            CreateError::StateNotLoaded { .. } | CreateError::FromSnapshot(_) => {
                 ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string())
             }
+            CreateError::SnapshotRefused(_) => ApiError::bad_request(e.to_string()),
         }
     }
 }

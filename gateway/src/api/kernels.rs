@@ -85,9 +85,10 @@ pub async fn list(State(state): State<AppState>, caller: Caller) -> Json<Vec<Ker
     responses(
         (status = 201, description = "The kernel runs", body = KernelModel,
          headers(("Location" = String, description = "`/api/kernels/{id}`"))),
-        (status = 400, description = "The body is not JSON of this shape, or an env variable is refused", body = ErrorBody),
+        (status = 400, description = "The body is not JSON of this shape, an env variable is refused, \
+            or a snapshot cannot start the kernel asked for (another spec; `env` for a `memory` snapshot)", body = ErrorBody),
         (status = 403, description = "Past `--max-kernels`, or past the key's `max_kernels`", body = ErrorBody),
-        (status = 404, description = "No kernel spec of that name", body = ErrorBody),
+        (status = 404, description = "No kernel spec of that name, or no such snapshot (or another key's)", body = ErrorBody),
         (status = 503, description = "Docker cannot be reached, the spec's image is missing (the message says how to build it), or the gateway is shutting down", body = ErrorBody),
         (status = 504, description = "The kernel did not answer within `--startup-timeout`", body = ErrorBody),
     ),
@@ -117,10 +118,21 @@ pub async fn create(
             other => (k, other.to_string()),
         })
         .collect();
-    let live = state
-        .kernels
-        .create(body.name.as_deref(), &env, &caller.0)
-        .await?;
+    let live = match &body.snapshot {
+        Some(snapshot) => {
+            let held = super::snapshots::find_snapshot(&state, &caller, snapshot)?;
+            state
+                .kernels
+                .create_from(held, body.name.as_deref(), &env, &caller.0)
+                .await?
+        }
+        None => {
+            state
+                .kernels
+                .create(body.name.as_deref(), &env, &caller.0)
+                .await?
+        }
+    };
     let location = format!("/api/kernels/{}", live.id());
     Ok((
         StatusCode::CREATED,

@@ -20,6 +20,7 @@ pub mod ops;
 pub mod origin;
 pub mod packages;
 pub mod peers;
+pub mod snapshots;
 pub mod ui;
 
 use crate::cluster::route::Rule;
@@ -87,8 +88,8 @@ produced while none was connected. 404 for an unknown kernel.";
 
 const MCP: &str = "The Model Context Protocol server (Streamable HTTP transport: `POST` \
 JSON-RPC, `GET` for the server's stream, `DELETE` to end a session; token as for the other \
-routes). Tools: `run_python`, `list_files`, `read_file`, `write_file`, `restart_kernel`, \
-`start_kernel`. With the classic `initialize` handshake (protocol 2025-11-25 and earlier) \
+routes). Tools: `run_python`, `list_files`, `read_file`, `write_file`, `install_packages`, \
+`restart_kernel`, `start_kernel`, `snapshot_kernel`, `fork_kernel`. With the classic `initialize` handshake (protocol 2025-11-25 and earlier) \
 each `Mcp-Session-Id` gets its own kernel, deleted with the session; with 2026-07-28 (no \
 sessions) `start_kernel` returns a `kernel_id` handle that the other tools take. Sessions and \
 handles belong to the key that made them: 404 for any other key.";
@@ -126,6 +127,10 @@ pub fn surface() -> Surface {
         .operations(Rule::Kernel, routes!(kernels::restart))
         .operations(Rule::Kernel, routes!(kernels::hibernate))
         .operations(Rule::Kernel, routes!(kernels::discard_state))
+        .operations(Rule::Kernel, routes!(snapshots::take))
+        .operations(Rule::Kernel, routes!(snapshots::fork))
+        .operations(Rule::Local, routes!(snapshots::list))
+        .operations(Rule::Local, routes!(snapshots::get, snapshots::delete))
         .prose(
             Rule::Kernel,
             "/api/kernels/{id}/channels",

@@ -297,6 +297,7 @@ pub fn document() -> OpenApi {
             tag("kernelspecs", "Jupyter Server's kernel spec API"),
             tag("agent", "Run code in one call, with everything it produced"),
             tag("files", "Files in a kernel's working directory, read and written inside its container"),
+            tag("snapshots", "A kernel's state kept under an id and a name, new kernels started from it, forks (docs/snapshots.md)"),
             tag("approvals", "Executions an `ask` rule of the execution policy holds for an admin (admin keys only)"),
             tag("operations", "Probes and metrics for operators"),
             tag("e2b", "E2B's control plane, for E2B's unmodified SDKs (docs/e2b.md): create, list, inspect, end and extend sandboxes. The sandbox plane (files, code, contexts) is addressed by headers or host, not by path: see the create's answer"),
@@ -419,6 +420,7 @@ mod tests {
             },
             packages: None,
             templates: false,
+            snapshots: Default::default(),
         };
         let (tracker, cancel) = (TaskTracker::new(), CancellationToken::new());
         let kernels = Kernels::new(
@@ -602,6 +604,11 @@ mod tests {
             "POST /api/kernels/{id}/restart",
             "POST /api/kernels/{id}/hibernate",
             "POST /api/kernels/{id}/discard-state",
+            "POST /api/kernels/{id}/snapshots",
+            "POST /api/kernels/{id}/fork",
+            "GET /api/kernelgate/snapshots",
+            "GET /api/kernelgate/snapshots/{id}",
+            "DELETE /api/kernelgate/snapshots/{id}",
             "POST /api/kernels/{id}/execute",
             "POST /api/kernels/{id}/packages",
             "GET /api/kernels/{id}/files",

@@ -29,6 +29,8 @@ pub enum Source {
     Pool,
     /// Started for this create.
     Cold,
+    /// Started from a snapshot (its id is in the record).
+    Snapshot,
 }
 
 /// What happened to a file of a kernel's working directory.
@@ -53,6 +55,9 @@ pub enum Record {
         key: String,
         spec: String,
         source: Source,
+        /// The snapshot whose state it started with.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        snapshot: Option<String>,
     },
     /// A kernel was deleted: asked for by `key`, or by the gateway for `reason` (a revoked
     /// key, an ended MCP session).
@@ -116,6 +121,37 @@ pub enum Record {
         kernel: String,
         owner: String,
         key: String,
+    },
+    /// A key took a snapshot of a kernel (`kind`: memory, namespace or filesystem; `bytes`
+    /// on disk); `dropped` names what a lossy one left out.
+    SnapshotTaken {
+        snapshot: String,
+        kernel: String,
+        key: String,
+        kind: String,
+        bytes: u64,
+        took_ms: u64,
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        dropped: Vec<String>,
+    },
+    /// A snapshot was deleted: asked for by `key`, or by the gateway for `reason` (its
+    /// retention, a newer snapshot of the same name).
+    SnapshotDeleted {
+        snapshot: String,
+        owner: String,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        key: Option<String>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        reason: Option<String>,
+    },
+    /// A key forked a kernel: one snapshot (`kind`), the kernels `forks` started from it,
+    /// `failed` that did not start.
+    KernelForked {
+        kernel: String,
+        key: String,
+        kind: String,
+        forks: Vec<String>,
+        failed: usize,
     },
     /// Code is on its way to the kernel (written before it is sent).
     ExecutionRequested {
@@ -306,6 +342,8 @@ impl Record {
             | KernelResumed { kernel, .. }
             | KernelResumeFailed { kernel, .. }
             | KernelStateDiscarded { kernel, .. }
+            | SnapshotTaken { kernel, .. }
+            | KernelForked { kernel, .. }
             | ExecutionFinished { kernel, .. }
             | ExecutionOutput { kernel, .. }
             | PackagesInstalled { kernel, .. }
@@ -315,7 +353,10 @@ impl Record {
             | Comm { sender, .. }
             | PolicyDecision { sender, .. } => Some(&sender.kernel),
             FileListed(a) | FileRead(a) | FileWritten(a) | FileDeleted(a) => Some(&a.kernel),
-            AuthRefused { .. } | InternalHeadersRefused { .. } | ForwardedCall { .. } => None,
+            SnapshotDeleted { .. }
+            | AuthRefused { .. }
+            | InternalHeadersRefused { .. }
+            | ForwardedCall { .. } => None,
         }
     }
 
@@ -326,12 +367,16 @@ impl Record {
             KernelCreated { key, .. }
             | KernelRestarted { key, .. }
             | KernelStateDiscarded { key, .. }
+            | SnapshotTaken { key, .. }
+            | KernelForked { key, .. }
             | ExecutionFinished { key, .. }
             | ExecutionOutput { key, .. }
             | PackagesInstalled { key, .. }
             | PackagesReported { key, .. }
             | ForwardedCall { key, .. } => Some(key),
-            KernelDeleted { owner, key, .. } => Some(key.as_deref().unwrap_or(owner)),
+            KernelDeleted { owner, key, .. } | SnapshotDeleted { owner, key, .. } => {
+                Some(key.as_deref().unwrap_or(owner))
+            }
             KernelRestartFailed { owner, .. }
             | KernelDied { owner, .. }
             | KernelHibernated { owner, .. }
@@ -351,6 +396,7 @@ impl Record {
         use Record::*;
         let owner = match self {
             KernelDeleted { owner, .. }
+            | SnapshotDeleted { owner, .. }
             | KernelRestarted { owner, .. }
             | KernelStateDiscarded { owner, .. } => Some(owner.as_str()),
             _ => None,

@@ -14,6 +14,7 @@ async fn records_are_json_lines_in_a_private_file() {
             key: "alice".into(),
             spec: "python3".into(),
             source: Source::Pool,
+            snapshot: None,
         });
         // Waiting for the later record covers the earlier one.
         audit
@@ -255,6 +256,7 @@ fn samples() -> Vec<Record> {
             key: "alice".into(),
             spec: "python3".into(),
             source: Source::Cold,
+            snapshot: None,
         },
         Record::ExecutionRequested {
             sender: sender.clone(),

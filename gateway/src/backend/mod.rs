@@ -573,6 +573,18 @@ pub trait KernelBackend: Send + Sync + 'static {
         unsupported("checkpoints", self.engine())
     }
 
+    /// Saves the sandbox's whole state into the host directory `dir`, as
+    /// [`Self::checkpoint`] does, and lets it run on (a snapshot): its clients reconnect to
+    /// the same sockets, with the same key.
+    fn snapshot<'a>(
+        &'a self,
+        handle: &'a str,
+        dir: &'a std::path::Path,
+    ) -> BoxFuture<'a, Result<(), BackendError>> {
+        let _ = (handle, dir);
+        unsupported("snapshots of a running kernel's memory", self.engine())
+    }
+
     /// A new sandbox of `spec` from the checkpoint in `dir`, running; its handle.
     fn restore<'a>(
         &'a self,

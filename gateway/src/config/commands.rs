@@ -239,6 +239,12 @@ pub enum KeysAction {
         /// CPU quota per kernel, at most.
         #[arg(long)]
         max_cpus: Option<f64>,
+        /// Snapshots this key may keep (default: --snapshots-per-key).
+        #[arg(long)]
+        max_snapshots: Option<usize>,
+        /// MiB this key's snapshots may take together (default: --snapshot-key-max-mb).
+        #[arg(long)]
+        snapshot_max_mb: Option<u64>,
     },
     /// Lists the keys' names and limits.
     List,

@@ -225,6 +225,21 @@ pub struct Config {
     #[arg(long, env = "KERNELGATE_HIBERNATE_RETENTION", default_value_t = 7 * 24 * 3600)]
     pub hibernate_retention: u64,
 
+    /// Most snapshots one key may keep (a key's `max_snapshots` in the keys file overrides
+    /// it); a fork's own snapshot does not count.
+    #[arg(long, env = "KERNELGATE_SNAPSHOTS_PER_KEY", default_value_t = 32)]
+    pub snapshots_per_key: usize,
+
+    /// Most MiB one key's snapshots may take on disk together (a key's `snapshot_max_mb`
+    /// overrides it).
+    #[arg(long, env = "KERNELGATE_SNAPSHOT_KEY_MAX_MB", default_value_t = 8192, value_parser = clap::value_parser!(u64).range(1..))]
+    pub snapshot_key_max_mb: u64,
+
+    /// Seconds a snapshot is kept before it is deleted; 0 (the default) keeps it until it
+    /// is deleted.
+    #[arg(long, env = "KERNELGATE_SNAPSHOT_RETENTION", default_value_t = 0)]
+    pub snapshot_retention: u64,
+
     /// Under `--engine gvisor`: start kernels by restoring a checkpoint of a preloaded
     /// kernel of their image (made once per image and runsc, in `--hibernate-dir`), not by
     /// booting one. Kernels created with environment variables boot as before.

@@ -2,6 +2,7 @@
 //! a new sandbox, its process connected and supervised, its environment checked.
 
 use super::slot::Slot;
+use super::snapshots::Held;
 use super::{ledger, pool, CreateError, Kernels, Limits, LiveKernel, Process};
 use crate::audit::{self, Record};
 use crate::backend::{LaunchRequest, Launched};
@@ -58,6 +59,18 @@ impl Kernels {
         env: &BTreeMap<String, String>,
         tenant: &Tenant,
     ) -> Result<Arc<LiveKernel>, CreateError> {
+        let env = kernel_env(env)?;
+        self.create_with(name, env, tenant, None).await
+    }
+
+    /// [`Self::create`] with a checked environment, from a snapshot when `from` is one.
+    pub(super) async fn create_with(
+        self: &Arc<Self>,
+        name: Option<&str>,
+        env: BTreeMap<String, String>,
+        tenant: &Tenant,
+        from: Option<Arc<Held>>,
+    ) -> Result<Arc<LiveKernel>, CreateError> {
         let name = name.filter(|n| !n.is_empty()).unwrap_or(DEFAULT_SPEC);
         if self.settings.specs.get(name).is_none() {
             return Err(CreateError::NoSuchSpec {
@@ -65,7 +78,6 @@ impl Kernels {
                 offered: self.settings.specs.names(),
             });
         }
-        let env = kernel_env(env)?;
         let slot = self.reserve(tenant)?;
         let (tx, rx) = oneshot::channel();
         let me = self.clone();
@@ -98,7 +110,10 @@ impl Kernels {
                     }
                 };
                 let started = std::time::Instant::now();
-                let result = me.obtain(&name, env.clone(), &owner, limits).await;
+                let result = match &from {
+                    Some(held) => me.obtain_from(held, env.clone(), &owner, limits).await,
+                    None => me.obtain(&name, env.clone(), &owner, limits).await,
+                };
                 let (live, source) = match result {
                     Ok((live, source)) => {
                         metrics::kernel_created(source, started.elapsed());
@@ -145,11 +160,12 @@ impl Kernels {
                     kernel: live.id().to_owned(),
                     key: owner.to_string(),
                     spec: name.to_string(),
-                    source: if source == Source::Pool {
-                        audit::Source::Pool
-                    } else {
-                        audit::Source::Cold
+                    source: match (&from, source) {
+                        (Some(_), _) => audit::Source::Snapshot,
+                        (None, Source::Pool) => audit::Source::Pool,
+                        (None, _) => audit::Source::Cold,
                     },
+                    snapshot: from.as_ref().map(|held| held.record.id.clone()),
                 }).await;
                 if let Err(Ok(live)) = tx.send(Ok(live)) {
                     // Gone between the check and the hand-over.

@@ -21,6 +21,7 @@ pub mod packages;
 mod pool;
 pub mod runner;
 mod slot;
+pub mod snapshots;
 mod supervise;
 mod template;
 use crate::audit::{Audit, Record};
@@ -33,6 +34,7 @@ use kernelgate_protocol::content::ExecutionState;
 use kernelgate_protocol::{Channel, ConnectionInfo, Message, RawJson};
 pub use packages::Installs;
 pub use pool::Pool;
+pub use snapshots::Snapshots;
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
@@ -69,6 +71,13 @@ pub enum CreateError {
     /// kernel hibernates again.
     #[error("the kernel's saved state could not be loaded ({why}); the state is kept: try again, or discard the saved variables and keep the files with POST /api/kernels/{id}/discard-state (docs/hibernation.md)")]
     StateNotLoaded { id: String, why: String },
+    /// A snapshot cannot start a kernel as asked (another spec, a new environment for a
+    /// whole kernel).
+    #[error("{0}")]
+    SnapshotRefused(String),
+    /// The kernel started from a snapshot could not be given its state; it was removed.
+    #[error("{0}; the snapshot is kept: try again")]
+    FromSnapshot(String),
 }
 
 impl From<ledger::ClaimRefused> for CreateError {
@@ -103,6 +112,8 @@ pub struct Settings {
     /// Start kernels from a checkpoint of a preloaded one, where the engine can
     /// (`--kernel-templates`).
     pub templates: bool,
+    /// The snapshots' budgets and retention.
+    pub snapshots: snapshots::Policy,
 }
 
 /// The kernel process a [`LiveKernel`] runs in now: a restart may move it into a warm
@@ -295,6 +306,7 @@ pub struct Kernels {
     tracker: TaskTracker,
     cancel: CancellationToken,
     templates: template::Templates,
+    snapshots: snapshots::Store,
 }
 
 impl Kernels {
@@ -312,6 +324,7 @@ impl Kernels {
             tracker,
             cancel,
             templates: template::Templates::default(),
+            snapshots: snapshots::Store::default(),
         })
     }
 
@@ -352,6 +365,11 @@ impl Kernels {
     /// Hibernating kernels and bringing them back.
     pub fn hibernation(self: &Arc<Self>) -> Hibernation {
         Hibernation::new(self)
+    }
+
+    /// Snapshots of kernels, and kernels started from them.
+    pub fn snapshots(self: &Arc<Self>) -> Snapshots {
+        Snapshots::new(self)
     }
 
     /// Package installs into kernels.
@@ -405,6 +423,10 @@ impl Kernels {
                 .spawn(async move { supervisor.cull(idle).await });
         }
         self.hibernation().restore_hibernated().await;
+        self.snapshots().load().await;
+        if let Some(retention) = self.settings.snapshots.retention {
+            self.tracker.spawn(self.snapshots().expire(retention));
+        }
         let hibernate = &self.settings.hibernate;
         if hibernate.after.is_some() || hibernate.retention.is_some() {
             self.tracker.spawn(self.hibernation().hibernate_idle());
@@ -435,9 +457,12 @@ impl Kernels {
             i64::try_from(t.pool.values().map(VecDeque::len).sum::<usize>()).unwrap_or(i64::MAX);
         drop(t);
         let (hibernated, hibernated_bytes) = self.hibernation().hibernated_totals();
+        let (snapshots, snapshot_bytes) = self.snapshots().totals();
         TableSnapshot {
             hibernated,
             hibernated_bytes,
+            snapshots,
+            snapshot_bytes,
             states: states.into_iter().collect(),
             pooled,
             buffered_bytes: i64::try_from(buffered).unwrap_or(i64::MAX),

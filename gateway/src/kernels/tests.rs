@@ -37,6 +37,7 @@ pub(super) fn settings() -> Settings {
         },
         packages: None,
         templates: false,
+        snapshots: Default::default(),
     }
 }
 
@@ -365,6 +366,8 @@ pub(super) fn tenant(name: &str, max_kernels: Option<usize>) -> Arc<Tenant> {
         max_hibernated: None,
         max_memory_mb: None,
         max_cpus: None,
+        max_snapshots: None,
+        snapshot_max_mb: None,
         revoked: CancellationToken::new(),
     })
 }

@@ -2,15 +2,17 @@
 //! runs go through [`crate::kernels::runner`], files through [`crate::kernels::files`], and
 //! deletions and restarts are recorded in the audit trail.
 
-use super::{KernelRef, Place, Seen};
+use super::{Forked, KernelRef, Place, Seen};
 use crate::kernels::files::{self, FileError, FileOp};
 use crate::kernels::runner::{self, End, Job, Progress};
+use crate::kernels::snapshots::{KeyBudget, Mode, TakeRequest};
 use crate::kernels::{Kernels, LiveKernel, Removal};
 use crate::tenants::Tenant;
 use futures::future::BoxFuture;
 use kernelgate_protocol::content::ErrorContent;
 use kernelgate_protocol::content::ExecutionState;
 use kernelgate_protocol::execution::{Event, Status};
+use kernelgate_protocol::rest::{CreateSnapshot, SnapshotModel};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use tokio::sync::mpsc;
@@ -141,6 +143,75 @@ impl Place for Local {
         Box::pin(async move {
             let live = self.live(kernel, path)?;
             files::perform(&self.0, &live, key, op, path, body.into(), max_bytes).await
+        })
+    }
+
+    fn snapshot<'a>(
+        &'a self,
+        kernel: &'a KernelRef,
+        tenant: &'a Tenant,
+        body: CreateSnapshot,
+    ) -> BoxFuture<'a, Result<SnapshotModel, String>> {
+        Box::pin(async move {
+            let live = self.live(kernel, "").map_err(|e| e.to_string())?;
+            let req = TakeRequest {
+                name: body.name,
+                metadata: body.metadata,
+                mode: Mode::parse(body.mode.as_deref()).map_err(|e| e.to_string())?,
+                accept_loss: body.accept_loss,
+            };
+            let taken = self
+                .0
+                .snapshots()
+                .take(&live, req, &tenant.name, KeyBudget::of(tenant))
+                .await
+                .map_err(|e| e.to_string())?;
+            Ok(taken.model())
+        })
+    }
+
+    fn fork<'a>(
+        &'a self,
+        kernel: &'a KernelRef,
+        tenant: &'a Tenant,
+        count: usize,
+    ) -> BoxFuture<'a, Result<Forked, String>> {
+        Box::pin(async move {
+            let live = self.live(kernel, "").map_err(|e| e.to_string())?;
+            let forked = self
+                .0
+                .snapshots()
+                .fork(&live, count, false, tenant)
+                .await
+                .map_err(|e| e.to_string())?;
+            Ok(Forked {
+                kind: forked.kind.as_str().to_owned(),
+                forks: forked
+                    .forks
+                    .into_iter()
+                    .map(|f| f.map(|l| reference(&l)).map_err(|e| e.to_string()))
+                    .collect(),
+            })
+        })
+    }
+
+    fn create_from<'a>(
+        &'a self,
+        tenant: &'a Tenant,
+        snapshot: &'a str,
+    ) -> BoxFuture<'a, Result<KernelRef, String>> {
+        Box::pin(async move {
+            let held = self
+                .0
+                .snapshots()
+                .find(snapshot, &tenant.name, |owner| tenant.may_use(owner))
+                .map_err(|e| e.to_string())?;
+            let live = self
+                .0
+                .create_from(held, None, &BTreeMap::new(), tenant)
+                .await
+                .map_err(|e| e.to_string())?;
+            Ok(reference(&live))
         })
     }
 

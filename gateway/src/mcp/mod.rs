@@ -31,6 +31,7 @@ use crate::kernels::Kernels;
 use crate::tenants::Tenant;
 use budget::Budget;
 use futures::future::BoxFuture;
+use kernelgate_protocol::rest::{CreateSnapshot, SnapshotModel};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -52,7 +53,8 @@ const INSTRUCTIONS: &str = "Kernelgate runs Python for you in a persistent, sand
     second), and %pip install in run_python does the same. Results are limited \
     in size: write large output to a file and read it in parts with read_file's offset and \
     length. Without a session, call start_kernel first and pass its kernel_id to every other \
-    tool.";
+    tool. To try several things from the same state, fork_kernel copies the kernel; \
+    snapshot_kernel saves a state to start new kernels from (start_kernel's snapshot).";
 
 /// A kernel handed out by `start_kernel`.
 #[derive(Debug)]
@@ -108,6 +110,27 @@ pub trait Place: std::fmt::Debug + Send + Sync + 'static {
         key: &'a str,
         packages: &'a [String],
     ) -> BoxFuture<'a, Result<crate::kernels::packages::Installed, String>>;
+    /// A snapshot of the kernel for `tenant`, which runs on.
+    fn snapshot<'a>(
+        &'a self,
+        kernel: &'a KernelRef,
+        tenant: &'a Tenant,
+        body: CreateSnapshot,
+    ) -> BoxFuture<'a, Result<SnapshotModel, String>>;
+    /// `count` kernels with the kernel's state, for `tenant`: what the fork kept, and per
+    /// fork its kernel or why it did not start.
+    fn fork<'a>(
+        &'a self,
+        kernel: &'a KernelRef,
+        tenant: &'a Tenant,
+        count: usize,
+    ) -> BoxFuture<'a, Result<Forked, String>>;
+    /// A new kernel owned by `tenant` with the state of `snapshot` (an id or a name).
+    fn create_from<'a>(
+        &'a self,
+        tenant: &'a Tenant,
+        snapshot: &'a str,
+    ) -> BoxFuture<'a, Result<KernelRef, String>>;
     /// At most `length` bytes of a file from `offset`, and the file's size.
     fn read_part<'a>(
         &'a self,
@@ -117,6 +140,13 @@ pub trait Place: std::fmt::Debug + Send + Sync + 'static {
         offset: u64,
         length: usize,
     ) -> BoxFuture<'a, Result<(Vec<u8>, u64), FileError>>;
+}
+
+/// What a fork made: the kind of its snapshot, and per fork its kernel or why not.
+#[derive(Debug)]
+pub struct Forked {
+    pub kind: String,
+    pub forks: Vec<Result<KernelRef, String>>,
 }
 
 /// A kernel's state as its place sees it at once.
@@ -272,14 +302,60 @@ impl Mcp {
             .await
             .map_err(|e| tools::error(format!("cannot start a kernel: {e}")))?;
         if handle {
-            self.handles().insert(
-                kernel.id().to_owned(),
-                Handle {
-                    last_used: Instant::now(),
-                },
-            );
+            self.hand_out(&kernel);
         }
         Ok(kernel)
+    }
+
+    /// Remembers `kernel` as a handle, deleted after the idle timeout.
+    fn hand_out(&self, kernel: &KernelRef) {
+        self.handles().insert(
+            kernel.id().to_owned(),
+            Handle {
+                last_used: Instant::now(),
+            },
+        );
+    }
+
+    /// A new kernel for `tenant` from `snapshot`, handed out as `start_kernel`'s are.
+    async fn create_from(&self, tenant: &Tenant, snapshot: &str) -> Result<KernelRef, ToolError> {
+        let kernel = self
+            .place
+            .create_from(tenant, snapshot)
+            .await
+            .map_err(|e| tools::error(format!("cannot start a kernel from {snapshot:?}: {e}")))?;
+        self.hand_out(&kernel);
+        Ok(kernel)
+    }
+
+    async fn snapshot(
+        &self,
+        kernel: &KernelRef,
+        tenant: &Tenant,
+        body: CreateSnapshot,
+    ) -> Result<SnapshotModel, ToolError> {
+        self.place
+            .snapshot(kernel, tenant, body)
+            .await
+            .map_err(|e| tools::error(format!("no snapshot was taken: {e}")))
+    }
+
+    /// Forks `kernel`; the forks that started are handed out.
+    async fn fork(
+        &self,
+        kernel: &KernelRef,
+        tenant: &Tenant,
+        count: usize,
+    ) -> Result<Forked, ToolError> {
+        let forked = self
+            .place
+            .fork(kernel, tenant, count)
+            .await
+            .map_err(|e| tools::error(format!("the kernel was not forked: {e}")))?;
+        for started in forked.forks.iter().flatten() {
+            self.hand_out(started);
+        }
+        Ok(forked)
     }
 
     /// The kernel `id`, if `tenant` may use it.

@@ -3,7 +3,7 @@
 //! the files API, all through [`kernelgate_client::Gateway`]. The gateway applies its own
 //! limits, policy and audit.
 
-use super::{KernelRef, Place};
+use super::{Forked, KernelRef, Place};
 use crate::kernels::files::{FileError, FileOp};
 use crate::kernels::runner::{Job, Progress};
 use crate::tenants::Tenant;
@@ -11,6 +11,7 @@ use futures::future::BoxFuture;
 use kernelgate_client::gateway::Error;
 use kernelgate_client::Gateway;
 use kernelgate_protocol::agent::ExecuteBody;
+use kernelgate_protocol::rest::{CreateSnapshot, SnapshotModel};
 use reqwest::StatusCode;
 use tokio::sync::mpsc;
 use tokio_util::task::TaskTracker;
@@ -114,6 +115,63 @@ impl Place for Remote {
                 .restart_kernel(&kernel.id)
                 .await
                 .map_err(|e| e.to_string())
+        })
+    }
+
+    fn snapshot<'a>(
+        &'a self,
+        kernel: &'a KernelRef,
+        _tenant: &'a Tenant,
+        body: CreateSnapshot,
+    ) -> BoxFuture<'a, Result<SnapshotModel, String>> {
+        Box::pin(async move {
+            self.gateway
+                .snapshot(&kernel.id, &body)
+                .await
+                .map_err(|e| e.to_string())
+        })
+    }
+
+    fn fork<'a>(
+        &'a self,
+        kernel: &'a KernelRef,
+        _tenant: &'a Tenant,
+        count: usize,
+    ) -> BoxFuture<'a, Result<Forked, String>> {
+        Box::pin(async move {
+            let forked = self
+                .gateway
+                .fork(&kernel.id, count)
+                .await
+                .map_err(|e| e.to_string())?;
+            let forks = forked
+                .forks
+                .into_iter()
+                .map(|f| match (f.kernel, f.error) {
+                    (Some(k), _) => Ok(KernelRef { id: k.id }),
+                    (None, Some(e)) => Err(e.message),
+                    (None, None) => Err("the gateway gave neither a kernel nor an error".into()),
+                })
+                .collect();
+            Ok(Forked {
+                kind: forked.kind,
+                forks,
+            })
+        })
+    }
+
+    fn create_from<'a>(
+        &'a self,
+        _tenant: &'a Tenant,
+        snapshot: &'a str,
+    ) -> BoxFuture<'a, Result<KernelRef, String>> {
+        Box::pin(async move {
+            let id = self
+                .gateway
+                .create_from_snapshot(snapshot)
+                .await
+                .map_err(|e| e.to_string())?;
+            Ok(KernelRef { id })
         })
     }
 

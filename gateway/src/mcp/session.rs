@@ -344,8 +344,72 @@ impl Session {
                      and the files in its working directory were removed.",
                 )]))
             }
+            "snapshot_kernel" => {
+                let a: tools::SnapshotKernel =
+                    tools::parse("snapshot_kernel", tools::SnapshotKernel::EXAMPLE, args)?;
+                let (kernel, _) = self.kernel(&caller, a.kernel_id.as_deref()).await?;
+                let body = kernelgate_protocol::rest::CreateSnapshot {
+                    name: a.name,
+                    mode: a.mode,
+                    ..Default::default()
+                };
+                let mcp = &self.state.mcp;
+                let taken = mcp.snapshot(&kernel, &caller.tenant, body).await;
+                mcp.touch(kernel.id());
+                let taken = taken?;
+                let kept = match taken.kind.as_str() {
+                    "memory" => "everything: variables (threads and generators too) and files",
+                    "namespace" => "the variables and the files",
+                    _ => "the files",
+                };
+                let mut result = CallToolResult::success(vec![ContentBlock::text(format!(
+                    "snapshot_id: {}{}\nIt keeps {kept} ({} MiB). Start a kernel from it with \
+                     start_kernel's snapshot.",
+                    taken.id,
+                    taken
+                        .name
+                        .as_ref()
+                        .map(|n| format!(" (name: {n})"))
+                        .unwrap_or_default(),
+                    taken.size.div_ceil(1 << 20),
+                ))]);
+                result.structured_content = serde_json::to_value(&taken).ok();
+                Ok(result)
+            }
+            "fork_kernel" => {
+                let a: tools::ForkKernel =
+                    tools::parse("fork_kernel", tools::ForkKernel::EXAMPLE, args)?;
+                let (kernel, _) = self.kernel(&caller, a.kernel_id.as_deref()).await?;
+                let mcp = &self.state.mcp;
+                let forked = mcp.fork(&kernel, &caller.tenant, a.count).await;
+                mcp.touch(kernel.id());
+                let forked = forked?;
+                let mut lines = Vec::new();
+                let mut ids = Vec::new();
+                for (n, fork) in forked.forks.iter().enumerate() {
+                    match fork {
+                        Ok(k) => {
+                            lines.push(format!("copy {}: kernel_id {}", n + 1, k.id()));
+                            ids.push(k.id().to_owned());
+                        }
+                        Err(e) => lines.push(format!("copy {}: did not start: {e}", n + 1)),
+                    }
+                }
+                lines.push(
+                    "Pass a kernel_id to run_python to work in that copy; each is independent."
+                        .to_owned(),
+                );
+                let mut result =
+                    CallToolResult::success(vec![ContentBlock::text(lines.join("\n"))]);
+                result.structured_content = Some(json!({"kernel_ids": ids, "kind": forked.kind}));
+                Ok(result)
+            }
             "start_kernel" => {
-                let kernel = self.state.mcp.create_kernel(&caller.tenant, true).await?;
+                let a: tools::StartKernel = tools::parse("start_kernel", "{}", args)?;
+                let kernel = match a.snapshot.as_deref() {
+                    Some(snapshot) => self.state.mcp.create_from(&caller.tenant, snapshot).await?,
+                    None => self.state.mcp.create_kernel(&caller.tenant, true).await?,
+                };
                 let mut result = CallToolResult::success(vec![ContentBlock::text(format!(
                     "kernel_id: {}\nPass this kernel_id to run_python and the file tools. The \
                      kernel is shut down after {} s without use.",
@@ -357,7 +421,8 @@ impl Session {
             }
             other => Err(tools::error(format!(
                 "there is no tool named {other:?}; the tools are run_python, list_files, \
-                 read_file, write_file, install_packages, restart_kernel and start_kernel"
+                 read_file, write_file, install_packages, restart_kernel, start_kernel, \
+                 snapshot_kernel and fork_kernel"
             ))),
         }
     }

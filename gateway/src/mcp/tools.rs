@@ -133,8 +133,48 @@ pub fn all() -> Vec<Tool> {
         Tool::new(
             "start_kernel",
             "Start a new kernel and return its kernel_id; pass it to the other tools to use \
-             that kernel. It is shut down after a while without use.",
-            schema(json!({"type": "object", "properties": {}})),
+             that kernel. It is shut down after a while without use. With a snapshot (the \
+             snapshot_id or name snapshot_kernel returned), it starts with that snapshot's \
+             variables and files.",
+            schema(json!({
+                "type": "object",
+                "properties": {
+                    "snapshot": {"type": "string", "description": "A snapshot's id or name (snapshot_kernel) to start from; leave it out for an empty kernel."},
+                },
+            })),
+        ),
+        Tool::new(
+            "snapshot_kernel",
+            "Save the kernel's current state as a snapshot, to start new kernels from it \
+             later (start_kernel's snapshot) or to go back to it after a step that went \
+             wrong. The kernel keeps running. A name you reuse replaces the older snapshot \
+             of that name. Depending on the gateway, everything is kept (threads and \
+             generators too) or only what can be pickled plus the files; what cannot be kept \
+             is refused by name.",
+            schema(json!({
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "description": "A name to find it by: letters, digits, '-', '_', '.', ':' or '/'."},
+                    "mode": {"type": "string", "enum": ["full", "filesystem"], "description": "full (default): variables and files; filesystem: the working directory's files only."},
+                    "kernel_id": {"type": "string", "description": KERNEL_ID},
+                },
+            })),
+        ),
+        Tool::new(
+            "fork_kernel",
+            "Copy the kernel into several new kernels with the same variables and files, to \
+             try different things from the same point side by side (three models on the same \
+             cleaned data, say). Returns one kernel_id per copy; pass each to run_python. The \
+             copies are independent of each other and of this kernel, and are shut down after \
+             a while without use.",
+            schema(json!({
+                "type": "object",
+                "properties": {
+                    "count": {"type": "integer", "minimum": 1, "maximum": 20, "description": "How many copies, 1 to 20."},
+                    "kernel_id": {"type": "string", "description": KERNEL_ID},
+                },
+                "required": ["count"],
+            })),
         ),
     ]
 }
@@ -179,6 +219,40 @@ pub struct InstallPackages {
 
 impl InstallPackages {
     pub const EXAMPLE: &'static str = r#"{"packages": ["seaborn"]}"#;
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StartKernel {
+    #[serde(default)]
+    pub snapshot: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SnapshotKernel {
+    #[serde(default)]
+    pub name: Option<String>,
+    #[serde(default)]
+    pub mode: Option<String>,
+    #[serde(default)]
+    pub kernel_id: Option<String>,
+}
+
+impl SnapshotKernel {
+    pub const EXAMPLE: &'static str = r#"{"name": "cleaned"}"#;
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ForkKernel {
+    pub count: usize,
+    #[serde(default)]
+    pub kernel_id: Option<String>,
+}
+
+impl ForkKernel {
+    pub const EXAMPLE: &'static str = r#"{"count": 3}"#;
 }
 
 /// `kernel_id`, which every tool takes.

@@ -1,5 +1,6 @@
 //! The engines' tables: Docker+runc, Docker+gVisor and the gVisor engine (kernels started
-//! from its template, and booted), in the same rounds; and hibernation by engine.
+//! from its template, and booted), in the same rounds; hibernation, snapshots and forks by
+//! engine.
 
 use super::{fmt, num, ratio_cell};
 use serde_json::Value;
@@ -61,6 +62,7 @@ pub(super) fn table(m: &Value) -> String {
         s["rounds"], s["rt_runs"], s["idle_kernels"], s["kernel_memory_mb"],
     ));
     out.push_str(&checkpoint_table(&e["checkpoint"]));
+    out.push_str(&snapshot_table(&e["snapshots"]));
     out
 }
 
@@ -149,6 +151,72 @@ fn checkpoint_table(c: &Value) -> String {
          reads its array and frame back. Then {} idle kernels per side, running and hibernated \
          (their cgroups' memory; none is left once they hibernate).\n",
         c["settings"]["rounds"], c["settings"]["idle_kernels"],
+    ));
+    out
+}
+
+/// Snapshots and forks by engine, each against rebuilding the state in a fresh kernel.
+fn snapshot_table(c: &Value) -> String {
+    if c.is_null() {
+        return String::new();
+    }
+    let sides = ["docker-runc", "docker-runsc", "engine-gvisor"];
+    let mut out = String::from(
+        "\n| snapshots (median of rounds; vs a rebuild on the same side) | Docker+runc, Python-level | Docker+gVisor, Python-level | gVisor engine, whole kernel |\n\
+         |---|---:|---:|---:|\n",
+    );
+    let rows: [(&str, &str); 4] = [
+        ("snapshot, the kernel running on (ms)", "snapshot_ms"),
+        (
+            "a kernel from the snapshot, until its first cell answered (ms)",
+            "create_ms",
+        ),
+        (
+            "fork of 3, until each fork's first cell answered (ms)",
+            "fork3_ms",
+        ),
+        (
+            "rebuild: a fresh create that runs the cells again (ms)",
+            "rebuild_ms",
+        ),
+    ];
+    for (label, key) in rows {
+        let cell = |side: &str| {
+            let m = &c[side][key];
+            if key == "rebuild_ms" {
+                fmt(num(&m["median"]), 0)
+            } else {
+                format!(
+                    "{} ({})",
+                    fmt(num(&m["median"]), 0),
+                    ratio_cell(&m["ratio"])
+                )
+            }
+        };
+        out.push_str(&format!(
+            "| {label} | {} | {} | {} |\n",
+            cell(sides[0]),
+            cell(sides[1]),
+            cell(sides[2]),
+        ));
+    }
+    let size = |side: &str| fmt(num(&c[side]["size_mib"]), 1);
+    out.push_str(&format!(
+        "| the snapshot on disk (MiB) | {} | {} | {} |\n",
+        size(sides[0]),
+        size(sides[1]),
+        size(sides[2]),
+    ));
+    out.push_str(&format!(
+        "\nOn the same gateways, side after side in each of {} rounds, a kernel holding a 100 MiB \
+         array and a 1M-row DataFrame: `POST /api/kernels/{{id}}/snapshots`, `POST /api/kernels` \
+         with the snapshot until `{}` answered, `POST /api/kernels/{{id}}/fork` with `count` {} \
+         until each fork answered it, and a fresh create running the cells again until it \
+         answered. In brackets: the ratio to that round's rebuild on the same side (median, \
+         min-max).\n",
+        c["settings"]["rounds"],
+        c["settings"]["check"].as_str().unwrap_or_default(),
+        c["settings"]["forks"],
     ));
     out
 }

@@ -132,12 +132,14 @@ impl GvisorEngine {
             .is_ok_and(|i| i.labels.get(RELAY_LABEL).map(String::as_str) == Some("1"))
     }
 
-    /// Saves kernel `handle` whole into `image` and stops its sandbox. Refused, with the
-    /// kernel left running, when something of it is bound on the host.
+    /// Saves kernel `handle` whole into `image` and stops its sandbox, or with
+    /// `leave_running` (a snapshot) lets it go on: its relays serve again under the same key.
+    /// Refused, with the kernel left running, when something of it is bound on the host.
     pub(super) async fn checkpoint_inner(
         &self,
         handle: &str,
         image: &Path,
+        leave_running: bool,
     ) -> Result<(), BackendError> {
         let meta = self.read_meta(handle)?;
         let dir = meta.socket_dir.clone().ok_or(BackendError::NotSupported {
@@ -185,7 +187,7 @@ impl GvisorEngine {
         std::fs::create_dir_all(image).map_err(|e| bundle::io_error(image, e))?;
         if let Err(e) = self
             .runsc
-            .checkpoint(handle, image, CHECKPOINT_TIMEOUT)
+            .checkpoint(handle, image, leave_running, CHECKPOINT_TIMEOUT)
             .await
         {
             if self.running(handle).await.unwrap_or(false) {
@@ -206,7 +208,11 @@ impl GvisorEngine {
         };
         let path = image.join(CHECKPOINT_FILE);
         let json = serde_json::to_vec_pretty(&record).unwrap_or_default();
-        std::fs::write(&path, json).map_err(|e| bundle::io_error(&path, e))
+        let written = std::fs::write(&path, json).map_err(|e| bundle::io_error(&path, e));
+        if leave_running {
+            self.relays_up(handle, pid, &dir).await?;
+        }
+        written
     }
 
     /// The TCP ports something in the sandbox listens on (its own loopback: it has no

@@ -383,7 +383,15 @@ impl KernelBackend for GvisorEngine {
         handle: &'a str,
         dir: &'a Path,
     ) -> BoxFuture<'a, Result<(), BackendError>> {
-        Box::pin(self.checkpoint_inner(handle, dir))
+        Box::pin(self.checkpoint_inner(handle, dir, false))
+    }
+
+    fn snapshot<'a>(
+        &'a self,
+        handle: &'a str,
+        dir: &'a Path,
+    ) -> BoxFuture<'a, Result<(), BackendError>> {
+        Box::pin(self.checkpoint_inner(handle, dir, true))
     }
 
     fn restore_kernel<'a>(

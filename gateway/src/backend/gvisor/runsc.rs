@@ -189,15 +189,20 @@ impl Runsc {
     }
 
     /// Saves the whole sandbox into `image` (uncompressed: restores read it faster) and
-    /// stops it; killed past `timeout`.
+    /// stops it, or with `leave_running` lets it go on; killed past `timeout`.
     pub async fn checkpoint(
         &self,
         id: &str,
         image: &Path,
+        leave_running: bool,
         timeout: std::time::Duration,
     ) -> Result<(), BackendError> {
         let image = format!("--image-path={}", image.display());
-        let args = ["checkpoint", "--compression=none", &image, id];
+        let mut args = vec!["checkpoint", "--compression=none", &image];
+        if leave_running {
+            args.push("--leave-running");
+        }
+        args.push(id);
         match tokio::time::timeout(timeout, self.run(&args)).await {
             Ok(done) => done.map(drop),
             Err(_) => Err(BackendError::TimedOut {

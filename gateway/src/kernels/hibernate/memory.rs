@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 /// The bytes of the files under `dir`.
-fn size_of(dir: &Path) -> u64 {
+pub(in crate::kernels) fn size_of(dir: &Path) -> u64 {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return 0;
     };

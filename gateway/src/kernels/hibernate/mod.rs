@@ -17,7 +17,6 @@
 
 use super::{Kernels, LiveKernel, Removal};
 use crate::audit::Record;
-use crate::backend::{BackendError, ExecRequest, ExecStdin};
 use crate::metrics;
 use crate::relay::lifecycle::Event;
 use crate::relay::GATEWAY_KEY;
@@ -55,9 +54,9 @@ pub const STREAM_CHUNKS: usize = 8;
 /// The longest a kernel whose hibernation failed waits before the next automatic try.
 const MAX_BACKOFF: Duration = Duration::from_secs(3600);
 /// The files of a committed state.
-const TAR: &str = "state.tar";
+pub(in crate::kernels) const TAR: &str = "state.tar";
 /// The directory of a whole kernel's checkpoint (its engine's image).
-const MEMORY: &str = "memory";
+pub(in crate::kernels) const MEMORY: &str = "memory";
 const META: &str = "kernel.json";
 
 /// What governs hibernation, from the configuration.
@@ -333,12 +332,7 @@ impl Hibernation {
         if self.kernels.backend.can_checkpoint(&live.handle()) {
             return self.checkpoint(live, since, started).await;
         }
-        let code = format!(
-            "__import__('kernelgate_state').save({}, lossy={}, max_bytes={})",
-            py_str(STATE_DIR),
-            if policy.lossy { "True" } else { "False" },
-            policy.max_bytes
-        );
+        let code = save_code(policy.lossy, policy.max_bytes);
         match self.run_silently(live, &code, policy.save_timeout).await? {
             None => {}
             Some((ename, evalue)) if ename == "HibernateBlocked" => {
@@ -357,11 +351,10 @@ impl Hibernation {
         let put_away = self.put_away(live, since, started).await;
         if put_away.is_err() && !live.hibernated() {
             // The kernel runs on: the state it wrote into its home goes.
-            let code = format!(
-                "__import__('shutil').rmtree({}, ignore_errors=True)",
-                py_str(STATE_DIR)
-            );
-            if let Err(e) = self.run_silently(live, &code, policy.save_timeout).await {
+            if let Err(e) = self
+                .run_silently(live, &forget_code(), policy.save_timeout)
+                .await
+            {
                 tracing::debug!(kernel = %live.id(), error = %e, "cannot remove the state a kernel saved");
             }
         }
@@ -389,67 +382,17 @@ impl Hibernation {
         started: Instant,
     ) -> Result<(), HibernateError> {
         let policy = &self.kernels.settings.hibernate;
-        let max = usize::try_from(policy.max_bytes).unwrap_or(usize::MAX);
         let partial = Partial::new(&policy.dir, live.id())
             .map_err(|e| HibernateError::Failed(format!("writing into --hibernate-dir: {e}")))?;
-        // The home streams through the filter into a file: the gateway holds a few chunks
-        // of it at a time, never the whole state.
-        let (chunks, received) = tokio::sync::mpsc::channel(STREAM_CHUNKS);
-        let filter = {
-            let (file, lossy) = (partial.file(), policy.lossy);
-            tokio::task::spawn_blocking(move || {
-                let file = file.map_err(|e| {
-                    HibernateError::Failed(format!("writing into --hibernate-dir: {e}"))
-                })?;
-                let mut out = std::io::BufWriter::with_capacity(64 << 10, file);
-                let mut reader = ChunkReader::new(received);
-                let kept = keep_files(&mut reader, &mut out, lossy)?;
-                // What follows the archive's end (tar's record padding) is read too, so
-                // the command is never cut short.
-                std::io::copy(&mut reader, &mut std::io::sink()).map_err(|e| {
-                    HibernateError::Failed(format!("reading the kernel's files: {e}"))
-                })?;
-                let file = out.into_inner().map_err(|e| {
-                    HibernateError::Failed(format!("writing into --hibernate-dir: {e}"))
-                })?;
-                file.sync_all().map_err(|e| {
-                    HibernateError::Failed(format!("writing into --hibernate-dir: {e}"))
-                })?;
-                Ok(kept)
-            })
-        };
-        let request = ExecRequest {
-            argv: [PYTHON, "-P", "-c", STATE_OUT].map(str::to_owned).to_vec(),
-            stdin: ExecStdin::Bytes(bytes::Bytes::new()),
-            stdout: Some(chunks),
-            max_stdout: max,
-            timeout: policy.command_timeout,
-        };
-        let out = self.kernels.backend.exec(&live.handle(), request).await;
-        let kept = filter
-            .await
-            .map_err(|e| HibernateError::Failed(e.to_string()))
-            .and_then(|r| r);
-        let out = out.map_err(|e| match e {
-            e @ BackendError::TimedOut { .. } => {
-                HibernateError::Blocked(format!("taking the kernel's files out: {e}"))
-            }
-            e => HibernateError::Failed(format!("taking the state out: {e}")),
-        })?;
-        // Cut at the cap, the archive ends early: the cap is the reason.
-        if out.truncated {
+        let Some(kept) = self
+            .home_out(live, &partial, policy.lossy, policy.max_bytes)
+            .await?
+        else {
             return Err(HibernateError::Blocked(format!(
                 "the kernel's variables and files pass the {} MiB allowed (--hibernate-max-mb); delete some, or raise it",
                 policy.max_bytes >> 20
             )));
-        }
-        let kept = kept?;
-        if out.exit_code != 0 {
-            return Err(HibernateError::Failed(format!(
-                "taking the state out: {}",
-                out.stderr.trim()
-            )));
-        }
+        };
         let owner = live.owner();
         let keys_bytes = self.keys_bytes(live);
         if keys_bytes + kept.bytes > policy.key_max_bytes {
@@ -570,7 +513,7 @@ impl Hibernation {
     /// `Some((ename, evalue))` when it raised. Past `timeout` the kernel is interrupted
     /// and the save counts as blocked: a variable that pickles forever (a slow
     /// `__reduce__`) must not hold the kernel, nor the gateway.
-    async fn run_silently(
+    pub(in crate::kernels) async fn run_silently(
         &self,
         live: &LiveKernel,
         code: &str,
@@ -690,7 +633,11 @@ fn py_str(s: &str) -> String {
     serde_json::to_string(s).unwrap_or_default()
 }
 
+mod home;
 mod memory;
 mod resume;
 mod store;
-use store::{commit, forget, keep_files, ChunkReader, Partial};
+pub(in crate::kernels) use home::{forget_code, save_code};
+pub(in crate::kernels) use memory::size_of;
+pub(in crate::kernels) use resume::Wake;
+pub(in crate::kernels) use store::{commit, commit_named, forget, forget_if_stale, Kept, Partial};

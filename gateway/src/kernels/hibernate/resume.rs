@@ -2,7 +2,7 @@
 //! the saved files unpacked and the variables loaded before anything clients sent; and
 //! the hibernated kernels an earlier run left, listed again at start.
 
-use super::store::forget;
+use super::store::{forget, forget_if_stale};
 use super::{
     py_str, Hibernation, Meta, KERNEL_TIMEOUT, MEMORY, META, PYTHON, STATE_DIR, STATE_IN, TAR,
 };
@@ -18,7 +18,7 @@ use kernelgate_protocol::ConnectionInfo;
 use std::path::Path;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 use tracing::Instrument;
 
 /// What of a hibernated kernel's state a new process gets.
@@ -253,7 +253,11 @@ impl Hibernation {
 
     /// Loads the saved variables into the kernel's new process `handle` (its files are
     /// there already): `Err` says why they did not load.
-    async fn load(&self, live: &Arc<LiveKernel>, handle: &str) -> Result<(), String> {
+    pub(in crate::kernels) async fn load(
+        &self,
+        live: &Arc<LiveKernel>,
+        handle: &str,
+    ) -> Result<(), String> {
         let session = live.relay.attach(
             &format!("kernelgate-state-{}", uuid::Uuid::new_v4()),
             true,
@@ -307,7 +311,7 @@ impl Hibernation {
 
     /// Unpacks a hibernated kernel's files (and, unless `mode` is [`Wake::FilesOnly`], its
     /// saved variables) from `tar` into the home of the process `handle`, streamed.
-    async fn unpack(
+    pub(in crate::kernels) async fn unpack(
         &self,
         live: &LiveKernel,
         handle: &str,
@@ -353,21 +357,14 @@ impl Hibernation {
         while let Ok(Some(entry)) = entries.next_entry().await {
             let name = entry.file_name().to_string_lossy().into_owned();
             let path = entry.path();
-            if name == crate::kernels::template::TEMPLATES {
+            if name == crate::kernels::template::TEMPLATES
+                || name == crate::kernels::snapshots::SNAPSHOTS
+            {
                 continue;
             }
             if name.starts_with('.') {
-                // A commit a gateway did not finish (its kernel kept running); one under way
-                // now, of another gateway sharing the directory, is younger.
-                let age = entry
-                    .metadata()
-                    .await
-                    .and_then(|m| m.modified())
-                    .ok()
-                    .and_then(|t| t.elapsed().ok());
-                if age.is_some_and(|a| a > Duration::from_secs(600)) {
-                    forget(&path).await;
-                }
+                // A commit a gateway did not finish (its kernel kept running).
+                forget_if_stale(&entry).await;
                 continue;
             }
             let meta = match tokio::fs::read(path.join(META))

@@ -8,20 +8,20 @@ use std::path::{Component, Path, PathBuf};
 /// What of a kernel's home was kept: the bytes of its tar, rewritten with only directories
 /// and regular files under relative paths, and what was left out.
 #[derive(Debug)]
-pub(super) struct Kept {
-    pub(super) bytes: u64,
-    pub(super) dropped: Vec<String>,
+pub(in crate::kernels) struct Kept {
+    pub(in crate::kernels) bytes: u64,
+    pub(in crate::kernels) dropped: Vec<String>,
 }
 
 /// A state being written: a private temporary directory in `--hibernate-dir` holding the
 /// tar, which [`commit`] completes and renames. Deleted when dropped unless kept.
-pub(super) struct Partial {
+pub(in crate::kernels) struct Partial {
     dir: PathBuf,
     kept: bool,
 }
 
 impl Partial {
-    pub(super) fn new(root: &Path, id: &str) -> std::io::Result<Self> {
+    pub(in crate::kernels) fn new(root: &Path, id: &str) -> std::io::Result<Self> {
         use std::os::unix::fs::DirBuilderExt;
         std::fs::DirBuilder::new()
             .recursive(true)
@@ -33,7 +33,7 @@ impl Partial {
     }
 
     /// The tar's file, created (0600).
-    pub(super) fn file(&self) -> std::io::Result<std::fs::File> {
+    pub(in crate::kernels) fn file(&self) -> std::io::Result<std::fs::File> {
         use std::os::unix::fs::OpenOptionsExt;
         std::fs::OpenOptions::new()
             .write(true)
@@ -43,12 +43,12 @@ impl Partial {
     }
 
     /// The directory, where an engine writes a checkpoint's image.
-    pub(super) fn path(&self) -> &Path {
+    pub(in crate::kernels) fn path(&self) -> &Path {
         &self.dir
     }
 
     /// Hands the directory to [`commit`], which deletes it if it fails.
-    pub(super) fn keep(mut self) -> PathBuf {
+    pub(in crate::kernels) fn keep(mut self) -> PathBuf {
         self.kept = true;
         self.dir.clone()
     }
@@ -63,13 +63,13 @@ impl Drop for Partial {
 }
 
 /// Reads the chunks a command's stdout sends, from a blocking thread.
-pub(super) struct ChunkReader {
+pub(in crate::kernels) struct ChunkReader {
     chunks: tokio::sync::mpsc::Receiver<bytes::Bytes>,
     current: bytes::Bytes,
 }
 
 impl ChunkReader {
-    pub(super) fn new(chunks: tokio::sync::mpsc::Receiver<bytes::Bytes>) -> Self {
+    pub(in crate::kernels) fn new(chunks: tokio::sync::mpsc::Receiver<bytes::Bytes>) -> Self {
         ChunkReader {
             chunks,
             current: bytes::Bytes::new(),
@@ -112,7 +112,7 @@ impl<W: std::io::Write> std::io::Write for Counted<W> {
 /// Rewrites the tar the kernel's sandbox produced. Links, devices and pipes are refused
 /// (their names given) unless `lossy`, which drops them; absolute paths and `..` are
 /// refused always: the sandbox's own script never writes them.
-pub(super) fn keep_files(
+pub(in crate::kernels) fn keep_files(
     raw: impl std::io::Read,
     out: impl std::io::Write,
     lossy: bool,
@@ -217,7 +217,23 @@ fn dropped_variables(manifest: &[u8]) -> Vec<String> {
 /// Commits a state: its description written into the temporary directory `temporary`
 /// (a [`Partial`], which holds the tar already), synced, renamed to `dir`; directories
 /// 0700, files 0600. `temporary` is gone afterwards either way.
-pub(super) fn commit(root: &Path, dir: &Path, meta: &[u8], temporary: &Path) -> Result<(), String> {
+pub(in crate::kernels) fn commit(
+    root: &Path,
+    dir: &Path,
+    meta: &[u8],
+    temporary: &Path,
+) -> Result<(), String> {
+    commit_named(root, dir, META, meta, temporary)
+}
+
+/// [`commit`] with the description in the file `name`.
+pub(in crate::kernels) fn commit_named(
+    root: &Path,
+    dir: &Path,
+    name: &str,
+    meta: &[u8],
+    temporary: &Path,
+) -> Result<(), String> {
     use std::os::unix::fs::OpenOptionsExt;
     let fail = |what: &str, e: std::io::Error| format!("{what}: {e}");
     let write = |file: &str, bytes: &[u8]| -> std::io::Result<()> {
@@ -229,7 +245,7 @@ pub(super) fn commit(root: &Path, dir: &Path, meta: &[u8], temporary: &Path) -> 
         std::io::Write::write_all(&mut f, bytes)?;
         f.sync_all()
     };
-    let written = write(META, meta).and_then(|()| std::fs::File::open(temporary)?.sync_all());
+    let written = write(name, meta).and_then(|()| std::fs::File::open(temporary)?.sync_all());
     if let Err(e) = written {
         let _ = std::fs::remove_dir_all(temporary);
         return Err(fail("cannot write the state", e));
@@ -246,7 +262,22 @@ pub(super) fn commit(root: &Path, dir: &Path, meta: &[u8], temporary: &Path) -> 
         .map_err(|e| fail("cannot sync --hibernate-dir", e))
 }
 
-pub(super) async fn forget(dir: &Path) {
+/// Deletes `entry`, a temporary directory of a commit (`.`-named), when it is older than
+/// ten minutes: a gateway that died did not finish it; one under way now, of another
+/// gateway sharing the directory, is younger.
+pub(in crate::kernels) async fn forget_if_stale(entry: &tokio::fs::DirEntry) {
+    let age = entry
+        .metadata()
+        .await
+        .and_then(|m| m.modified())
+        .ok()
+        .and_then(|t| t.elapsed().ok());
+    if age.is_some_and(|a| a > std::time::Duration::from_secs(600)) {
+        forget(&entry.path()).await;
+    }
+}
+
+pub(in crate::kernels) async fn forget(dir: &Path) {
     match tokio::fs::remove_dir_all(dir).await {
         Ok(()) => {}
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}

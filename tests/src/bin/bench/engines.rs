@@ -8,13 +8,13 @@
 //! on the host (their cgroups' `memory.usage_in_bytes`, which holds gVisor's sentry and
 //! gofer as well as the kernel). Ratios are taken within a round against Docker+gVisor,
 //! the engine's goal being no worse on every row. Hibernation by engine follows, on the
-//! same gateways (checkpoint.rs).
+//! same gateways (checkpoint.rs), then snapshots and forks (snapshots.rs).
 
-use crate::checkpoint;
 use crate::conn::Conn;
 use crate::procs::{Paths, Server};
 use crate::stats::{median, ms, percentile};
 use crate::walls::{gvisor_registered, spread};
+use crate::{checkpoint, snapshots};
 use crate::{log, stop_and_check, stream_code, Opts, Results};
 use anyhow::{ensure, Context, Result};
 use serde_json::{json, Value};
@@ -89,7 +89,8 @@ pub async fn compare(opts: &Opts, paths: &Paths, results: &mut Results) -> Resul
         template_made(&hibernate_dirs[2], long).await?;
         let per_round = measure(opts, &servers, rounds, long).await?;
         let checkpoints = checkpoint::measure(&servers, &SIDES, &hibernate_dirs, rounds).await?;
-        anyhow::Ok((per_round, checkpoints))
+        let snapshots = snapshots::measure(&servers, &SIDES, rounds).await?;
+        anyhow::Ok((per_round, checkpoints, snapshots))
     }
     .await;
     for (server, side) in servers.into_iter().zip(SIDES) {
@@ -100,9 +101,10 @@ pub async fn compare(opts: &Opts, paths: &Paths, results: &mut Results) -> Resul
     for dir in &hibernate_dirs {
         let _ = std::fs::remove_dir_all(dir);
     }
-    let (per_round, checkpoints) = measured?;
+    let (per_round, checkpoints, snapshots) = measured?;
     store_results(results, &per_round, rounds, opts);
     results.set("engines", "checkpoint", checkpoints);
+    results.set("engines", "snapshots", snapshots);
     Ok(())
 }
 

@@ -24,6 +24,7 @@ mod packages;
 mod procs;
 mod report;
 mod restart;
+mod snapshots;
 mod stages;
 mod stats;
 mod versions;
