@@ -186,11 +186,7 @@ fn snapshot_table(c: &Value) -> String {
             if key == "rebuild_ms" {
                 fmt(num(&m["median"]), 0)
             } else {
-                format!(
-                    "{} ({})",
-                    fmt(num(&m["median"]), 0),
-                    ratio_cell(&m["ratio"])
-                )
+                format!("{}, {}", fmt(num(&m["median"]), 0), ratio_cell(&m["ratio"]))
             }
         };
         out.push_str(&format!(
@@ -212,8 +208,8 @@ fn snapshot_table(c: &Value) -> String {
          array and a 1M-row DataFrame: `POST /api/kernels/{{id}}/snapshots`, `POST /api/kernels` \
          with the snapshot until `{}` answered, `POST /api/kernels/{{id}}/fork` with `count` {} \
          until each fork answered it, and a fresh create running the cells again until it \
-         answered. In brackets: the ratio to that round's rebuild on the same side (median, \
-         min-max).\n",
+         answered. After each time, its ratio to that round's rebuild of one kernel on the same \
+         side (median, min-max): a fork of 3 is set against one rebuild, not three.\n",
         c["settings"]["rounds"],
         c["settings"]["check"].as_str().unwrap_or_default(),
         c["settings"]["forks"],
