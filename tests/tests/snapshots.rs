@@ -101,6 +101,16 @@ async fn a_kernel_forks_into_three_that_see_its_state_and_stay_apart() -> Result
     for id in &forks {
         assert_eq!(stdout(&gw, id, SEES).await?, expected, "fork {id}");
     }
+    // Each fork signs with a key of its own: not the source's, not another fork's.
+    let mut keys = Vec::new();
+    for id in &all {
+        let connection: Value =
+            serde_json::from_slice(&std::fs::read(gw.runtime_dir.join(id).join("kernel.json"))?)?;
+        keys.push(connection["key"].as_str().context("a key")?.to_owned());
+    }
+    keys.sort();
+    keys.dedup();
+    assert_eq!(keys.len(), 4, "the source and its forks share a key");
     // A change in one fork, variables and files, stays in it.
     gw.run(
         &forks[0],
