@@ -77,7 +77,7 @@ pub struct CreateKernel {
 }
 
 /// A snapshot of a kernel's state (docs/snapshots.md).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(ToSchema))]
 pub struct SnapshotModel {
     #[cfg_attr(feature = "openapi", schema(format = "uuid"))]

@@ -270,6 +270,22 @@ def test_a_closed_file_comes_back_closed_and_an_unreadable_state_says_so(tmp_pat
 # --- the kernel the gateway runs ---------------------------------------------------------------
 
 
+def answered(client, msg_id: str) -> bool:
+    """Whether a request got its reply and its idle status on IOPub. A reply alone can come
+    before the SUB socket's subscription reaches the kernel, and what the next cell prints would
+    then be dropped."""
+    try:
+        while client.get_shell_msg(timeout=2)["parent_header"].get("msg_id") != msg_id:
+            pass
+        while True:
+            msg = client.get_iopub_msg(timeout=1)
+            if (msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "status"
+                    and msg["content"]["execution_state"] == "idle"):
+                return True
+    except queue.Empty:
+        return False
+
+
 def start_kernel(tmp_path: Path, home: Path, names: list[str]):
     """The image's own command (launch.py) in a container with `home`, and a jupyter_client
     client on its IPC sockets, as the gateway connects."""
@@ -296,16 +312,12 @@ def start_kernel(tmp_path: Path, home: Path, names: list[str]):
     client = BlockingKernelClient()
     client.load_connection_info({**info, "ip": str(run_dir / "kernel")})
     client.start_channels()
-    # Ready once a kernel_info request is answered. Not jupyter_client's wait_for_ready: on a
-    # loaded machine it takes one late heartbeat (over 1 s) for a dead kernel.
+    # Ready once a kernel_info request is answered on both shell and IOPub. Not jupyter_client's
+    # wait_for_ready: on a loaded machine it takes one late heartbeat (over 1 s) for a dead kernel.
     deadline = time.monotonic() + 60
     while True:
-        client.kernel_info()
-        try:
-            if client.get_shell_msg(timeout=2)["msg_type"] == "kernel_info_reply":
-                return client
-        except queue.Empty:
-            pass
+        if answered(client, client.kernel_info()):
+            return client
         state = subprocess.run(
             ["docker", "inspect", "-f", "{{.State.Status}}", name],
             capture_output=True, text=True,

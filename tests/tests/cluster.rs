@@ -873,6 +873,143 @@ async fn concurrent_creates(bed: &Testbed) -> Result<()> {
     // The cluster is full: the answer a full node gives.
     let (status, body) = c.nodes[1].post_json("/api/kernels", json!({})).await?;
     assert_eq!(status, 403, "{body}");
+    let all: Vec<String> = more.iter().chain(&alices).cloned().collect();
+    snapshots_through_other_nodes(&c, &all).await
+}
+
+/// A snapshot is kept by its kernel's node and found through any: taken, listed, read,
+/// forked and started from through nodes that do not keep it; a create from it goes to
+/// its node, and is answered 503 naming that node while it is full.
+async fn snapshots_through_other_nodes(c: &Cluster, kernels: &[String]) -> Result<()> {
+    let id = &kernels[0];
+    let owner = c.owner_of(id)?;
+    let (entry, other) = (&c.nodes[(owner + 1) % 3], &c.nodes[(owner + 2) % 3]);
+    let keeper = format!("node-{owner}");
+    entry
+        .execute(
+            id,
+            "import numpy as np\na = np.arange(10)\nopen('f.txt', 'w').write('hi')",
+        )
+        .await?;
+    let (status, taken) = entry
+        .post_json(
+            &format!("/api/kernels/{id}/snapshots"),
+            json!({"name": "cleaned", "metadata": {"stage": "clean"}}),
+        )
+        .await?;
+    assert_eq!(status, 201, "{taken}");
+    let snapshot = taken["id"].as_str().context("id")?.to_owned();
+    assert_eq!(taken["kernel_id"], id.as_str(), "{taken}");
+    // Listed and read through each node that does not keep it, by id and by name.
+    for node in [entry, other] {
+        let (status, page) = node
+            .get_json("/api/kernelgate/snapshots?metadata=stage%3Dclean")
+            .await?;
+        assert_eq!(status, 200, "{page}");
+        let listed: Vec<&str> = page["snapshots"]
+            .as_array()
+            .context("snapshots")?
+            .iter()
+            .filter_map(|s| s["id"].as_str())
+            .collect();
+        assert_eq!(listed, [snapshot.as_str()], "{page}");
+        for by in [snapshot.as_str(), "cleaned"] {
+            let (status, one) = node
+                .get_json(&format!("/api/kernelgate/snapshots/{by}"))
+                .await?;
+            assert_eq!(
+                (status, one["id"].as_str()),
+                (200, Some(snapshot.as_str())),
+                "{one}"
+            );
+        }
+    }
+    // Another key sees none of it, through any node.
+    for node in &c.nodes {
+        let (status, _) = node
+            .call_as(
+                "alice-token",
+                Method::GET,
+                &format!("/api/kernelgate/snapshots/{snapshot}"),
+                None,
+            )
+            .await?;
+        assert_eq!(status, 404);
+        let (_, page) = node
+            .call_as(
+                "alice-token",
+                Method::GET,
+                "/api/kernelgate/snapshots",
+                None,
+            )
+            .await?;
+        assert!(!page.to_string().contains(&snapshot), "{page}");
+    }
+
+    // Its node is full: a create from it is not placed elsewhere but answered 503, naming it.
+    let from = json!({"snapshot": "cleaned"});
+    let (status, body) = other.post_json("/api/kernels", from.clone()).await?;
+    assert_eq!(status, 503, "{body}");
+    let message = body["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains(&keeper) && message.contains("full"),
+        "{message}"
+    );
+    // With room there, it starts there, with the state.
+    let neighbour = kernels
+        .iter()
+        .find(|k| *k != id && c.owner_of(k).is_ok_and(|o| o == owner))
+        .context("the keeper's other kernel")?;
+    assert_eq!(entry.delete_kernel(neighbour).await?, 204);
+    let (status, started) = other.post_json("/api/kernels", from).await?;
+    assert_eq!(status, 201, "{started}");
+    let started = started["id"].as_str().context("id")?.to_owned();
+    assert_eq!(c.owner_of(&started)?, owner);
+    let seen = entry
+        .execute(&started, "print(a.sum(), open('f.txt').read())")
+        .await?;
+    assert_eq!(seen["stdout"], "45 hi\n", "{seen}");
+    assert_eq!(other.delete_kernel(&started).await?, 204);
+
+    // A fork through a node that does not run the kernel: on the kernel's node, apart.
+    let (status, forked) = other
+        .post_json(&format!("/api/kernels/{id}/fork"), json!({"count": 1}))
+        .await?;
+    assert_eq!(status, 200, "{forked}");
+    let fork = forked["forks"][0]["kernel"]["id"]
+        .as_str()
+        .with_context(|| format!("a fork: {forked}"))?
+        .to_owned();
+    assert_eq!(c.owner_of(&fork)?, owner);
+    entry.execute(&fork, "a[0] = 100").await?;
+    let source = other.execute(id, "print(a.sum())").await?;
+    assert_eq!(source["stdout"], "45\n", "the source is apart: {source}");
+    let changed = entry.execute(&fork, "print(a.sum())").await?;
+    assert_eq!(changed["stdout"], "145\n", "{changed}");
+
+    // Deleted through a node that does not keep it: gone for every node.
+    let (status, _) = other
+        .call_as(
+            &other.token,
+            Method::DELETE,
+            &format!("/api/kernelgate/snapshots/{snapshot}"),
+            None,
+        )
+        .await?;
+    assert_eq!(status, 204);
+    c.settle("every node forgets the deleted snapshot", |c| {
+        let snapshot = snapshot.clone();
+        async move {
+            for node in &c.nodes {
+                let (_, page) = node.get_json("/api/kernelgate/snapshots").await?;
+                if page.to_string().contains(&snapshot) {
+                    return Ok(false);
+                }
+            }
+            Ok(true)
+        }
+    })
+    .await?;
     Ok(())
 }
 

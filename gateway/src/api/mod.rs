@@ -130,7 +130,7 @@ pub fn surface() -> Surface {
         .operations(Rule::Kernel, routes!(snapshots::take))
         .operations(Rule::Kernel, routes!(snapshots::fork))
         .operations(Rule::Local, routes!(snapshots::list))
-        .operations(Rule::Local, routes!(snapshots::get, snapshots::delete))
+        .operations(Rule::Snapshot, routes!(snapshots::get, snapshots::delete))
         .prose(
             Rule::Kernel,
             "/api/kernels/{id}/channels",

@@ -8,9 +8,7 @@ use super::error::{body_refused, ApiError, ErrorBody};
 use super::extract::{json_body, Path};
 use super::kernels::{find, model_of, KernelPath};
 use super::AppState;
-use crate::kernels::snapshots::{
-    Filter, Held, KeyBudget, Mode, Snapshot, SnapshotError, TakeRequest,
-};
+use crate::kernels::snapshots::{Filter, Held, KeyBudget, Mode, SnapshotError, TakeRequest};
 use axum::body::Bytes;
 use axum::extract::rejection::{BytesRejection, QueryRejection};
 use axum::extract::{Query, State};
@@ -100,6 +98,9 @@ pub async fn take(
         .snapshots()
         .take(&live, req, &caller.0.name, KeyBudget::of(&caller.0))
         .await?;
+    if let Some(name) = &taken.name {
+        super::cluster::replace_named(&state, &caller, name, &taken.id).await;
+    }
     let location = format!("/api/kernelgate/snapshots/{}", taken.id);
     Ok((
         StatusCode::CREATED,
@@ -222,12 +223,22 @@ pub async fn list(
         after: query.next,
     };
     let tenant = caller.0.clone();
-    let page = state
-        .kernels
-        .snapshots()
-        .list(&filter, |owner| tenant.may_use(owner));
+    // In a cluster, other nodes' snapshots too, as the registry lists them.
+    let elsewhere = state.cluster.as_ref().map_or_else(Vec::new, |cluster| {
+        let view = cluster.membership.view();
+        view.snapshots
+            .into_values()
+            .filter(|r| r.node != cluster.node_id)
+            .map(|r| (r.owner, r.model))
+            .collect()
+    });
+    let page =
+        state
+            .kernels
+            .snapshots()
+            .list_with(&filter, |owner| tenant.may_use(owner), elsewhere);
     Ok(Json(SnapshotPage {
-        snapshots: page.snapshots.iter().map(Snapshot::model).collect(),
+        snapshots: page.snapshots,
         next: page.next,
     }))
 }

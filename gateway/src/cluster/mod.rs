@@ -9,6 +9,7 @@
 //! | `/kernelgate/v1/nodes/<node id>` | [`NodeRecord`] | the node's |
 //! | `/kernelgate/v1/kernels/<kernel id>` | [`KernelRecord`] | its owner's |
 //! | `/kernelgate/v1/quota/<tenant>/<n>` | the id of the kernel holding slot `n` | its owner's |
+//! | `/kernelgate/v1/snapshots/<snapshot id>` | [`SnapshotRecord`] | the node's that keeps it |
 //!
 //! A kernel's key is claimed with a create-if-absent transaction and removed only by a
 //! transaction that compares the whole record, so that no kernel ever has two owners and no
@@ -50,11 +51,17 @@ pub fn quota_key(tenant: &str, n: usize) -> String {
     format!("{PREFIX}quota/{tenant}/{n}")
 }
 
+/// The key of snapshot `id`'s record.
+pub fn snapshot_key(id: &str) -> String {
+    format!("{PREFIX}snapshots/{id}")
+}
+
 /// What a key of this layout names.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Key<'a> {
     Node(&'a str),
     Kernel(&'a str),
+    Snapshot(&'a str),
 }
 
 impl<'a> Key<'a> {
@@ -68,6 +75,7 @@ impl<'a> Key<'a> {
         match kind {
             "nodes" => Some(Key::Node(id)),
             "kernels" => Some(Key::Kernel(id)),
+            "snapshots" => Some(Key::Snapshot(id)),
             _ => None,
         }
     }
@@ -119,6 +127,18 @@ pub struct KernelRecord {
     pub hibernated: bool,
 }
 
+/// A snapshot, as the registry knows it: its files are on `node`'s disk, and only that node
+/// starts a kernel from it (docs/snapshots.md).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SnapshotRecord {
+    /// The node id of the node that keeps it.
+    pub node: String,
+    /// The key (tenant) that took it.
+    pub owner: String,
+    /// What the API shows of it.
+    pub model: kernelgate_protocol::rest::SnapshotModel,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -127,6 +147,7 @@ mod tests {
     fn keys_round_trip_and_garbage_is_ignored() {
         assert_eq!(Key::parse(&node_key("n1")), Some(Key::Node("n1")));
         assert_eq!(Key::parse(&kernel_key("k-1")), Some(Key::Kernel("k-1")));
+        assert_eq!(Key::parse(&snapshot_key("s-1")), Some(Key::Snapshot("s-1")));
         for garbage in [
             "/kernelgate/v2/nodes/n1",
             "/kernelgate/v1/nodes/",

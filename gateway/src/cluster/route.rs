@@ -15,6 +15,9 @@ pub enum Rule {
     Local,
     /// About the kernel of the path's `{id}`: its owner serves it.
     Kernel,
+    /// About the snapshot of the path's `{id}`: the node that keeps it serves it, as an
+    /// owner serves its kernel.
+    Snapshot,
     /// `/api/kernels`: a create (`POST`) is placed on the node with the most free room; the
     /// list (`GET`) is every node's.
     Kernels,
@@ -47,7 +50,7 @@ pub enum Owner<'a> {
 pub struct Ask<'a> {
     pub method: Method,
     /// The kernel the request names (the path's `{id}`, or a sessionless MCP tool call's
-    /// `kernel_id`).
+    /// `kernel_id`), or for [`Rule::Snapshot`] the snapshot: who holds it.
     pub kernel: Owner<'a>,
     /// MCP: the `Mcp-Session-Id` the request carries, and whether this node holds it.
     pub mcp_session: Option<bool>,
@@ -97,7 +100,7 @@ pub enum Unavailable {
 pub fn decide(rule: Rule, ask: &Ask<'_>) -> Decision {
     match rule {
         Rule::Local => Decision::Serve,
-        Rule::Kernel => to_owner(ask.kernel),
+        Rule::Kernel | Rule::Snapshot => to_owner(ask.kernel),
         Rule::Kernels if ask.method == Method::POST => {
             if ask.registered {
                 Decision::Place
@@ -158,7 +161,7 @@ pub(crate) mod tests {
     }
 
     #[test]
-    fn a_kernels_owner_serves_it_wherever_the_request_arrives() {
+    fn a_kernels_owner_and_a_snapshots_keeper_serve_them_wherever_the_request_arrives() {
         let expected = [
             Decision::Serve,
             Decision::Forward("node-2".into()),
@@ -168,11 +171,13 @@ pub(crate) mod tests {
         ];
         for method in [Method::GET, Method::POST, Method::PUT, Method::DELETE] {
             for (owner, want) in OWNERS.iter().zip(&expected) {
-                assert_eq!(
-                    decide(Rule::Kernel, &ask(&method, *owner)),
-                    *want,
-                    "{owner:?}"
-                );
+                for rule in [Rule::Kernel, Rule::Snapshot] {
+                    assert_eq!(
+                        decide(rule, &ask(&method, *owner)),
+                        *want,
+                        "{rule:?} {owner:?}"
+                    );
+                }
             }
         }
     }

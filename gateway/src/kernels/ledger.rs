@@ -7,6 +7,7 @@
 //! from the warm pool or starts one, so that a create the quota refuses costs no kernel.
 
 use futures::future::BoxFuture;
+use kernelgate_protocol::rest::SnapshotModel;
 
 /// Why a kernel could not be claimed: the create is refused and the kernel removed.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -68,4 +69,15 @@ pub trait Ledger: Send + Sync + std::fmt::Debug {
 
     /// A kernel hibernated (`true`) or woke (`false`); it stays this table's.
     fn hibernated<'a>(&'a self, id: &'a str, hibernated: bool) -> BoxFuture<'a, ()>;
+
+    /// A snapshot of key `owner` kept on this node (taken, or found at start): recorded
+    /// where every node finds it, so that any node lists it and sends a create from it here.
+    fn snapshot_kept<'a>(&'a self, owner: &'a str, model: &'a SnapshotModel) -> BoxFuture<'a, ()>;
+
+    /// A snapshot of this node's deleted.
+    fn snapshot_gone<'a>(&'a self, id: &'a str) -> BoxFuture<'a, ()>;
+
+    /// The count and bytes of key `owner`'s snapshots that other nodes keep: its budgets
+    /// count them too.
+    fn snapshots_elsewhere(&self, owner: &str) -> (usize, u64);
 }

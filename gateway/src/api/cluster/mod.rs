@@ -22,6 +22,7 @@ use axum::http::{Method, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use futures::FutureExt;
+use kernelgate_protocol::rest::{Forks, SnapshotModel};
 use serde_json::Value;
 use std::collections::HashMap;
 use std::sync::{Arc, LazyLock};
@@ -39,6 +40,8 @@ use std::time::Duration;
 const RETRY_AFTER: u32 = 3;
 /// The largest create body (or approval answer) kept to send again to the next node.
 const MAX_CREATE_BODY: usize = 1 << 20;
+/// How long an answer waits for what it made on another node to reach this node's view.
+const SEEN_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// Each protected path's rule, as `surface` declares it.
 static RULES: LazyLock<HashMap<String, Rule>> =
@@ -74,6 +77,7 @@ pub async fn route(State(state): State<AppState>, req: Request, next: Next) -> R
     let mut session = None;
     match rule {
         Rule::Kernel => kernel = kernel_of(req.uri().path()).map(str::to_owned),
+        Rule::Snapshot => kernel = snapshot_of(req.uri().path()).map(str::to_owned),
         Rule::Mcp => {
             session = req
                 .headers()
@@ -93,7 +97,15 @@ pub async fn route(State(state): State<AppState>, req: Request, next: Next) -> R
     }
     // The registry's view is copied only for a request that names a kernel.
     let view = kernel.as_ref().map(|_| cluster.membership.view());
-    let owner = owner_of(&state, &cluster, view.as_ref(), kernel.as_deref());
+    let owner = match rule {
+        Rule::Snapshot => keeper_of(&state, &cluster, &caller, view.as_ref(), kernel.as_deref()),
+        _ => owner_of(&state, &cluster, view.as_ref(), kernel.as_deref()),
+    };
+    // What the node that serves it does, for the messages.
+    let role = match rule {
+        Rule::Snapshot => "keeps snapshot",
+        _ => "runs kernel",
+    };
     let ask = Ask {
         method,
         kernel: owner,
@@ -104,14 +116,21 @@ pub async fn route(State(state): State<AppState>, req: Request, next: Next) -> R
     match route::decide(rule, &ask) {
         Decision::Serve => next.run(req).await,
         Decision::Forward(node) => match view.as_ref().and_then(|v| v.nodes.get(&node)) {
-            Some(record) => to_owner(&cluster, &caller, &node, record, req).await,
-            None => unavailable(not_in_cluster(id, &node)),
+            Some(record) => {
+                let made = made_by(req.method(), req.uri().path());
+                let response = to_owner(&cluster, &caller, &node, record, req).await;
+                match made {
+                    Some(made) => settle(&cluster, made, response).await,
+                    None => response,
+                }
+            }
+            None => unavailable(not_in_cluster(role, id, &node)),
         },
         Decision::Unavailable(Unavailable::OwnerAway(node)) => unavailable(format!(
-            "the node that runs kernel {id} ({node}) is restarting; try again shortly"
+            "the node that {role} {id} ({node}) is restarting; try again shortly"
         )),
         Decision::Unavailable(Unavailable::OwnerGone(node)) => {
-            unavailable(not_in_cluster(id, &node))
+            unavailable(not_in_cluster(role, id, &node))
         }
         Decision::Unavailable(Unavailable::CutOff) => unavailable(
             "this node is cut off from the cluster registry and cannot place kernels now; try again shortly".into(),
@@ -127,8 +146,147 @@ pub async fn route(State(state): State<AppState>, req: Request, next: Next) -> R
     }
 }
 
-fn not_in_cluster(id: &str, node: &str) -> String {
-    format!("the node that runs kernel {id} ({node}) is not in the cluster now; try again shortly")
+fn not_in_cluster(role: &str, id: &str, node: &str) -> String {
+    format!("the node that {role} {id} ({node}) is not in the cluster now; try again shortly")
+}
+
+/// What `view` says of the node that keeps snapshot `id` (an id, or a name among the
+/// caller's snapshots), seen from this node.
+fn keeper_of<'a>(
+    state: &AppState,
+    cluster: &ClusterNode,
+    caller: &Caller,
+    view: Option<&'a View>,
+    id: Option<&str>,
+) -> Owner<'a> {
+    let (Some(id), Some(view)) = (id, view) else {
+        return Owner::Unknown;
+    };
+    if super::snapshots::find_snapshot(state, caller, id).is_ok() {
+        return Owner::Here;
+    }
+    let Some(node) = kept_by(view, caller, id).filter(|n| *n != cluster.node_id) else {
+        return Owner::Unknown;
+    };
+    match view.nodes.get(node) {
+        None => Owner::Gone(node),
+        Some(record) if record.away => Owner::Away(node),
+        Some(_) => Owner::Elsewhere(node),
+    }
+}
+
+/// The node that keeps snapshot `id_or_name` as the registry lists it: by id among those
+/// the caller may use, else by name, the caller's own key's first (as a node finds its own).
+pub(super) fn kept_by<'a>(view: &'a View, caller: &Caller, id_or_name: &str) -> Option<&'a str> {
+    let tenant = &caller.0;
+    if let Some(r) = view
+        .snapshots
+        .get(id_or_name)
+        .filter(|r| tenant.may_use(&r.owner))
+    {
+        return Some(&r.node);
+    }
+    let named = |owner_ok: &dyn Fn(&str) -> bool| {
+        view.snapshots
+            .values()
+            .filter(|r| r.model.name.as_deref() == Some(id_or_name) && owner_ok(&r.owner))
+            .max_by(|a, b| a.model.created.cmp(&b.model.created))
+            .map(|r| r.node.as_str())
+    };
+    named(&|owner| owner == tenant.name).or_else(|| named(&|owner| tenant.may_use(owner)))
+}
+
+/// What a forwarded request makes that this node's view should hold before the caller
+/// hears of it.
+#[derive(Debug, Clone, Copy)]
+enum Made {
+    Snapshot,
+    Forks,
+}
+
+fn made_by(method: &Method, path: &str) -> Option<Made> {
+    if *method != Method::POST || kernel_of(path).is_none() {
+        return None;
+    }
+    if path.ends_with("/snapshots") {
+        Some(Made::Snapshot)
+    } else if path.ends_with("/fork") {
+        Some(Made::Forks)
+    } else {
+        None
+    }
+}
+
+/// A snapshot or forks made on another node, answered once this node's view holds them:
+/// the caller's next list or create through this node finds them.
+async fn settle(cluster: &ClusterNode, made: Made, response: Response) -> Response {
+    if !response.status().is_success() {
+        return response;
+    }
+    let (parts, body) = response.into_parts();
+    let Ok(bytes) = to_bytes(body, MAX_CREATE_BODY).await else {
+        return ApiError::new(StatusCode::BAD_GATEWAY, "an answer was cut short").into_response();
+    };
+    let membership = &cluster.membership;
+    match made {
+        Made::Snapshot => {
+            if let Ok(model) = serde_json::from_slice::<SnapshotModel>(&bytes) {
+                membership
+                    .until_snapshot_known(&model.id, SEEN_TIMEOUT)
+                    .await;
+            }
+        }
+        Made::Forks => {
+            if let Ok(forks) = serde_json::from_slice::<Forks>(&bytes) {
+                for kernel in forks.forks.iter().filter_map(|f| f.kernel.as_ref()) {
+                    membership
+                        .until_kernel_known(&kernel.id, SEEN_TIMEOUT)
+                        .await;
+                }
+            }
+        }
+    }
+    Response::from_parts(parts, Body::from(bytes))
+}
+
+/// Deletes the caller's snapshots named `name` that other nodes keep, but snapshot `id`
+/// taken here: a new snapshot replaces one of the same name, wherever it is kept. One on a
+/// node that is away stays until deleted (a list shows the newest of a name first).
+pub(super) async fn replace_named(state: &AppState, caller: &Caller, name: &str, id: &str) {
+    let Some(cluster) = &state.cluster else {
+        return;
+    };
+    let view = cluster.membership.view();
+    let older = view.snapshots.iter().filter(|(other, r)| {
+        *other != id
+            && r.owner == caller.0.name
+            && r.node != cluster.node_id
+            && r.model.name.as_deref() == Some(name)
+    });
+    for (other, record) in older {
+        let Some(node) = view.nodes.get(&record.node).filter(|n| !n.away) else {
+            tracing::warn!(snapshot = %other, node = %record.node, "a snapshot of the same name stays: its node is away");
+            continue;
+        };
+        let mut req = Request::new(Body::empty());
+        *req.method_mut() = Method::DELETE;
+        match format!("/api/kernelgate/snapshots/{other}").parse() {
+            Ok(uri) => *req.uri_mut() = uri,
+            Err(_) => continue,
+        }
+        let to = destination(&record.node, node);
+        let role = "the node that keeps the snapshot this one replaces";
+        let response = forward(cluster, &to, role, caller, req, never_left()).await;
+        if !response.status().is_success() && response.status() != StatusCode::NOT_FOUND {
+            tracing::warn!(snapshot = %other, node = %record.node, status = %response.status(), "a snapshot of the same name on another node could not be deleted");
+        }
+    }
+}
+
+/// The snapshot id (or name) of a path about one snapshot.
+fn snapshot_of(path: &str) -> Option<&str> {
+    path.strip_prefix("/api/kernelgate/snapshots/")
+        .filter(|id| !id.is_empty())
 }
 
 /// What `view` says of kernel `id`, seen from this node.

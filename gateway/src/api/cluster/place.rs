@@ -4,9 +4,6 @@
 use super::*;
 use kernelgate_protocol::rest::{CreateKernel, KernelModel};
 
-/// How long a create's answer waits for the new kernel to reach this node's view.
-const SEEN_TIMEOUT: Duration = Duration::from_secs(1);
-
 /// A create (see [`place_somewhere`]), answered once this node's view holds the new kernel:
 /// the next create through this node counts it, and a list through this node shows it.
 pub(super) async fn place(
@@ -55,12 +52,15 @@ async fn place_somewhere(
         )
         .into_response();
     };
-    let spec = serde_json::from_slice::<CreateKernel>(&bytes)
-        .ok()
+    let body = serde_json::from_slice::<CreateKernel>(&bytes).ok();
+    let view = cluster.membership.view();
+    if let Some(snapshot) = body.as_ref().and_then(|b| b.snapshot.as_deref()) {
+        return from_snapshot(cluster, caller, &view, snapshot, parts, bytes, next).await;
+    }
+    let spec = body
         .and_then(|body| body.name)
         .filter(|n| !n.is_empty())
         .unwrap_or_else(|| crate::kernelspecs::DEFAULT_SPEC.to_owned());
-    let view = cluster.membership.view();
     let candidates = placement::candidates(&view, &spec);
     let mut local = Some(parts);
     let mut last = None;
@@ -119,6 +119,65 @@ async fn place_somewhere(
     }
 }
 
+/// A create from a snapshot: on the node that keeps it, the only one that can start it.
+/// When that node is full, restarting or gone, 503 saying so; a snapshot this node keeps,
+/// or one the registry does not list, is this node's to start (or to answer 404 for).
+async fn from_snapshot(
+    cluster: &ClusterNode,
+    caller: &Caller,
+    view: &View,
+    snapshot: &str,
+    parts: axum::http::request::Parts,
+    bytes: axum::body::Bytes,
+    next: Next,
+) -> Response {
+    let node = match super::kept_by(view, caller, snapshot) {
+        Some(node) if node != cluster.node_id => node.to_owned(),
+        _ => {
+            return next
+                .run(Request::from_parts(parts, Body::from(bytes)))
+                .await
+        }
+    };
+    let refused = |why: &str| {
+        unavailable(format!(
+            "snapshot {snapshot} is kept on node {node}, which {why}: a kernel starts from it only there"
+        ))
+    };
+    let Some(record) = view.nodes.get(&node) else {
+        return refused("is not in the cluster now; try again shortly");
+    };
+    if record.away {
+        return refused("is restarting; try again shortly");
+    }
+    let req = again(&parts.method, &parts.uri, &parts.headers, &bytes);
+    let to = destination(&node, record);
+    let role = "the node that keeps this snapshot";
+    let response = forward(cluster, &to, role, caller, req, never_left()).await;
+    if response.status() != StatusCode::FORBIDDEN {
+        return response;
+    }
+    let (head, body) = response.into_parts();
+    let body = to_bytes(body, MAX_CREATE_BODY).await.unwrap_or_default();
+    match full_refusal(&body) {
+        Some(message) => refused(&format!(
+            "is full ({message}); try again when one of its kernels ends"
+        )),
+        // The key's quota, a policy: refused alike anywhere.
+        None => Response::from_parts(head, Body::from(body)),
+    }
+}
+
+/// The message of a create's 403 that says the node is full (`--max-kernels`), not that the
+/// key may not.
+fn full_refusal(body: &[u8]) -> Option<String> {
+    let value = serde_json::from_slice::<Value>(body).ok()?;
+    let message = value["message"].as_str()?;
+    message
+        .contains("the most this gateway allows")
+        .then(|| message.to_owned())
+}
+
 /// Whether a create's 403 is its key's quota (`max_kernels`, counted across the cluster)
 /// rather than a full node.
 fn is_quota_refusal(body: &[u8]) -> bool {
@@ -135,7 +194,7 @@ mod tests {
     use crate::kernels::CreateError;
 
     #[tokio::test]
-    async fn a_quota_refusal_is_told_from_a_full_node() {
+    async fn a_quota_refusal_is_told_from_a_full_node_and_back() {
         let body = |e: CreateError| async move {
             let response = ApiError::from(e).into_response();
             to_bytes(response.into_body(), 1 << 16).await.expect("body")
@@ -144,9 +203,11 @@ mod tests {
             key: "alice".into(),
             max: 3,
         };
-        assert!(is_quota_refusal(&body(quota).await));
-        assert!(!is_quota_refusal(
-            &body(CreateError::TooMany { max: 2 }).await
-        ));
+        let quota = body(quota).await;
+        let full = body(CreateError::TooMany { max: 2 }).await;
+        assert!(is_quota_refusal(&quota));
+        assert!(!is_quota_refusal(&full));
+        assert_eq!(full_refusal(&quota), None);
+        assert!(full_refusal(&full).is_some_and(|m| m.starts_with("2 kernels are running")));
     }
 }

@@ -2,7 +2,7 @@
 use super::*;
 use axum::http::Method;
 
-/// Each route and method, then where it goes when the kernel it names is here /
+/// Each route and method, then where it goes when the kernel (or snapshot) it names is here /
 /// elsewhere (node-2) / away / gone / unknown: S served here, F forwarded to node-2,
 /// A 503 (owner restarting), G 503 (owner not in the cluster), P placed, K every node's
 /// kernels, V every node's approvals, T here then the others, O the others then here.
@@ -37,8 +37,8 @@ const TABLE: &[(&str, &str, &str)] = &[
     ("POST", "/api/kernels/{id}/snapshots", "SFAGS"),
     ("POST", "/api/kernels/{id}/fork", "SFAGS"),
     ("GET", "/api/kernelgate/snapshots", "SSSSS"),
-    ("GET", "/api/kernelgate/snapshots/{id}", "SSSSS"),
-    ("DELETE", "/api/kernelgate/snapshots/{id}", "SSSSS"),
+    ("GET", "/api/kernelgate/snapshots/{id}", "SFAGS"),
+    ("DELETE", "/api/kernelgate/snapshots/{id}", "SFAGS"),
     ("GET", "/api/kernels/{id}/channels", "SFAGS"),
     ("POST", "/api/kernels/{id}/execute", "SFAGS"),
     ("POST", "/api/kernels/{id}/packages", "SFAGS"),

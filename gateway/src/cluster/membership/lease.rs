@@ -2,8 +2,8 @@
 //! when found lost, given up for a while (a rolling restart) or for good.
 
 use super::{Lost, Membership, Registered};
-use crate::cluster::node_key;
 use crate::cluster::registry::{Registry, RegistryError};
+use crate::cluster::{node_key, snapshot_key};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::time::Instant;
@@ -40,22 +40,26 @@ impl<R: Registry + Clone> Membership<R> {
         }
     }
 
-    /// Registers everything of this node's under a new lease of `ttl`: the node record,
-    /// each kernel's record with its quota slot (taken back from an earlier run, or a free
-    /// one), and the slots of creates under way.
+    /// Registers everything of this node's under a new lease of `ttl`: the node record, the
+    /// records of the snapshots it keeps, each kernel's record with its quota slot (taken
+    /// back from an earlier run, or a free one), and the slots of creates under way.
     pub(super) async fn register_for(&self, ttl: Duration) -> Result<Lost, RegistryError> {
         let lease = self.registry.grant(ttl).await?;
-        let (node, kernels, quotas) = {
+        let (node, kernels, quotas, snapshots) = {
             let own = self.own();
             (
                 serde_json::to_vec(&own.node).unwrap_or_default(),
                 own.kernels.clone(),
                 own.quotas.clone(),
+                own.snapshots.clone(),
             )
         };
         self.registry
             .put(&node_key(&self.node_id), &node, lease)
             .await?;
+        for (id, bytes) in &snapshots {
+            self.registry.put(&snapshot_key(id), bytes, lease).await?;
+        }
         let mut lost = Lost::default();
         let mut slots = Vec::new();
         for (id, bytes) in &kernels {

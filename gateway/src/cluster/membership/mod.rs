@@ -10,9 +10,10 @@
 //! create-if-absent, so re-registering never takes a kernel another node claimed meanwhile.
 
 use super::registry::{Change, Compare, Event, Lease, Registry, RegistryError, Revision};
-use super::{kernel_key, node_key, KernelRecord, Key, NodeRecord};
+use super::{kernel_key, node_key, snapshot_key, KernelRecord, Key, NodeRecord, SnapshotRecord};
 use crate::kernels::ledger::{ClaimRefused, Ledger, Reservation};
 use futures::future::BoxFuture;
+use kernelgate_protocol::rest::SnapshotModel;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -128,6 +129,31 @@ impl<R: Registry + Clone + std::fmt::Debug> Ledger for Membership<R> {
             }
         })
     }
+
+    fn snapshot_kept<'a>(&'a self, owner: &'a str, model: &'a SnapshotModel) -> BoxFuture<'a, ()> {
+        Box::pin(async move {
+            if let Err(e) = self.keep_snapshot(owner, model).await {
+                // Kept in this node's records all the same: the next registration puts it.
+                tracing::warn!(snapshot = %model.id, error = %e, "cannot record the snapshot in the cluster registry");
+            }
+        })
+    }
+
+    fn snapshot_gone<'a>(&'a self, id: &'a str) -> BoxFuture<'a, ()> {
+        Box::pin(async move {
+            if let Err(e) = self.forget_snapshot(id).await {
+                tracing::warn!(snapshot = %id, error = %e, "cannot remove the snapshot's record from the cluster registry");
+            }
+        })
+    }
+
+    fn snapshots_elsewhere(&self, owner: &str) -> (usize, u64) {
+        let view = self.view.lock().unwrap_or_else(|e| e.into_inner());
+        view.snapshots
+            .values()
+            .filter(|r| r.owner == owner && r.node != self.node_id)
+            .fold((0, 0), |(n, b), r| (n + 1, b + r.model.size))
+    }
 }
 
 /// Everyone's records, as this node last saw them.
@@ -135,6 +161,7 @@ impl<R: Registry + Clone + std::fmt::Debug> Ledger for Membership<R> {
 pub struct View {
     pub nodes: HashMap<String, NodeRecord>,
     pub kernels: HashMap<String, KernelRecord>,
+    pub snapshots: HashMap<String, SnapshotRecord>,
     /// The registry revision this view reflects.
     pub revision: Revision,
 }
@@ -153,6 +180,11 @@ impl View {
                         self.kernels.insert(id.to_owned(), r);
                     }
                 }
+                Some(Key::Snapshot(id)) => {
+                    if let Ok(r) = serde_json::from_slice(&entry.value) {
+                        self.snapshots.insert(id.to_owned(), r);
+                    }
+                }
                 None => {}
             },
             Event::Delete { key, .. } => match Key::parse(key) {
@@ -161,6 +193,9 @@ impl View {
                 }
                 Some(Key::Kernel(id)) => {
                     self.kernels.remove(id);
+                }
+                Some(Key::Snapshot(id)) => {
+                    self.snapshots.remove(id);
                 }
                 None => {}
             },
@@ -253,6 +288,8 @@ struct Own {
     /// The quota each of its kernels of a key with `max_kernels` counts against, by kernel
     /// id, and each create under way that holds a slot, by what it put in the slot.
     quotas: HashMap<String, Quota>,
+    /// The records of the snapshots this node keeps, by snapshot id, serialized once.
+    snapshots: HashMap<String, Vec<u8>>,
     /// Times the lease was found lost and the records registered again.
     reregistrations: u64,
 }
@@ -282,6 +319,7 @@ impl<R: Registry + Clone> Membership<R> {
                 node,
                 kernels: HashMap::new(),
                 quotas: HashMap::new(),
+                snapshots: HashMap::new(),
                 reregistrations: 0,
             }),
             view: Mutex::new(View::default()),
@@ -329,6 +367,13 @@ impl<R: Registry + Clone> Membership<R> {
     /// back through the watch); whether it is.
     pub async fn until_kernel_known(&self, id: &str, timeout: Duration) -> bool {
         tokio::time::timeout(timeout, self.until(|v| v.kernels.contains_key(id)))
+            .await
+            .is_ok()
+    }
+
+    /// Waits, at most `timeout`, until snapshot `id` is in the view; whether it is.
+    pub async fn until_snapshot_known(&self, id: &str, timeout: Duration) -> bool {
+        tokio::time::timeout(timeout, self.until(|v| v.snapshots.contains_key(id)))
             .await
             .is_ok()
     }
@@ -545,6 +590,44 @@ impl<R: Registry + Clone> Membership<R> {
             // Registered as it is now when the lease comes back.
             None => Ok(()),
         }
+    }
+
+    /// Records snapshot `model` of key `owner` as kept on this node: put now when the node
+    /// holds its lease, and again with every registration.
+    pub async fn keep_snapshot(
+        &self,
+        owner: &str,
+        model: &SnapshotModel,
+    ) -> Result<(), RegistryError> {
+        let record = SnapshotRecord {
+            node: self.node_id.clone(),
+            owner: owner.to_owned(),
+            model: model.clone(),
+        };
+        let bytes = serde_json::to_vec(&record)
+            .map_err(|e| RegistryError::Malformed(format!("a snapshot record: {e}")))?;
+        let lease = {
+            let mut own = self.own();
+            own.snapshots.insert(model.id.clone(), bytes.clone());
+            own.lease
+        };
+        match lease {
+            Some(lease) => self
+                .registry
+                .put(&snapshot_key(&model.id), &bytes, lease)
+                .await
+                .map(drop),
+            None => Ok(()),
+        }
+    }
+
+    /// Removes snapshot `id`'s record, if this node keeps it.
+    pub async fn forget_snapshot(&self, id: &str) -> Result<(), RegistryError> {
+        let Some(bytes) = self.own().snapshots.remove(id) else {
+            return Ok(());
+        };
+        self.registry.delete_if(&snapshot_key(id), &bytes).await?;
+        Ok(())
     }
 
     /// A record of kernel `id`, owned by this node's incarnation.

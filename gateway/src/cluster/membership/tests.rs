@@ -510,3 +510,57 @@ async fn the_reconcile_repairs_quota_slots_both_ways() {
     );
     cancel.cancel();
 }
+
+fn snapshot(id: &str, name: &str, size: u64) -> SnapshotModel {
+    SnapshotModel {
+        id: id.into(),
+        name: Some(name.into()),
+        metadata: Default::default(),
+        kernel_id: "k1".into(),
+        kernelspec: "python3".into(),
+        kind: "memory".into(),
+        size,
+        created: "2026-01-01T00:00:00.000000Z".into(),
+        dropped: Vec::new(),
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_nodes_snapshots_are_everyones_to_see_and_come_back_with_its_lease() {
+    let store = Memory::new();
+    let cancel = CancellationToken::new();
+    let (a, b) = two_nodes(&store, &cancel);
+    settle().await;
+    a.snapshot_kept("alice", &snapshot("s1", "clean", 5 << 20))
+        .await;
+    a.snapshot_kept("bob", &snapshot("s2", "clean", 7 << 20))
+        .await;
+    assert!(b.until_snapshot_known("s1", Duration::from_secs(1)).await);
+    let seen = b.view().snapshots["s1"].clone();
+    assert_eq!((seen.node.as_str(), seen.owner.as_str()), ("a", "alice"));
+    assert_eq!(seen.model, snapshot("s1", "clean", 5 << 20));
+    // Budgets count what other nodes keep of a key, not a node's own.
+    assert_eq!(b.snapshots_elsewhere("alice"), (1, 5 << 20));
+    assert_eq!(a.snapshots_elsewhere("alice"), (0, 0));
+
+    // A lost lease takes the records with it; the registration puts them back.
+    store.set_down(true);
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    store.set_down(false);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(a.registered());
+    let listing = store
+        .list(&format!("{PREFIX}snapshots/"))
+        .await
+        .expect("list");
+    assert_eq!(listing.entries.len(), 2, "{listing:?}");
+
+    a.snapshot_gone("s1").await;
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert_eq!(
+        b.view().snapshots.keys().collect::<Vec<_>>(),
+        vec!["s2"],
+        "a deleted snapshot leaves every view"
+    );
+    cancel.cancel();
+}

@@ -15,6 +15,7 @@ use super::hibernate::{forget, forget_if_stale, HibernateError, Kind};
 use super::Kernels;
 use crate::audit::Record;
 use chrono::{DateTime, Utc};
+use kernelgate_protocol::rest::SnapshotModel;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -109,8 +110,8 @@ pub struct Snapshot {
 
 impl Snapshot {
     /// Its model, as the API and MCP show it.
-    pub fn model(&self) -> kernelgate_protocol::rest::SnapshotModel {
-        kernelgate_protocol::rest::SnapshotModel {
+    pub fn model(&self) -> SnapshotModel {
+        SnapshotModel {
             id: self.id.clone(),
             name: self.name.clone(),
             metadata: self.metadata.clone(),
@@ -270,7 +271,7 @@ impl Store {
 /// A page of a key's snapshots, newest first.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Page {
-    pub snapshots: Vec<Snapshot>,
+    pub snapshots: Vec<SnapshotModel>,
     /// Where the next page starts, when there is one.
     pub next: Option<String>,
 }
@@ -370,11 +371,30 @@ impl Snapshots {
 
     /// A page of the snapshots `may_use` allows, newest first, as `filter` says.
     pub fn list(&self, filter: &Filter, may_use: impl Fn(&str) -> bool) -> Page {
-        let mut all: Vec<Snapshot> = self
+        self.list_with(filter, may_use, Vec::new())
+    }
+
+    /// A page of the snapshots `may_use` allows of this node's and of `elsewhere` (other
+    /// nodes' snapshots, with their keys, as the cluster registry lists them), newest first.
+    pub fn list_with(
+        &self,
+        filter: &Filter,
+        may_use: impl Fn(&str) -> bool,
+        elsewhere: Vec<(String, SnapshotModel)>,
+    ) -> Page {
+        let here: Vec<(String, SnapshotModel)> = self
             .store()
             .values()
-            .filter(|h| !h.record.hidden && may_use(&h.record.owner))
-            .map(|h| h.record.clone())
+            .filter(|h| !h.record.hidden)
+            .map(|h| (h.record.owner.clone(), h.record.model()))
+            .collect();
+        let mut seen = std::collections::HashSet::new();
+        let mut all: Vec<SnapshotModel> = here
+            .into_iter()
+            .chain(elsewhere)
+            .filter(|(owner, _)| may_use(owner))
+            .map(|(_, model)| model)
+            .filter(|s| seen.insert(s.id.clone()))
             .filter(|s| {
                 filter
                     .name
@@ -388,6 +408,7 @@ impl Snapshots {
                     .all(|(k, v)| s.metadata.get(k) == Some(v))
             })
             .collect();
+        // `created` is RFC 3339 in UTC with microseconds: its text sorts as its time.
         all.sort_by(|a, b| b.created.cmp(&a.created).then_with(|| a.id.cmp(&b.id)));
         let start = match &filter.after {
             Some(after) => all
@@ -397,7 +418,7 @@ impl Snapshots {
             None => 0,
         };
         let limit = filter.limit.max(1);
-        let snapshots: Vec<Snapshot> = all.iter().skip(start).take(limit).cloned().collect();
+        let snapshots: Vec<SnapshotModel> = all.iter().skip(start).take(limit).cloned().collect();
         let next = (start + limit < all.len())
             .then(|| snapshots.last().map(|s| s.id.clone()))
             .flatten();
@@ -413,6 +434,9 @@ impl Snapshots {
         };
         removed.delete();
         if !removed.record.hidden {
+            if let Some(ledger) = &self.kernels.settings.ledger {
+                ledger.snapshot_gone(&removed.record.id).await;
+            }
             self.kernels
                 .settings
                 .audit
@@ -428,13 +452,22 @@ impl Snapshots {
     }
 
     /// The count and bytes of `owner`'s listed snapshots, leaving out one named `except`
-    /// (which a new snapshot of that name replaces).
+    /// (which a new snapshot of that name replaces); in a cluster, those other nodes keep
+    /// too.
     fn used_by(&self, owner: &str, except: Option<&str>) -> (usize, u64) {
-        self.store()
+        let (n, b) = self
+            .store()
             .values()
             .filter(|h| h.record.owner == owner && !h.record.hidden)
             .filter(|h| except.is_none() || h.record.name.as_deref() != except)
-            .fold((0, 0), |(n, b), h| (n + 1, b + h.record.bytes))
+            .fold((0, 0), |(n, b), h| (n + 1, b + h.record.bytes));
+        let (others, other_bytes) = self
+            .kernels
+            .settings
+            .ledger
+            .as_ref()
+            .map_or((0, 0), |l| l.snapshots_elsewhere(owner));
+        (n + others, b + other_bytes)
     }
 
     /// Snapshots kept, and their bytes, for the metrics (a fork's own included: it is on
@@ -466,6 +499,9 @@ impl Snapshots {
             match record {
                 Some(record) if record.id == name && record.hidden => forget(&path).await,
                 Some(record) if record.id == name => {
+                    if let Some(ledger) = &self.kernels.settings.ledger {
+                        ledger.snapshot_kept(&record.owner, &record.model()).await;
+                    }
                     let held = Arc::new(Held {
                         record,
                         dir: path,

@@ -270,6 +270,9 @@ impl Snapshots {
         }
         let took = started.elapsed();
         if !hidden {
+            if let Some(ledger) = &self.kernels.settings.ledger {
+                ledger.snapshot_kept(key, &held.record.model()).await;
+            }
             self.kernels
                 .settings
                 .audit
