@@ -119,6 +119,10 @@ async fn gateway(w: &Wheelhouse, extra: &[&str]) -> Result<Gateway> {
     Gateway::start(&flags).await
 }
 
+/// How long a cell that runs pip may take: a pip process starts in seconds alone, but far
+/// slower in a gVisor sandbox on a machine running other suites beside this one.
+const PIP: Duration = Duration::from_secs(180);
+
 /// What a cell printed on stdout and stderr together.
 fn printed(o: &Outcome) -> String {
     format!("{}{}", o.stdout, o.stderr)
@@ -135,7 +139,7 @@ async fn allowed_packages_install_offline_and_import_in_the_same_kernel() -> Res
     let mut ws = gw.channels(id, "packages").await?;
 
     // %pip: the package and what it needs, importable at once.
-    let out = ws.execute("%pip install kgfix-app").await?;
+    let out = ws.execute_for("%pip install kgfix-app", PIP).await?;
     ensure!(out.status == "ok", "{out:?}");
     let text = printed(&out);
     assert!(
@@ -148,7 +152,7 @@ async fn allowed_packages_install_offline_and_import_in_the_same_kernel() -> Res
     assert_eq!(out.stdout.trim(), "42", "{out:?}");
 
     // !pip, and python -m pip in a subprocess.
-    let out = ws.execute("!pip install kgfix-hello").await?;
+    let out = ws.execute_for("!pip install kgfix-hello", PIP).await?;
     assert!(
         printed(&out).contains("Successfully installed kgfix-hello-1.0"),
         "{out:?}"
@@ -162,7 +166,7 @@ async fn allowed_packages_install_offline_and_import_in_the_same_kernel() -> Res
         "{out:?}"
     );
     let out = ws
-        .execute("import subprocess, sys\nr = subprocess.run([sys.executable, '-m', 'pip', 'install', 'kgfix-hello'], capture_output=True, text=True)\nprint(r.returncode, r.stdout)")
+        .execute_for("import subprocess, sys\nr = subprocess.run([sys.executable, '-m', 'pip', 'install', 'kgfix-hello'], capture_output=True, text=True)\nprint(r.returncode, r.stdout)", PIP)
         .await?;
     assert!(out.stdout.starts_with("0 "), "{out:?}");
     assert!(
@@ -177,7 +181,7 @@ async fn allowed_packages_install_offline_and_import_in_the_same_kernel() -> Res
     assert_eq!(out.stdout.trim(), "42", "{out:?}");
 
     // A dependency the image has is used from the image: nothing of numpy in the wheelhouse.
-    let out = ws.execute("%pip install kgfix-usesnumpy").await?;
+    let out = ws.execute_for("%pip install kgfix-usesnumpy", PIP).await?;
     assert!(
         printed(&out).contains("Successfully installed kgfix-usesnumpy-1.0"),
         "{out:?}"
@@ -235,10 +239,10 @@ async fn allowed_packages_install_offline_and_import_in_the_same_kernel() -> Res
             );
         }
     }
-    let out = ws.execute("%pip install kgfix-app==1.0").await?;
+    let out = ws.execute_for("%pip install kgfix-app==1.0", PIP).await?;
     assert!(printed(&out).contains("kgfix-app 2.0"), "{out:?}");
     // Wheels only: no source build, no URL.
-    let out = ws.execute("!pip install ./local-dir").await?;
+    let out = ws.execute_for("!pip install ./local-dir", PIP).await?;
     assert!(
         printed(&out).contains("only allowlisted packages by name"),
         "{out:?}"
