@@ -26,7 +26,8 @@ pub const HOME: &str = "/home/user";
 #[cfg_attr(feature = "openapi", derive(ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct NewSandbox {
-    /// `code-interpreter-v1` and `base` are the gateway's default kernel spec; another
+    /// `code-interpreter-v1` and `base` are the gateway's default kernel spec; a snapshot's
+    /// id (or name among the key's snapshots) starts the sandbox with its state; another
     /// name is a kernel spec's (404 when there is none).
     #[serde(rename = "templateID")]
     #[cfg_attr(feature = "openapi", schema(example = "code-interpreter-v1"))]
@@ -138,6 +139,49 @@ pub struct SandboxTimeout {
 pub struct SandboxConnect {
     /// Seconds from now: moves the sandbox's end later, never earlier (1 to 86400).
     pub timeout: Option<u64>,
+}
+
+/// The body of `POST /sandboxes/{id}/snapshots` (it may be empty).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+pub struct SandboxSnapshotRequest {
+    /// Unique among the key's snapshots: a new one of the same name replaces the older.
+    pub name: Option<String>,
+    /// `false`: the home's files only (a `filesystem` snapshot); absent or `true`: all the
+    /// engine can keep (the whole kernel under the gVisor engine, its variables and files
+    /// under Docker).
+    pub memory: Option<bool>,
+}
+
+/// A snapshot, as E2B's snapshot calls answer it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+pub struct SnapshotInfo {
+    /// The snapshot's id: a create with it as `templateID` starts a sandbox with its state.
+    #[serde(rename = "snapshotID")]
+    pub snapshot_id: String,
+    /// Its name, when it has one.
+    pub names: Vec<String>,
+}
+
+/// The body of `POST /sandboxes/{id}/fork`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+pub struct SandboxForkRequest {
+    /// Seconds until each fork ends (1 to 86400; default 300).
+    pub timeout: Option<u64>,
+    /// How many sandboxes (1 to 20; default 1).
+    pub count: Option<usize>,
+}
+
+/// One fork: its sandbox, or why it did not start.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+pub struct SandboxForkResult {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sandbox: Option<SandboxCreated>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<E2bErrorBody>,
 }
 
 /// An error answer of E2B's control plane: the gateway's error body, plus the status as

@@ -327,3 +327,71 @@ def test_the_host_form_of_the_sandbox_url(gw: Gateway, sbx: Sandbox):
     r = requests.get(gw.url + "/health",
                      headers={"Host": f"49983-{sbx.sandbox_id}.sandbox.localhost", "X-Access-Token": token}, timeout=30)
     assert r.status_code == 204
+
+
+def test_snapshots_and_forks_through_the_sdk(gw: Gateway):
+    """create_snapshot, list_snapshots, a create from a snapshot, fork and delete_snapshot,
+    onto the gateway's own snapshots (docs/snapshots.md)."""
+    o, bob = opts(gw, "alice-key"), opts(gw, "bob-key")
+    name = f"cleaned-{os.urandom(4).hex()}"
+    source = Sandbox.create(metadata={"stage": "source"}, **o)
+    made = [source]
+    try:
+        assert source.run_code("import numpy as np\na = np.arange(10)").error is None
+        source.files.write("notes.txt", "kept")
+        snap = source.create_snapshot(name)
+        assert snap.names == [name]
+        files_only = source.create_snapshot(mode="filesystem")
+        assert files_only.names == []
+
+        # Listed for its sandbox, newest first, in pages; by name or id; not for another key.
+        pager = Sandbox.list_snapshots(sandbox_id=source.sandbox_id, limit=1, **o)
+        pages = [pager.next_items()]
+        assert pager.has_next
+        pages.append(pager.next_items())
+        assert not pager.has_next
+        assert [[s.snapshot_id for s in p] for p in pages] == [
+            [files_only.snapshot_id], [snap.snapshot_id]]
+        for by in (name, snap.snapshot_id):
+            found = Sandbox.list_snapshots(name=by, **o).next_items()
+            assert [s.snapshot_id for s in found] == [snap.snapshot_id]
+        assert snap.snapshot_id not in [s.snapshot_id for s in Sandbox.list_snapshots(**bob).next_items()]
+        assert Sandbox.delete_snapshot(snap.snapshot_id, **bob) is False
+
+        # A create from it (its id as the template): the variables and the file.
+        restored = Sandbox.create(template=snap.snapshot_id, **o)
+        made.append(restored)
+        assert restored.sandbox_id != source.sandbox_id
+        assert restored.run_code("int(a.sum())").text == "45"
+        assert restored.files.read("notes.txt") == "kept"
+        # A files-only one: the file, no variables.
+        bare = Sandbox.create(template=files_only.snapshot_id, **o)
+        made.append(bare)
+        assert bare.files.read("notes.txt") == "kept"
+        assert bare.run_code("a").error.name == "NameError"
+
+        # Two forks, each a running sandbox apart from the other and from the source.
+        forks = source.fork(count=2, timeout=120)
+        assert all(isinstance(f, Sandbox) for f in forks), forks
+        made.extend(forks)
+        assert len({f.sandbox_id for f in forks} | {source.sandbox_id}) == 3
+        assert forks[0].run_code("a[0] = 100\nint(a.sum())").text == "145"
+        assert forks[1].run_code("int(a.sum())").text == "45"
+        assert source.run_code("int(a.sum())").text == "45"
+        forks[1].files.write("notes.txt", "changed")
+        assert source.files.read("notes.txt") == "kept"
+        assert forks[0].get_info().metadata == {"stage": "source"}
+
+        # Deleted: gone from the list, and no longer a template.
+        assert Sandbox.delete_snapshot(snap.snapshot_id, **o) is True
+        assert Sandbox.delete_snapshot(snap.snapshot_id, **o) is False
+        assert snap.snapshot_id not in [s.snapshot_id for s in Sandbox.list_snapshots(**o).next_items()]
+        with pytest.raises(SandboxException, match="no snapshot of this key"):
+            Sandbox.create(template=snap.snapshot_id, **o)
+        assert Sandbox.delete_snapshot(files_only.snapshot_id, **o) is True
+    finally:
+        for sandbox in made:
+            try:
+                sandbox.kill()
+            except Exception:
+                pass

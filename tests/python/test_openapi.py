@@ -61,6 +61,10 @@ OPERATIONS = sorted(
         "POST /v2/sandboxes/{id}/connect",
         "GET /sandboxes/{id}/metrics",
         "PUT /sandboxes/{id}/network",
+        "POST /sandboxes/{id}/snapshots",
+        "GET /snapshots",
+        "DELETE /templates/{id}",
+        "POST /sandboxes/{id}/fork",
         "GET /api/kernelspecs",
         "GET /api/kernelspecs/{name}",
         "GET /kernelspecs/{name}/{file}",
@@ -92,7 +96,7 @@ OPERATIONS = sorted(
 
 def is_e2b(path: str) -> bool:
     """E2B's control plane: its key goes in X-API-KEY, its errors carry `code` too."""
-    return path.startswith(("/v2/sandboxes", "/sandboxes/"))
+    return path.startswith(("/v2/sandboxes", "/sandboxes/", "/snapshots", "/templates/"))
 
 
 @dataclass
@@ -284,7 +288,7 @@ def check_case(case, target: Target) -> None:
         r = target.gateway.request("PUT", f"/api/kernels/{target.kernel_id}/files/{EXAMPLE_FILE}", data=b"m,sales\n1,100\n")
         assert r.status_code == 201, r.text
     # A fork of the real kernel starts real kernels: at most two, within --max-kernels.
-    if path == "/api/kernels/{id}/fork" and isinstance(case.body, dict):
+    if path in ("/api/kernels/{id}/fork", "/sandboxes/{id}/fork") and isinstance(case.body, dict):
         count = case.body.get("count")
         if isinstance(count, int) and not isinstance(count, bool) and count > 2:
             case.body["count"] = 2
@@ -314,6 +318,14 @@ def check_case(case, target: Target) -> None:
                 target.gateway.request("DELETE", f"/api/kernels/{fork['kernel']['id']}")
     if case.method == "POST" and path == "/api/kernels/{id}/snapshots" and response.status_code == 201:
         target.gateway.request("DELETE", f"/api/kernelgate/snapshots/{response.json()['id']}")
+    if case.method == "POST" and path == "/sandboxes/{id}/fork" and response.status_code == 201:
+        for fork in response.json():
+            if fork.get("sandbox"):
+                sandbox = fork["sandbox"]["sandboxID"]
+                requests.delete(f"{target.gateway.url}/sandboxes/{sandbox}", headers=target.e2b_headers(), timeout=60)
+    if case.method == "POST" and path == "/sandboxes/{id}/snapshots" and response.status_code == 201:
+        snapshot = response.json()["snapshotID"]
+        requests.delete(f"{target.gateway.url}/templates/{snapshot}", headers=target.e2b_headers(), timeout=60)
     if case.method == "POST" and path == "/v2/sandboxes" and response.status_code == 201:
         sandbox = response.json()["sandboxID"]
         r = requests.delete(f"{target.gateway.url}/sandboxes/{sandbox}", headers=target.e2b_headers(), timeout=60)

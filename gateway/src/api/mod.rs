@@ -116,7 +116,11 @@ pub fn surface() -> Surface {
         .operations(Rule::Local, routes!(e2b::control::set_timeout))
         .operations(Rule::Local, routes!(e2b::control::connect))
         .operations(Rule::Local, routes!(e2b::control::metrics))
-        .operations(Rule::Local, routes!(e2b::control::update_network));
+        .operations(Rule::Local, routes!(e2b::control::update_network))
+        .operations(Rule::Local, routes!(e2b::snapshots::take))
+        .operations(Rule::Local, routes!(e2b::snapshots::list))
+        .operations(Rule::Local, routes!(e2b::snapshots::delete))
+        .operations(Rule::Local, routes!(e2b::snapshots::fork));
     let protected = Routes::default()
         .operations(Rule::Local, routes!(kernelspecs::list))
         .operations(Rule::Local, routes!(kernelspecs::get))

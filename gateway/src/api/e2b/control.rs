@@ -1,4 +1,4 @@
-//! E2B's control plane: `POST /v2/sandboxes`, `GET /v2/sandboxes`, `GET`/`DELETE
+//! E2B's control plane (snapshots and forks are in [`super::snapshots`]): `POST /v2/sandboxes`, `GET /v2/sandboxes`, `GET`/`DELETE
 //! /sandboxes/{id}`, `POST /sandboxes/{id}/timeout`, `POST /v2/sandboxes/{id}/connect`,
 //! `GET /sandboxes/{id}/metrics`. The caller is the Kernelgate key in `X-API-KEY`,
 //! checked as every key is ([`authenticate`]); another key's sandbox does not exist for it
@@ -9,7 +9,7 @@ use super::super::error::ApiError;
 use super::super::extract::json_body;
 use super::super::AppState;
 use super::{interpreter, watch_expiry, Sandbox, ENVD_VERSION};
-use crate::kernels::Removal;
+use crate::kernels::{CreateError, Removal};
 use crate::tenants::Tenant;
 use crate::text::form_decode;
 use axum::body::Bytes;
@@ -86,7 +86,11 @@ gateway's --token, or a key of --keys)";
 
 /// Whether `path` is one of the control plane's.
 fn is_control_path(path: &str) -> bool {
-    path == "/v2/sandboxes" || path.starts_with("/v2/sandboxes/") || path.starts_with("/sandboxes/")
+    path == "/v2/sandboxes"
+        || path.starts_with("/v2/sandboxes/")
+        || path.starts_with("/sandboxes/")
+        || path == "/snapshots"
+        || path.starts_with("/templates/")
 }
 
 /// Middleware in front of the router: a control-plane request is authenticated as every
@@ -174,7 +178,7 @@ fn iso(t: DateTime<Utc>) -> String {
     t.to_rfc3339_opts(SecondsFormat::Millis, true)
 }
 
-fn timeout_of(seconds: Option<u64>) -> Result<Duration, ApiError> {
+pub(super) fn timeout_of(seconds: Option<u64>) -> Result<Duration, ApiError> {
     match seconds.unwrap_or(DEFAULT_TIMEOUT_SECS) {
         s @ 1..=MAX_TIMEOUT_SECS => Ok(Duration::from_secs(s)),
         s => Err(ApiError::bad_request(format!(
@@ -252,7 +256,7 @@ fn is_empty(v: &Value) -> bool {
 }
 
 /// What the SDK reads after a create or connect.
-fn created(state: &AppState, id: &str, sandbox: &Sandbox) -> SandboxCreated {
+pub(super) fn created(state: &AppState, id: &str, sandbox: &Sandbox) -> SandboxCreated {
     SandboxCreated {
         template_id: sandbox.template_id.clone(),
         sandbox_id: id.to_owned(),
@@ -329,7 +333,27 @@ pub async fn create(
         t if DEFAULT_TEMPLATES.contains(&t) => None,
         t => Some(t),
     };
-    let live = state.kernels.create(spec, &BTreeMap::new(), &key.0).await?;
+    // A snapshot's id (or name) as the template: a sandbox with its state.
+    let snapshot = spec.and_then(|t| super::snapshots::of_key(&state, &key, t));
+    let live = match snapshot {
+        Some(held) => {
+            state
+                .kernels
+                .create_from(held, None, &BTreeMap::new(), &key.0)
+                .await?
+        }
+        None => match state.kernels.create(spec, &BTreeMap::new(), &key.0).await {
+            Ok(live) => live,
+            Err(CreateError::NoSuchSpec { name, offered }) => {
+                return Err(ApiError::new(
+                    StatusCode::NOT_FOUND,
+                    format!("no template {name:?}: no kernel spec of that name (this gateway offers {offered}) and no snapshot of this key (GET /snapshots lists them)"),
+                )
+                .into())
+            }
+            Err(e) => return Err(e.into()),
+        },
+    };
     let id = live.id().to_owned();
     if !body.env_vars.is_empty() {
         // The kernel's process is running already (warm): the variables are set in it.

@@ -7,6 +7,7 @@
 //! runs through [`crate::kernels::runner`], files through [`crate::kernels::files`].
 //!
 //! - [`control`]: the control plane (`X-API-KEY`): create, list, info, kill, timeout.
+//! - [`snapshots`]: snapshots and forks of sandboxes, onto the gateway's own.
 //! - [`plane`]: finds the sandbox a sandbox-plane request is for, and its access token.
 //! - [`interpreter`]: the code interpreter's `/execute` and `/contexts` (port 49999).
 //! - [`envd`]: envd's `/health`, `/files` and the `filesystem.Filesystem` RPC (port 49983).
@@ -16,6 +17,7 @@ pub mod control;
 pub mod envd;
 pub mod interpreter;
 pub mod plane;
+pub mod snapshots;
 pub mod store;
 
 use super::AppState;
