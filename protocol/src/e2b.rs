@@ -139,6 +139,21 @@ pub struct SandboxTimeout {
 pub struct SandboxConnect {
     /// Seconds from now: moves the sandbox's end later, never earlier (1 to 86400).
     pub timeout: Option<u64>,
+    /// `false` (the SDK's `on_resume="reboot"`): a paused sandbox resumes as a fresh kernel
+    /// with its files; absent or `true`, with its state.
+    pub memory: Option<bool>,
+}
+
+/// The body of `POST /sandboxes/{id}/pause` (it may be empty).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct SandboxPause {
+    /// `false` (a filesystem-only pause) is refused: a pause keeps all the engine can keep;
+    /// a connect with `on_resume="reboot"` then starts fresh with the files.
+    pub memory: Option<bool>,
+    /// Accepted: a kernel that does not answer is not paused in any case.
+    pub require_healthy_guest: Option<bool>,
 }
 
 /// The body of `POST /sandboxes/{id}/snapshots` (it may be empty).

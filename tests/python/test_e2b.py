@@ -395,3 +395,42 @@ def test_snapshots_and_forks_through_the_sdk(gw: Gateway):
                 sandbox.kill()
             except Exception:
                 pass
+
+
+def test_pause_and_connect_keep_the_state(gw: Gateway):
+    """pause hibernates the sandbox's kernel, connect resumes it (docs/e2b.md); under Docker
+    what cannot be saved is named and the sandbox runs on; on_resume="reboot" keeps the files."""
+    from e2b import SandboxState
+
+    o = opts(gw, "alice-key")
+    sandbox = Sandbox.create(timeout=120, **o)
+    sid = sandbox.sandbox_id
+    try:
+        assert sandbox.run_code("x = 41\ndef count():\n    yield 1").error is None
+        sandbox.files.write("kept.txt", "yes")
+        assert sandbox.pause() is True
+        assert sandbox.pause() is False, "paused already"
+        assert Sandbox.get_info(sid, **o).state == SandboxState.PAUSED
+        paused = Sandbox.list(query=SandboxQuery(state=[SandboxState.PAUSED]), **o).next_items()
+        assert sid in [s.sandbox_id for s in paused]
+        running = Sandbox.list(query=SandboxQuery(state=[SandboxState.RUNNING]), **o).next_items()
+        assert sid not in [s.sandbox_id for s in running]
+
+        resumed = Sandbox.connect(sid, **o)
+        assert resumed.run_code("x + 1").text == "42"
+        assert Sandbox.get_info(sid, **o).state == SandboxState.RUNNING
+
+        # A generator cannot be saved by a Python-level pause: named, and the sandbox runs on.
+        assert resumed.run_code("gen = count()").error is None
+        with pytest.raises(SandboxException, match="gen"):
+            resumed.pause()
+        assert resumed.run_code("x").text == "41"
+
+        # on_resume="reboot": a fresh kernel, the files kept.
+        assert resumed.run_code("del gen").error is None
+        assert resumed.pause() is True
+        rebooted = Sandbox.connect(sid, on_resume="reboot", **o)
+        assert rebooted.run_code("x").error.name == "NameError"
+        assert rebooted.files.read("kept.txt") == "yes"
+    finally:
+        Sandbox.kill(sid, **o)

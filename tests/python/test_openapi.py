@@ -65,6 +65,7 @@ OPERATIONS = sorted(
         "GET /snapshots",
         "DELETE /templates/{id}",
         "POST /sandboxes/{id}/fork",
+        "POST /sandboxes/{id}/pause",
         "GET /api/kernelspecs",
         "GET /api/kernelspecs/{name}",
         "GET /kernelspecs/{name}/{file}",

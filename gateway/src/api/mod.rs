@@ -120,7 +120,8 @@ pub fn surface() -> Surface {
         .operations(Rule::Local, routes!(e2b::snapshots::take))
         .operations(Rule::Local, routes!(e2b::snapshots::list))
         .operations(Rule::Local, routes!(e2b::snapshots::delete))
-        .operations(Rule::Local, routes!(e2b::snapshots::fork));
+        .operations(Rule::Local, routes!(e2b::snapshots::fork))
+        .operations(Rule::Local, routes!(e2b::pause::pause));
     let protected = Routes::default()
         .operations(Rule::Local, routes!(kernelspecs::list))
         .operations(Rule::Local, routes!(kernelspecs::get))

@@ -597,6 +597,7 @@ mod tests {
             "GET /snapshots",
             "DELETE /templates/{id}",
             "POST /sandboxes/{id}/fork",
+            "POST /sandboxes/{id}/pause",
             "GET /api/kernelspecs",
             "GET /api/kernelspecs/{name}",
             "GET /kernelspecs/{name}/{file}",

@@ -27,6 +27,7 @@ const TABLE: &[(&str, &str, &str)] = &[
     ("GET", "/snapshots", "SSSSS"),
     ("DELETE", "/templates/{id}", "SSSSS"),
     ("POST", "/sandboxes/{id}/fork", "SSSSS"),
+    ("POST", "/sandboxes/{id}/pause", "SSSSS"),
     ("GET", "/api/kernelspecs", "SSSSS"),
     ("GET", "/api/kernelspecs/{name}", "SSSSS"),
     ("GET", "/kernelspecs/{name}/{file}", "SSSSS"),

@@ -269,7 +269,8 @@ pub(super) fn created(state: &AppState, id: &str, sandbox: &Sandbox) -> SandboxC
     }
 }
 
-fn listed(id: &str, sandbox: &Sandbox, key: &Tenant) -> ListedSandbox {
+fn listed(state: &AppState, id: &str, sandbox: &Sandbox, key: &Tenant) -> ListedSandbox {
+    let paused = state.kernels.get(id).is_some_and(|l| l.hibernated());
     ListedSandbox {
         template_id: sandbox.template_id.clone(),
         sandbox_id: id.to_owned(),
@@ -279,7 +280,7 @@ fn listed(id: &str, sandbox: &Sandbox, key: &Tenant) -> ListedSandbox {
         cpu_count: key.max_cpus.map_or(1, |c| c.ceil() as u64),
         memory_mb: key.max_memory_mb.unwrap_or(0),
         disk_size_mb: 0,
-        state: "running".into(),
+        state: if paused { "paused" } else { "running" }.into(),
         envd_version: ENVD_VERSION.into(),
         metadata: sandbox.metadata.clone(),
     }
@@ -410,10 +411,15 @@ pub async fn list(
         .as_deref()
         .map(form_pairs)
         .unwrap_or_default();
-    let running_wanted = query
+    let states: Option<Vec<&str>> = query
         .state
         .as_deref()
-        .is_none_or(|s| s.split(',').any(|s| s.trim() == "running"));
+        .map(|s| s.split(',').map(str::trim).collect());
+    let state_wanted = |id: &str| {
+        let paused = state.kernels.get(id).is_some_and(|l| l.hibernated());
+        let this = if paused { "paused" } else { "running" };
+        states.as_ref().is_none_or(|s| s.contains(&this))
+    };
     let mut all: Vec<(String, Sandbox)> = state
         .e2b
         .ids()
@@ -424,7 +430,7 @@ pub async fn list(
                 .iter()
                 .all(|(k, v)| s.metadata.get(k).is_some_and(|have| have == v))
         })
-        .filter(|_| running_wanted)
+        .filter(|(id, _)| state_wanted(id))
         .collect();
     all.sort_by(|a, b| (a.1.started_at, &a.0).cmp(&(b.1.started_at, &b.0)));
     if query.order.as_deref() == Some("desc") {
@@ -445,7 +451,7 @@ pub async fn list(
         .iter()
         .skip(start)
         .take(limit)
-        .map(|(id, s)| listed(id, s, &key.0))
+        .map(|(id, s)| listed(&state, id, s, &key.0))
         .collect();
     let mut response = Json(page).into_response();
     let next = start.saturating_add(limit);
@@ -474,7 +480,7 @@ pub async fn get(
 ) -> Result<Json<SandboxDetail>, E2bError> {
     let sandbox = owned(&state, &key, &id)?;
     Ok(Json(SandboxDetail {
-        listed: listed(&id, &sandbox, &key.0),
+        listed: listed(&state, &id, &sandbox, &key.0),
         envd_access_token: state.e2b.token(&id),
         traffic_access_token: state.e2b.token(&id),
         allow_internet_access: false,
@@ -534,16 +540,19 @@ pub async fn set_timeout(
     Ok(StatusCode::NO_CONTENT)
 }
 
-/// Connects to a running E2B sandbox (E2B's `Sandbox.connect`).
+/// Connects to an E2B sandbox, resuming a paused one (E2B's `Sandbox.connect`).
 ///
-/// It answers as at its create; a timeout given moves its end later (never earlier).
+/// It answers as at its create; a timeout given moves its end later (never earlier). A
+/// paused sandbox resumes with its state, or with `memory: false` (the SDK's
+/// `on_resume="reboot"`) as a fresh kernel with its files.
 #[utoipa::path(
     post, path = "/v2/sandboxes/{id}/connect", tag = "e2b", operation_id = "e2b_connect_sandbox",
     security(("e2b_api_key" = [])),
     params(SandboxPath),
     request_body(content = Option<SandboxConnect>, content_type = "application/json"),
     responses(
-        (status = 200, description = "The running sandbox, answered as its create was; a `timeout` moved its end later (never earlier)", body = SandboxCreated),
+        (status = 200, description = "The running sandbox (resumed, if it was paused), answered as its create was; a `timeout` moved its end later (never earlier)", body = SandboxCreated),
+        (status = 503, description = "A paused sandbox could not be started again, or its state did not load (the message says why); it stays paused with its state: connect again, or with `on_resume=\"reboot\"` for a fresh kernel with its files", body = E2bErrorBody),
         (status = 400, description = "The body is not JSON of this shape, or the timeout is out of range", body = E2bErrorBody),
         (status = 404, description = "No such sandbox (or another key's)", body = E2bErrorBody),
     ),
@@ -559,7 +568,13 @@ pub async fn connect(
         bytes => json_body(bytes, r#"{"timeout": 300}"#)?,
     };
     let sandbox = owned(&state, &key, &id)?;
-    if let Some(seconds) = body.timeout {
+    let mut resumed = false;
+    if let Some(live) = state.kernels.get(&id) {
+        resumed = super::pause::resume(&state, &live, &key, body.memory != Some(false)).await?;
+    }
+    // A resumed sandbox runs for the timeout given, or the default, from now at least.
+    let seconds = body.timeout.or(resumed.then_some(DEFAULT_TIMEOUT_SECS));
+    if let Some(seconds) = seconds {
         let end = Utc::now() + timeout_of(Some(seconds))?;
         if end > sandbox.end_at {
             state.e2b.set_end(&id, end);

@@ -8,6 +8,7 @@
 //!
 //! - [`control`]: the control plane (`X-API-KEY`): create, list, info, kill, timeout.
 //! - [`snapshots`]: snapshots and forks of sandboxes, onto the gateway's own.
+//! - [`pause`]: pause and resume, onto hibernation.
 //! - [`plane`]: finds the sandbox a sandbox-plane request is for, and its access token.
 //! - [`interpreter`]: the code interpreter's `/execute` and `/contexts` (port 49999).
 //! - [`envd`]: envd's `/health`, `/files` and the `filesystem.Filesystem` RPC (port 49983).
@@ -16,6 +17,7 @@
 pub mod control;
 pub mod envd;
 pub mod interpreter;
+pub mod pause;
 pub mod plane;
 pub mod snapshots;
 pub mod store;
@@ -189,8 +191,9 @@ pub fn watch_all(state: &AppState) {
     }
 }
 
-/// Ends sandbox `id` when its time is up, however often `set_timeout` moves that time; done
-/// when the sandbox is gone or the gateway stops.
+/// Ends sandbox `id` when its time is up, however often `set_timeout` moves that time (a
+/// paused one is kept until a connect resumes it); done when the sandbox is gone or the
+/// gateway stops.
 fn watch_expiry(state: &AppState, id: String) {
     let state = state.clone();
     let cancel = state.cancel.clone();
@@ -206,6 +209,16 @@ fn watch_expiry(state: &AppState, id: String) {
                 return;
             }
             let left = (end_at - Utc::now()).to_std().unwrap_or(Duration::ZERO);
+            let paused = state.kernels.get(&id).is_some_and(|l| l.hibernated());
+            if left.is_zero() && paused {
+                // A paused sandbox is kept until a connect resumes it (and moves its end)
+                // or it is killed, as E2B keeps one.
+                tokio::select! {
+                    () = moved => {}
+                    () = cancel.cancelled() => return,
+                }
+                continue;
+            }
             if left.is_zero() {
                 tracing::info!(kernel = %id, "the E2B sandbox's timeout passed; ending it");
                 state.e2b.remove(&id);
