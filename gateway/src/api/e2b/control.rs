@@ -436,31 +436,39 @@ pub async fn list(
     if query.order.as_deref() == Some("desc") {
         all.reverse();
     }
-    let start: usize = query
-        .next_token
-        .as_deref()
-        .and_then(|t| t.parse().ok())
-        .unwrap_or(0);
-    let limit: usize = query
-        .limit
-        .as_deref()
+    let listed: Vec<ListedSandbox> = all
+        .iter()
+        .map(|(id, s)| listed(&state, id, s, &key.0))
+        .collect();
+    Ok(paged(
+        listed,
+        query.limit.as_deref(),
+        query.next_token.as_deref(),
+    ))
+}
+
+/// A page of `all` as E2B's lists answer: from the offset `next_token` (the page before's
+/// `x-next-token`), at most `limit` items; values that do not parse are ignored, as E2B's.
+pub(super) fn paged<T: serde::Serialize>(
+    all: Vec<T>,
+    limit: Option<&str>,
+    next_token: Option<&str>,
+) -> Response {
+    let start: usize = next_token.and_then(|t| t.parse().ok()).unwrap_or(0);
+    let limit: usize = limit
         .and_then(|l| l.parse().ok())
         .filter(|&l| l > 0)
         .unwrap_or(usize::MAX);
-    let page: Vec<ListedSandbox> = all
-        .iter()
-        .skip(start)
-        .take(limit)
-        .map(|(id, s)| listed(&state, id, s, &key.0))
-        .collect();
+    let total = all.len();
+    let page: Vec<T> = all.into_iter().skip(start).take(limit).collect();
     let mut response = Json(page).into_response();
     let next = start.saturating_add(limit);
-    if next < all.len() {
+    if next < total {
         if let Ok(v) = HeaderValue::from_str(&next.to_string()) {
             response.headers_mut().insert("x-next-token", v);
         }
     }
-    Ok(response)
+    response
 }
 
 /// One E2B sandbox, with its access tokens (E2B's `get_info`).

@@ -8,12 +8,12 @@
 use super::super::error::ApiError;
 use super::super::extract::json_body;
 use super::super::AppState;
-use super::control::{created, owned, timeout_of, ApiKey, E2bError, SandboxPath};
+use super::control::{created, owned, paged, timeout_of, ApiKey, E2bError, SandboxPath};
 use super::{watch_expiry, Sandbox};
 use crate::kernels::snapshots::{Filter, Held, KeyBudget, Mode, TakeRequest};
 use axum::body::Bytes;
 use axum::extract::{Path, Query, State};
-use axum::http::{HeaderValue, StatusCode};
+use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use chrono::Utc;
@@ -149,26 +149,11 @@ pub async fn list(
         })
         .map(info)
         .collect();
-    let start: usize = query
-        .next_token
-        .as_deref()
-        .and_then(|t| t.parse().ok())
-        .unwrap_or(0);
-    let limit: usize = query
-        .limit
-        .as_deref()
-        .and_then(|l| l.parse().ok())
-        .filter(|&l| l > 0)
-        .unwrap_or(usize::MAX);
-    let page: Vec<&SnapshotInfo> = matching.iter().skip(start).take(limit).collect();
-    let mut response = Json(page).into_response();
-    let next = start.saturating_add(limit);
-    if next < matching.len() {
-        if let Ok(v) = HeaderValue::from_str(&next.to_string()) {
-            response.headers_mut().insert("x-next-token", v);
-        }
-    }
-    Ok(response)
+    Ok(paged(
+        matching,
+        query.limit.as_deref(),
+        query.next_token.as_deref(),
+    ))
 }
 
 /// The `{id}` of `DELETE /templates/{id}`.
