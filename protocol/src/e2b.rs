@@ -21,7 +21,7 @@ pub const INTERPRETER_PORT: u16 = 49999;
 pub const HOME: &str = "/home/user";
 
 /// The body of `POST /v2/sandboxes`: every field E2B's SDK sends. Those a Kernelgate
-/// sandbox cannot honour (a network, MCP servers, volumes, pausing) are refused by name.
+/// sandbox cannot honour (a network, MCP servers, volumes) are refused by name.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(ToSchema))]
 #[serde(rename_all = "camelCase")]
@@ -41,11 +41,12 @@ pub struct NewSandbox {
     /// Set in the kernel's process (`os.environ`).
     #[serde(default)]
     pub env_vars: BTreeMap<String, String>,
-    /// `true` is refused: a sandbox ends when its timeout passes.
+    /// `true` (`lifecycle` `on_timeout: pause`): the timeout pauses the sandbox (its kernel
+    /// hibernates) instead of ending it; a connect resumes it.
     pub auto_pause: Option<bool>,
-    /// Refused unless empty or false (pausing is not offered).
+    /// `{"enabled": false}` is refused: a paused sandbox resumes on its next request.
     pub auto_resume: Option<Value>,
-    /// Refused unless empty or false (pausing is not offered).
+    /// `false` (a files-only pause) is refused: a pause keeps all the engine can keep.
     pub auto_pause_memory: Option<Value>,
     /// Absent or `false` only: the sandbox has no network by design.
     #[serde(rename = "allow_internet_access")]

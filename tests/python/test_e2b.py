@@ -434,3 +434,32 @@ def test_pause_and_connect_keep_the_state(gw: Gateway):
         assert rebooted.files.read("kept.txt") == "yes"
     finally:
         Sandbox.kill(sid, **o)
+
+
+def test_a_timeout_that_pauses_keeps_the_sandbox(gw: Gateway):
+    """lifecycle on_timeout=pause: the timeout hibernates the sandbox instead of ending it,
+    a connect resumes it with its variables; what cannot be honoured is refused by name."""
+    from e2b import SandboxState
+
+    o = opts(gw, "alice-key")
+    with pytest.raises(SandboxException, match="auto_resume=False is refused"):
+        Sandbox.create(lifecycle={"on_timeout": "pause", "auto_resume": False}, **o)
+    with pytest.raises(SandboxException, match="mode=filesystem is refused"):
+        Sandbox.create(lifecycle={"on_timeout": {"action": "pause", "mode": "filesystem"}}, **o)
+    sandbox = Sandbox.create(timeout=60, lifecycle={"on_timeout": "pause", "auto_resume": True}, **o)
+    sid = sandbox.sandbox_id
+    try:
+        assert sandbox.run_code("x = 41").error is None
+        sandbox.set_timeout(2)
+        deadline = time.monotonic() + 60
+        while Sandbox.get_info(sid, **o).state != SandboxState.PAUSED:
+            assert time.monotonic() < deadline, "not paused a minute after its timeout"
+            time.sleep(0.5)
+        # Kept while paused, past its end.
+        time.sleep(3)
+        assert Sandbox.get_info(sid, **o).state == SandboxState.PAUSED
+        resumed = Sandbox.connect(sid, timeout=60, **o)
+        assert resumed.run_code("x + 1").text == "42"
+        assert Sandbox.get_info(sid, **o).state == SandboxState.RUNNING
+    finally:
+        Sandbox.kill(sid, **o)

@@ -225,18 +225,33 @@ fn refusal(body: &NewSandbox) -> Option<String> {
                 .into(),
         );
     }
-    if body.auto_pause == Some(true)
-        || body.auto_resume.as_ref().is_some_and(|v| !is_empty(v))
-        || body
-            .auto_pause_memory
-            .as_ref()
-            .is_some_and(|v| !is_empty(v))
-    {
+    let pausing = body.auto_pause == Some(true);
+    if pausing && body.auto_pause_memory == Some(Value::Bool(false)) {
         return Some(
-            "lifecycle on_timeout=pause (autoPause, autoResume) is not offered yet: a \
-                 sandbox ends when its timeout passes"
+            "lifecycle on_timeout mode=filesystem is refused: a timeout pauses all the \
+                 engine can keep; connect with on_resume=\"reboot\" to start again fresh with \
+                 the files"
                 .into(),
         );
+    }
+    if body
+        .auto_resume
+        .as_ref()
+        .is_some_and(|v| v["enabled"] == false)
+    {
+        return Some(
+            "lifecycle auto_resume=False is refused: a paused sandbox resumes on its next \
+                 request (or a connect)"
+                .into(),
+        );
+    }
+    if !pausing
+        && body
+            .auto_resume
+            .as_ref()
+            .is_some_and(|v| v["enabled"] == true)
+    {
+        return Some("lifecycle auto_resume=True needs on_timeout=pause".into());
     }
     None
 }
@@ -298,7 +313,7 @@ fn listed(state: &AppState, id: &str, sandbox: &Sandbox, key: &Tenant) -> Listed
     request_body(content = NewSandbox, content_type = "application/json"),
     responses(
         (status = 201, description = "The sandbox runs: a kernel of the spec the template names, from the warm pool when one is ready. Its `envdAccessToken` is the sandbox plane's `X-Access-Token` (requests with `E2b-Sandbox-Id` and `E2b-Sandbox-Port` headers, or to a host `<port>-<id>.<domain>`: envd's `/health`, `/files`, `filesystem.Filesystem` on 49983, the code interpreter's `/execute` and `/contexts` on 49999; a wrong token 401, a sandbox not running 502; docs/e2b.md)", body = SandboxCreated),
-        (status = 400, description = "The body is not JSON of this shape, the timeout is out of range, an env variable is refused, or an option the sandbox cannot honour (a network, MCP, IAM, volumes, pausing) is refused by name", body = E2bErrorBody),
+        (status = 400, description = "The body is not JSON of this shape, the timeout is out of range, an env variable is refused, or an option the sandbox cannot honour (a network, MCP, IAM, volumes, a files-only pause on timeout, no resume on traffic) is refused by name", body = E2bErrorBody),
         (status = 403, description = "Past `--max-kernels`, or past the key's `max_kernels`", body = E2bErrorBody),
         (status = 404, description = "No kernel spec of the template's name", body = E2bErrorBody),
         (status = 503, description = "Docker cannot be reached, the spec's image is missing, or the gateway is shutting down", body = E2bErrorBody),
@@ -379,6 +394,7 @@ pub async fn create(
         end_at: now + timeout,
         contexts: BTreeMap::new(),
         contexts_run: Default::default(),
+        pause_on_timeout: body.auto_pause == Some(true),
     };
     state.e2b.insert(&id, sandbox.clone());
     watch_expiry(&state, id.clone());

@@ -23,6 +23,7 @@ pub mod snapshots;
 pub mod store;
 
 use super::AppState;
+use crate::kernels::hibernate::HibernateError;
 use crate::kernels::Removal;
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
@@ -33,6 +34,11 @@ use std::time::Duration;
 /// The envd version the gateway's answers claim: the newest protocol variants the SDK
 /// knows (octet-stream uploads, default user, file metadata), which are the ones served.
 pub const ENVD_VERSION: &str = "0.6.4";
+
+/// How soon a sandbox whose timeout pauses it is tried again when it ran code, and when its
+/// state could not be saved.
+const PAUSE_RETRY_BUSY: Duration = Duration::from_secs(5);
+const PAUSE_RETRY: Duration = Duration::from_secs(60);
 
 /// What E2B adds to a kernel that is a sandbox.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -49,6 +55,9 @@ pub struct Sandbox {
     /// says so.
     #[serde(default)]
     pub contexts_run: BTreeSet<String>,
+    /// Its timeout pauses it rather than ending it (`lifecycle` `on_timeout: pause`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub pause_on_timeout: bool,
 }
 
 /// A create by idempotency key: locked while it runs, then the sandbox it made.
@@ -191,9 +200,9 @@ pub fn watch_all(state: &AppState) {
     }
 }
 
-/// Ends sandbox `id` when its time is up, however often `set_timeout` moves that time (a
-/// paused one is kept until a connect resumes it); done when the sandbox is gone or the
-/// gateway stops.
+/// Ends sandbox `id` when its time is up, however often `set_timeout` moves that time, or
+/// pauses it when its `lifecycle` says so (a paused one is kept until a connect resumes it);
+/// done when the sandbox is gone or the gateway stops.
 fn watch_expiry(state: &AppState, id: String) {
     let state = state.clone();
     let cancel = state.cancel.clone();
@@ -201,7 +210,11 @@ fn watch_expiry(state: &AppState, id: String) {
         loop {
             // Made before the end is read: a move after the read still wakes it.
             let moved = state.e2b.moved.notified();
-            let Some(end_at) = state.e2b.get(&id).map(|s| s.end_at) else {
+            let Some((end_at, pause_on_timeout)) = state
+                .e2b
+                .get(&id)
+                .map(|s| (s.end_at, s.pause_on_timeout))
+            else {
                 return;
             };
             if state.kernels.get(&id).is_none() {
@@ -214,6 +227,32 @@ fn watch_expiry(state: &AppState, id: String) {
                 // A paused sandbox is kept until a connect resumes it (and moves its end)
                 // or it is killed, as E2B keeps one.
                 tokio::select! {
+                    () = moved => {}
+                    () = cancel.cancelled() => return,
+                }
+                continue;
+            }
+            if left.is_zero() && pause_on_timeout {
+                let Some(live) = state.kernels.get(&id) else {
+                    continue;
+                };
+                // Kept running until it can be paused: its state is never dropped.
+                let retry = match state.kernels.hibernation().hibernate(&live).await {
+                    Ok(()) => {
+                        tracing::info!(kernel = %id, "the E2B sandbox's timeout passed; paused it");
+                        continue;
+                    }
+                    Err(HibernateError::Busy(why)) => {
+                        tracing::info!(kernel = %id, %why, "the E2B sandbox's timeout passed while it runs code; pausing it once it is idle");
+                        PAUSE_RETRY_BUSY
+                    }
+                    Err(e) => {
+                        tracing::warn!(kernel = %id, error = %e, "the E2B sandbox's timeout passed but it cannot be paused; it runs on, and pausing is tried again");
+                        PAUSE_RETRY
+                    }
+                };
+                tokio::select! {
+                    () = tokio::time::sleep(retry) => {}
                     () = moved => {}
                     () = cancel.cancelled() => return,
                 }

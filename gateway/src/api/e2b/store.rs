@@ -185,6 +185,7 @@ mod tests {
             end_at: now,
             contexts: Default::default(),
             contexts_run: ["c1".to_owned()].into(),
+            pause_on_timeout: true,
         };
         let saved = HashMap::from([("k1".to_owned(), sandbox)]);
         records.save(&saved).unwrap_or_else(|e| panic!("{e}"));
@@ -192,6 +193,7 @@ mod tests {
         assert_eq!(loaded["k1"].metadata, saved["k1"].metadata);
         assert_eq!(loaded["k1"].end_at, now);
         assert_eq!(loaded["k1"].contexts_run, saved["k1"].contexts_run);
+        assert!(loaded["k1"].pause_on_timeout);
         std::fs::write(dir.join(RECORDS_FILE), b"{not json").unwrap_or_else(|e| panic!("{e}"));
         assert!(records.load().map(|r| r.is_empty()).unwrap_or(false));
         assert!(dir.join("e2b-sandboxes.json.unreadable").exists());
