@@ -19,6 +19,8 @@ if ! getent passwd kernel >/dev/null; then
         --shell /usr/sbin/nologin --comment "Kernelgate kernel" kernel
 fi
 chmod 0700 /home/kernel
+# E2B's SDKs and the code written for them name the working directory /home/user.
+ln -sfn /home/kernel /home/user
 # Mount point of the per-kernel socket directory (the gateway bind-mounts over it).
 install -d -o 1000 -g 1000 -m 0770 /run/kernel
 

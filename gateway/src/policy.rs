@@ -89,6 +89,11 @@ impl Guard {
         &self.tracker
     }
 
+    /// The decision for a sandbox's shell command (no parsing: the shell rules decide).
+    pub fn check_command(&self, command: &str) -> Decision {
+        self.policy.check_command(command)
+    }
+
     /// The decision for an execute request; `scope` is the kernel's (aliases its earlier
     /// cells bound). Parsing untrusted code takes time and stack: it runs on a thread of
     /// its own with the stack the scanner asks for, a bounded number at once.

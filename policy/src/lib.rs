@@ -179,6 +179,32 @@ impl Policy {
         self.check_sized(scope, code, &expressions, size)
     }
 
+    /// The decision for a shell command run outside the kernel (a sandbox's command, as
+    /// E2B's `commands.run` sends it): every rule with `shell = true` matches it, the first
+    /// that denies decides, else the first that asks. Imports and calls do not apply.
+    pub fn check_command(&self, command: &str) -> Decision {
+        let command = command.trim();
+        let mut shown: String = command.chars().take(80).collect();
+        if shown.len() < command.len() {
+            shown.push('…');
+        }
+        let mut ask = None;
+        for (i, rule) in self.rules.iter().enumerate().filter(|(_, r)| r.shell) {
+            let verdict = Verdict {
+                rule: i + 1,
+                reason: rule.reason.clone(),
+                matched: format!("shell command {shown}"),
+            };
+            match rule.action {
+                Action::Deny => return Decision::Deny(verdict),
+                Action::Ask => {
+                    ask.get_or_insert(verdict);
+                }
+            }
+        }
+        ask.map_or(Decision::Allow, Decision::Ask)
+    }
+
     fn check_sized(
         &self,
         scope: &mut Scope,

@@ -6,6 +6,7 @@ One gateway (warm pool of 2) serves the module; each test makes the sandboxes it
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -15,10 +16,11 @@ from typing import Iterator
 import pytest
 import requests
 
-from conftest import ARTIFACTS, Gateway, start_gateway, stop_gateway
+from conftest import ARTIFACTS, Gateway, gvisor_engine, start_gateway, stop_gateway
 
 from e2b import (
     AuthenticationException,
+    CommandExitException,
     InvalidArgumentException,
     NotFoundException,
     SandboxException,
@@ -245,6 +247,104 @@ def test_files_through_the_sdk(sbx: Sandbox):
             sbx.files.list(outside)
 
 
+def test_commands_run_with_output_exit_code_cwd_and_envs(sbx: Sandbox):
+    sbx.files.make_dir("/home/user/work")
+    done = sbx.commands.run(
+        "echo out; echo err >&2; pwd; echo \"$GREETING\"; id -u",
+        envs={"GREETING": "hello there"},
+        cwd="/home/user/work",
+    )
+    assert done.exit_code == 0
+    lines = done.stdout.splitlines()
+    assert lines[0] == "out"
+    assert lines[1].endswith("/work")
+    assert lines[2] == "hello there"
+    assert lines[3] != "0", "commands never run as root"
+    assert done.stderr == "err\n"
+    # A file a command writes is the code's and the files API's.
+    sbx.commands.run("echo from-a-command > made.txt")
+    assert sbx.files.read("/home/user/made.txt") == "from-a-command\n"
+    assert sbx.run_code("open('made.txt').read()").text == "'from-a-command\\n'"
+    with pytest.raises(CommandExitException) as failed:
+        sbx.commands.run("echo nope >&2; exit 3")
+    assert failed.value.exit_code == 3
+    assert failed.value.stderr == "nope\n"
+
+
+def test_background_commands_are_listed_killed_and_take_stdin(sbx: Sandbox):
+    sleeper = sbx.commands.run("sleep 300", background=True)
+    assert sleeper.pid in [p.pid for p in sbx.commands.list()]
+    listed = next(p for p in sbx.commands.list() if p.pid == sleeper.pid)
+    assert listed.cmd == "/bin/bash" and listed.args[-1] == "sleep 300"
+    assert sbx.commands.kill(sleeper.pid) is True
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and sleeper.pid in [p.pid for p in sbx.commands.list()]:
+        time.sleep(0.2)
+    assert sleeper.pid not in [p.pid for p in sbx.commands.list()]
+    assert sbx.commands.kill(sleeper.pid) is False, "a process that ended is not found"
+    # Input sent to a command, then its end of file.
+    cat = sbx.commands.run("cat; echo done", background=True, stdin=True)
+    cat.send_stdin("line one\n")
+    sbx.commands.send_stdin(cat.pid, "line two\n")
+    sbx.commands.close_stdin(cat.pid)
+    result = cat.wait()
+    assert result.stdout == "line one\nline two\ndone\n"
+    # A client that reconnects sees what comes after.
+    ticker = sbx.commands.run("sleep 1; echo tick; sleep 1; echo tock", background=True)
+    ticker.disconnect()
+    again = sbx.commands.connect(ticker.pid)
+    assert "tock" in again.wait().stdout
+    # A foreground command past its timeout is killed.
+    with pytest.raises(TimeoutException):
+        sbx.commands.run("sleep 30; echo late > late.txt", timeout=1)
+    time.sleep(0.5)
+    assert all(p.args[-1] != "sleep 30; echo late > late.txt" for p in sbx.commands.list())
+
+
+def test_a_terminal_runs_an_interactive_shell(sbx: Sandbox):
+    from e2b import PtySize
+
+    seen = bytearray()
+    terminal = sbx.pty.create(PtySize(rows=24, cols=80))
+    sbx.pty.resize(terminal.pid, PtySize(rows=40, cols=120))
+    sbx.pty.send_stdin(terminal.pid, b"stty size; echo $((6*7)); exit\n")
+    result = terminal.wait(on_pty=lambda data: seen.extend(data))
+    text = seen.decode(errors="replace")
+    assert "40 120" in text, text
+    assert "42" in text, text
+    assert result.exit_code == 0
+
+
+def test_commands_see_no_network_and_root_is_refused(sbx: Sandbox):
+    interfaces = sbx.commands.run("tail -n +3 /proc/net/dev | cut -d: -f1 | tr -d ' '").stdout.split()
+    assert interfaces == ["lo"]
+    routes = sbx.commands.run("tail -n +2 /proc/net/route").stdout.strip()
+    assert routes == "", "no route out of the sandbox"
+    with pytest.raises(SandboxException, match='"root" is refused'):
+        sbx.commands.run("id", user="root")
+
+
+def test_commands_are_audited_and_meet_the_policys_shell_rules(gw: Gateway, sbx: Sandbox, tmp_path):
+    sbx.commands.run("echo audited-command")
+    audit = (ARTIFACTS / "test_e2b" / "gateway-audit.log").read_text().splitlines()
+    records = [json.loads(line) for line in audit if sbx.sandbox_id in line]
+    started = [r for r in records if r["event"] == "command_started" and r["command"] == "echo audited-command"]
+    assert len(started) == 1
+    finished = [r for r in records if r["event"] == "command_finished" and r["pid"] == started[0]["pid"]]
+    assert finished and finished[0]["exit_code"] == 0 and finished[0]["output"] == "audited-command\n"
+    policy = tmp_path / "policy.toml"
+    policy.write_text('[[rule]]\naction = "deny"\nreason = "no shell commands here"\nshell = true\n')
+    guarded = start_gateway(ARTIFACTS / "test_e2b" / "policy-gateway.log", ["--policy", str(policy)])
+    try:
+        sandbox = Sandbox.create(**opts(guarded, guarded.token))
+        with pytest.raises(SandboxException, match="no shell commands here"):
+            sandbox.commands.run("ls")
+        assert sandbox.run_code("1 + 1").text == "2", "the sandbox itself runs on"
+        sandbox.kill()
+    finally:
+        stop_gateway(guarded)
+
+
 def test_options_without_a_network_are_refused_by_name(gw: Gateway):
     with pytest.raises(SandboxException, match="no network by design"):
         Sandbox.create(allow_internet_access=True, **opts(gw, gw.token))
@@ -398,15 +498,15 @@ def test_snapshots_and_forks_through_the_sdk(gw: Gateway):
 
 
 def test_pause_and_connect_keep_the_state(gw: Gateway):
-    """pause hibernates the sandbox's kernel, connect resumes it (docs/e2b.md); under Docker
-    what cannot be saved is named and the sandbox runs on; on_resume="reboot" keeps the files."""
+    """pause hibernates the sandbox's kernel, connect resumes it (docs/e2b.md);
+    on_resume="reboot" keeps the files. What only one engine keeps (a generator): below."""
     from e2b import SandboxState
 
     o = opts(gw, "alice-key")
     sandbox = Sandbox.create(timeout=120, **o)
     sid = sandbox.sandbox_id
     try:
-        assert sandbox.run_code("x = 41\ndef count():\n    yield 1").error is None
+        assert sandbox.run_code("x = 41").error is None
         sandbox.files.write("kept.txt", "yes")
         assert sandbox.pause() is True
         assert sandbox.pause() is False, "paused already"
@@ -420,18 +520,49 @@ def test_pause_and_connect_keep_the_state(gw: Gateway):
         assert resumed.run_code("x + 1").text == "42"
         assert Sandbox.get_info(sid, **o).state == SandboxState.RUNNING
 
-        # A generator cannot be saved by a Python-level pause: named, and the sandbox runs on.
-        assert resumed.run_code("gen = count()").error is None
-        with pytest.raises(SandboxException, match="gen"):
-            resumed.pause()
-        assert resumed.run_code("x").text == "41"
-
-        # on_resume="reboot": a fresh kernel, the files kept.
-        assert resumed.run_code("del gen").error is None
+        # on_resume="reboot": a fresh kernel; the files kept under Docker, where they are
+        # saved apart. The gVisor engine's checkpoint holds them inside: they go with it
+        # (docs/engines.md, "discard-state").
         assert resumed.pause() is True
         rebooted = Sandbox.connect(sid, on_resume="reboot", **o)
         assert rebooted.run_code("x").error.name == "NameError"
-        assert rebooted.files.read("kept.txt") == "yes"
+        if gvisor_engine():
+            from e2b import FileNotFoundException
+
+            with pytest.raises(FileNotFoundException, match="kept.txt"):
+                rebooted.files.read("kept.txt")
+        else:
+            assert rebooted.files.read("kept.txt") == "yes"
+    finally:
+        Sandbox.kill(sid, **o)
+
+
+def test_a_generator_across_pause_and_connect(gw: Gateway):
+    """A generator halfway through: the gVisor engine's pause keeps the whole kernel, so a
+    connect resumes it where it stopped; Docker's saves variables, so its pause is refused
+    naming the generator and the sandbox runs on (docs/e2b.md, docs/hibernation.md)."""
+    from e2b import SandboxState
+
+    o = opts(gw, gw.token)
+    # The engine this run meant is the one the gateway runs kernels on.
+    runtime = gw.request("GET", "/api").json()["kernelgate"]["runtime"]
+    assert (runtime == "gvisor") == gvisor_engine(), runtime
+    sbx = Sandbox.create(**o)
+    sid = sbx.sandbox_id
+    try:
+        assert sbx.run_code("g = (i * i for i in range(10)); next(g); next(g)").text == "1"
+        if gvisor_engine():
+            assert sbx.pause() is True
+            assert Sandbox.get_info(sid, **o).state == SandboxState.PAUSED
+            resumed = Sandbox.connect(sid, **o)
+            assert Sandbox.get_info(sid, **o).state == SandboxState.RUNNING
+            assert resumed.run_code("next(g)").text == "4"
+            assert resumed.run_code("list(g)").text == "[9, 16, 25, 36, 49, 64, 81]"
+        else:
+            with pytest.raises(SandboxException, match=r"runs on, not paused: .*g \(generator\)"):
+                sbx.pause()
+            assert Sandbox.get_info(sid, **o).state == SandboxState.RUNNING
+            assert sbx.run_code("next(g)").text == "4"
     finally:
         Sandbox.kill(sid, **o)
 
@@ -463,3 +594,81 @@ def test_a_timeout_that_pauses_keeps_the_sandbox(gw: Gateway):
         assert Sandbox.get_info(sid, **o).state == SandboxState.RUNNING
     finally:
         Sandbox.kill(sid, **o)
+
+
+def test_watch_sees_a_file_written_by_code(sbx: Sandbox):
+    from e2b import FilesystemEventType
+
+    sbx.files.write("/home/user/before.txt", "there already")
+    h = sbx.files.watch_dir("/home/user")
+    try:
+        sbx.run_code("open('watched.txt','w').write('x')")
+        seen = []
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not any(e.name == "watched.txt" for e in seen):
+            seen += h.get_new_events()
+            time.sleep(0.2)
+        kinds = {e.type for e in seen if e.name == "watched.txt"}
+        assert kinds & {FilesystemEventType.CREATE, FilesystemEventType.WRITE}, seen
+        sbx.run_code("import os; os.remove('watched.txt')")
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not any(e.type == FilesystemEventType.REMOVE for e in seen):
+            seen += h.get_new_events()
+            time.sleep(0.2)
+        assert ("watched.txt", FilesystemEventType.REMOVE) in {(e.name, e.type) for e in seen}, seen
+        assert not any(e.name == "before.txt" for e in seen), "what was there is no event"
+    finally:
+        h.stop()
+
+
+def test_watch_dir_streams_events_to_the_async_sdk(gw: Gateway):
+    import asyncio
+    import concurrent.futures
+
+    from e2b import FilesystemEventType
+    from e2b_code_interpreter import AsyncSandbox
+
+    async def scenario():
+        sbx = await AsyncSandbox.create(**opts(gw, gw.token))
+        try:
+            await sbx.files.make_dir("/home/user/sub")
+            events, got = [], asyncio.Event()
+
+            def on_event(e):
+                events.append(e)
+                if e.name == "sub/streamed.txt":
+                    got.set()
+
+            h = await sbx.files.watch_dir("/home/user", on_event=on_event, recursive=True, include_entry=True)
+            await sbx.run_code("open('sub/streamed.txt','w').write('xyz')")
+            await asyncio.wait_for(got.wait(), 10)
+            await h.stop()
+            created = [e for e in events if e.name == "sub/streamed.txt" and e.type == FilesystemEventType.CREATE]
+            assert created and created[0].entry.path == "/home/user/sub/streamed.txt", events
+
+            # The watch's `timeout` ends it with a timeout, told to on_exit.
+            exits = []
+            await sbx.files.watch_dir("/home/user", on_event=lambda e: None, on_exit=exits.append, timeout=2)
+            for _ in range(50):
+                if exits:
+                    break
+                await asyncio.sleep(0.2)
+            assert exits and isinstance(exits[0], TimeoutException), exits
+        finally:
+            await sbx.kill()
+
+    # A loop of its own, in a thread of its own (see test_mcp.py's `run`).
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        pool.submit(asyncio.run, scenario()).result()
+
+
+def test_watching_outside_the_home_or_no_directory_is_refused(sbx: Sandbox):
+    from e2b import FileNotFoundException
+
+    with pytest.raises(InvalidArgumentException):
+        sbx.files.watch_dir("/etc")
+    with pytest.raises(FileNotFoundException):
+        sbx.files.watch_dir("/home/user/missing")
+    sbx.files.write("/home/user/plain.txt", "x")
+    with pytest.raises(InvalidArgumentException, match="not a directory"):
+        sbx.files.watch_dir("/home/user/plain.txt")

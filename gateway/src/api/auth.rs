@@ -326,7 +326,7 @@ pub(super) async fn refused_credential(
 }
 
 /// Whether a request says it was forwarded by another node (carries an internal header).
-fn is_forwarded(req: &Request) -> bool {
+pub(super) fn is_forwarded(req: &Request) -> bool {
     req.headers()
         .keys()
         .any(|name| name.as_str().starts_with(HEADER_PREFIX))

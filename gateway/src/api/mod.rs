@@ -112,16 +112,19 @@ pub fn surface() -> Surface {
             Rule::Local,
             routes!(e2b::control::create, e2b::control::list),
         )
-        .operations(Rule::Local, routes!(e2b::control::get, e2b::control::kill))
-        .operations(Rule::Local, routes!(e2b::control::set_timeout))
-        .operations(Rule::Local, routes!(e2b::control::connect))
-        .operations(Rule::Local, routes!(e2b::control::metrics))
-        .operations(Rule::Local, routes!(e2b::control::update_network))
-        .operations(Rule::Local, routes!(e2b::snapshots::take))
+        .operations(
+            Rule::Sandbox,
+            routes!(e2b::control::get, e2b::control::kill),
+        )
+        .operations(Rule::Sandbox, routes!(e2b::control::set_timeout))
+        .operations(Rule::Sandbox, routes!(e2b::control::connect))
+        .operations(Rule::Sandbox, routes!(e2b::control::metrics))
+        .operations(Rule::Sandbox, routes!(e2b::control::update_network))
+        .operations(Rule::Sandbox, routes!(e2b::snapshots::take))
         .operations(Rule::Local, routes!(e2b::snapshots::list))
         .operations(Rule::Local, routes!(e2b::snapshots::delete))
-        .operations(Rule::Local, routes!(e2b::snapshots::fork))
-        .operations(Rule::Local, routes!(e2b::pause::pause));
+        .operations(Rule::Sandbox, routes!(e2b::snapshots::fork))
+        .operations(Rule::Sandbox, routes!(e2b::pause::pause));
     let protected = Routes::default()
         .operations(Rule::Local, routes!(kernelspecs::list))
         .operations(Rule::Local, routes!(kernelspecs::get))
@@ -168,9 +171,19 @@ pub fn router(state: AppState) -> Router {
             state.clone(),
             auth::require_token,
         ));
+    // E2B's control plane authenticates in front of the router; the sandbox plane checks
+    // each sandbox's token in its handlers: in cluster mode both go to the sandbox's node.
+    let public = public.route_layer(middleware::from_fn_with_state(
+        state.clone(),
+        cluster::route,
+    ));
+    let sandbox_plane = e2b_routes().route_layer(middleware::from_fn_with_state(
+        state.clone(),
+        cluster::route,
+    ));
     let api = public
         .merge(protected)
-        .merge(e2b_routes())
+        .merge(sandbox_plane)
         .fallback(not_found)
         .layer(middleware::from_fn_with_state(
             state.clone(),
@@ -218,6 +231,14 @@ fn e2b_routes() -> Router<AppState> {
         .route(
             "/.e2b/49983/{sandbox}/filesystem.Filesystem/{method}",
             post(envd::filesystem),
+        )
+        .route(
+            "/.e2b/49983/{sandbox}/filesystem.Filesystem/WatchDir",
+            post(e2b::watch::watch_dir),
+        )
+        .route(
+            "/.e2b/49983/{sandbox}/process.Process/{method}",
+            post(e2b::process::rpc),
         )
 }
 

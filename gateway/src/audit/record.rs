@@ -191,6 +191,29 @@ pub enum Record {
         output: String,
         truncated: bool,
     },
+    /// A shell command was started in a sandbox (E2B's `commands.run`, a terminal):
+    /// written before it runs. `pid` is the gateway's number for it.
+    CommandStarted {
+        key: String,
+        kernel: String,
+        pid: u32,
+        command: String,
+        command_sha256: String,
+        cwd: String,
+        terminal: bool,
+    },
+    /// A sandbox's command ended: its exit code (none when it could not be told), and its
+    /// output as an execution's.
+    CommandFinished {
+        key: String,
+        kernel: String,
+        pid: u32,
+        exit_code: Option<i64>,
+        duration_ms: u64,
+        output_bytes: usize,
+        output: String,
+        truncated: bool,
+    },
     /// A `debug_request` (control channel) went to the kernel.
     DebugRequest {
         #[serde(flatten)]
@@ -346,6 +369,8 @@ impl Record {
             | KernelForked { kernel, .. }
             | ExecutionFinished { kernel, .. }
             | ExecutionOutput { kernel, .. }
+            | CommandStarted { kernel, .. }
+            | CommandFinished { kernel, .. }
             | PackagesInstalled { kernel, .. }
             | PackagesReported { kernel, .. } => Some(kernel),
             ExecutionRequested { sender, .. }
@@ -371,6 +396,8 @@ impl Record {
             | KernelForked { key, .. }
             | ExecutionFinished { key, .. }
             | ExecutionOutput { key, .. }
+            | CommandStarted { key, .. }
+            | CommandFinished { key, .. }
             | PackagesInstalled { key, .. }
             | PackagesReported { key, .. }
             | ForwardedCall { key, .. } => Some(key),

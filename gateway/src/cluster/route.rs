@@ -10,8 +10,8 @@ use axum::http::Method;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Rule {
     /// Where it arrives: nothing of it lives on one node only (kernelspecs, the package
-    /// allowlist, health, the UI), or it is tied to the node that made it (E2B's sandboxes,
-    /// whose records and tokens are node-local).
+    /// allowlist, health, the UI), or it is the node's own (E2B's create and list: a
+    /// sandbox is made, and listed, by the node it is asked of).
     Local,
     /// About the kernel of the path's `{id}`: its owner serves it.
     Kernel,
@@ -28,6 +28,10 @@ pub enum Rule {
     /// MCP: a session's requests go to the node that holds the session; a sessionless tool
     /// call to the owner of the kernel its `kernel_id` names.
     Mcp,
+    /// About one E2B sandbox: the path's `{id}` (the control plane) or the sandbox a
+    /// sandbox-plane request names (`E2b-Sandbox-Id`, or its host). The node that runs its
+    /// kernel serves it: the sandbox's record and its commands live there.
+    Sandbox,
 }
 
 /// What the registry says of the kernel a request names, seen from this node.
@@ -100,7 +104,7 @@ pub enum Unavailable {
 pub fn decide(rule: Rule, ask: &Ask<'_>) -> Decision {
     match rule {
         Rule::Local => Decision::Serve,
-        Rule::Kernel | Rule::Snapshot => to_owner(ask.kernel),
+        Rule::Kernel | Rule::Snapshot | Rule::Sandbox => to_owner(ask.kernel),
         Rule::Kernels if ask.method == Method::POST => {
             if ask.registered {
                 Decision::Place

@@ -26,6 +26,16 @@ pub(in crate::api) async fn forwarded_call(
     req: Request,
     next: Next,
 ) -> Result<Response, Response> {
+    let req = checked_call(state, cluster, req).await?;
+    Ok(next.run(req).await)
+}
+
+/// [`forwarded_call`]'s checks: the request, with whose call it is, or the refusal.
+pub(super) async fn checked_call(
+    state: &AppState,
+    cluster: &ClusterNode,
+    req: Request,
+) -> Result<Request, Response> {
     const ONLY_NODES: &str = "x-kernelgate-* headers are for calls between the cluster's nodes";
     let path = req
         .uri()
@@ -95,5 +105,5 @@ pub(in crate::api) async fn forwarded_call(
     req.extensions_mut().insert(tenant.clone());
     req.extensions_mut().insert(Caller(tenant));
     req.extensions_mut().insert(who);
-    Ok(next.run(req).await)
+    Ok(req)
 }

@@ -6,7 +6,8 @@
 //! its lease while the entry node holds its own (503 until it is registered again).
 //! Single-node mode (no `--etcd`) passes every request straight through.
 
-use super::auth::Caller;
+use super::auth::{is_forwarded, Caller};
+use super::e2b;
 use super::error::ApiError;
 use super::AppState;
 use crate::cluster::forward::{never_left, Destination, ForwardError, Left};
@@ -27,6 +28,7 @@ use serde_json::Value;
 use std::collections::HashMap;
 use std::sync::{Arc, LazyLock};
 
+mod e2b_sandbox;
 mod fan;
 mod forwarded;
 mod place;
@@ -44,8 +46,11 @@ const MAX_CREATE_BODY: usize = 1 << 20;
 const SEEN_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// Each protected path's rule, as `surface` declares it.
-static RULES: LazyLock<HashMap<String, Rule>> =
-    LazyLock::new(|| super::surface().protected.rules().iter().cloned().collect());
+static RULES: LazyLock<HashMap<String, Rule>> = LazyLock::new(|| {
+    let surface = super::surface();
+    let public = surface.public.rules().iter();
+    public.chain(surface.protected.rules()).cloned().collect()
+});
 
 /// Middleware behind authentication: the route's rule and the registry decide
 /// ([`route::decide`]); this carries the decision out.
@@ -62,15 +67,23 @@ pub async fn route(State(state): State<AppState>, req: Request, next: Next) -> R
         }
         return next.run(req).await;
     }
-    let Some(caller) = req.extensions().get::<Caller>().cloned() else {
-        return next.run(req).await;
+    let rule = match req.extensions().get::<MatchedPath>() {
+        Some(p) if p.as_str().starts_with(e2b::plane::PREFIX) => Rule::Sandbox,
+        Some(p) => RULES.get(p.as_str()).copied().unwrap_or(Rule::Local),
+        None => Rule::Local,
     };
-    let rule = req
-        .extensions()
-        .get::<MatchedPath>()
-        .and_then(|p| RULES.get(p.as_str()))
-        .copied()
-        .unwrap_or(Rule::Local);
+    if rule == Rule::Sandbox && is_forwarded(&req) {
+        // A sandbox-plane call another node forwarded: nothing in front of the router
+        // checked it (the sandbox's token is checked by its handler, here).
+        return e2b_sandbox::forwarded(&state, &cluster, req, next).await;
+    }
+    let caller = match req.extensions().get::<Caller>().cloned() {
+        Some(caller) => caller,
+        None if rule == Rule::Sandbox => {
+            return e2b_sandbox::route(&state, &cluster, req, next).await
+        }
+        None => return next.run(req).await,
+    };
     let method = req.method().clone();
     let mut req = req;
     let mut kernel = None;
@@ -78,6 +91,7 @@ pub async fn route(State(state): State<AppState>, req: Request, next: Next) -> R
     match rule {
         Rule::Kernel => kernel = kernel_of(req.uri().path()).map(str::to_owned),
         Rule::Snapshot => kernel = snapshot_of(req.uri().path()).map(str::to_owned),
+        Rule::Sandbox => kernel = e2b_sandbox::sandbox_of(req.uri().path()).map(str::to_owned),
         Rule::Mcp => {
             session = req
                 .headers()
@@ -104,6 +118,7 @@ pub async fn route(State(state): State<AppState>, req: Request, next: Next) -> R
     // What the node that serves it does, for the messages.
     let role = match rule {
         Rule::Snapshot => "keeps snapshot",
+        Rule::Sandbox => "runs sandbox",
         _ => "runs kernel",
     };
     let ask = Ask {

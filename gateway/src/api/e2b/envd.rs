@@ -1,6 +1,7 @@
 //! envd (port 49983): `GET /health`, `GET`/`POST /files` (download, upload as
 //! octet-stream or multipart) and the `filesystem.Filesystem` Connect RPC with the JSON
-//! codec: `Stat`, `ListDir`, `MakeDir`, `Move`, `Remove`.
+//! codec: `Stat`, `ListDir`, `MakeDir`, `Move`, `Remove` (and the watchers of
+//! [`super::watch`]).
 //!
 //! Every operation goes through the traversal-proof files layer
 //! ([`crate::kernels::files`]), inside the kernel's container as its user: `/home/user/...`
@@ -12,6 +13,7 @@
 
 use super::super::error::ApiError;
 use super::super::AppState;
+use super::connect::ConnectError;
 use super::plane::SandboxCall;
 use crate::kernels::files::{self, FileError, FileOp};
 use axum::body::Bytes;
@@ -198,67 +200,6 @@ fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
     haystack.windows(needle.len()).position(|w| w == needle)
 }
 
-/// A Connect error: its code's HTTP status and `{"code", "message"}`.
-#[derive(Debug)]
-pub struct ConnectError {
-    code: &'static str,
-    message: String,
-}
-
-impl ConnectError {
-    fn new(code: &'static str, message: impl Into<String>) -> Self {
-        ConnectError {
-            code,
-            message: message.into(),
-        }
-    }
-}
-
-impl From<ApiError> for ConnectError {
-    fn from(e: ApiError) -> Self {
-        let code = match e.status {
-            StatusCode::BAD_REQUEST => "invalid_argument",
-            StatusCode::UNAUTHORIZED => "unauthenticated",
-            StatusCode::FORBIDDEN => "permission_denied",
-            StatusCode::NOT_FOUND => "not_found",
-            StatusCode::CONFLICT => "failed_precondition",
-            StatusCode::PAYLOAD_TOO_LARGE => "resource_exhausted",
-            StatusCode::INSUFFICIENT_STORAGE => "resource_exhausted",
-            StatusCode::SERVICE_UNAVAILABLE => "unavailable",
-            _ => "internal",
-        };
-        ConnectError::new(code, e.message)
-    }
-}
-
-impl From<FileError> for ConnectError {
-    fn from(e: FileError) -> Self {
-        ApiError::from(e).into()
-    }
-}
-
-impl IntoResponse for ConnectError {
-    fn into_response(self) -> Response {
-        // The Connect protocol's code-to-HTTP mapping.
-        let status = match self.code {
-            "invalid_argument" | "failed_precondition" => StatusCode::BAD_REQUEST,
-            "unauthenticated" => StatusCode::UNAUTHORIZED,
-            "permission_denied" => StatusCode::FORBIDDEN,
-            "not_found" => StatusCode::NOT_FOUND,
-            "already_exists" => StatusCode::CONFLICT,
-            "resource_exhausted" => StatusCode::TOO_MANY_REQUESTS,
-            "unimplemented" => StatusCode::NOT_IMPLEMENTED,
-            "unavailable" => StatusCode::SERVICE_UNAVAILABLE,
-            _ => StatusCode::INTERNAL_SERVER_ERROR,
-        };
-        (
-            status,
-            Json(json!({"code": self.code, "message": self.message})),
-        )
-            .into_response()
-    }
-}
-
 /// An entry as `filesystem.EntryInfo` in protobuf's JSON mapping.
 fn entry_info(entry: &FileEntry) -> Value {
     let kind = match entry.kind.as_str() {
@@ -407,13 +348,13 @@ pub async fn filesystem(
             remove(&state, &call, &text("path")?).await?;
             json!({})
         }
+        "CreateWatcher" | "GetWatcherEvents" | "RemoveWatcher" => {
+            super::watch::polled(&state, &call, &path.method, &request).await?
+        }
         other => {
             return Err(ConnectError::new(
                 "unimplemented",
-                format!(
-                    "filesystem.Filesystem/{other} is not offered (watching directories is not \
-                     either, yet)"
-                ),
+                format!("filesystem.Filesystem/{other} is not offered"),
             ))
         }
     };

@@ -12,15 +12,21 @@
 //! - [`plane`]: finds the sandbox a sandbox-plane request is for, and its access token.
 //! - [`interpreter`]: the code interpreter's `/execute` and `/contexts` (port 49999).
 //! - [`envd`]: envd's `/health`, `/files` and the `filesystem.Filesystem` RPC (port 49983).
+//! - [`process`]: envd's `process.Process` RPC: commands and terminals.
+//! - [`connect`]: Connect RPC's errors and stream framing.
+//! - [`watch`]: envd's directory watching (`WatchDir`, the polling watchers).
 //! - [`store`]: the token key and the sandboxes' records in the runtime directory.
 
+pub mod connect;
 pub mod control;
 pub mod envd;
 pub mod interpreter;
 pub mod pause;
 pub mod plane;
+pub mod process;
 pub mod snapshots;
 pub mod store;
+pub mod watch;
 
 use super::AppState;
 use crate::kernels::hibernate::HibernateError;
@@ -77,6 +83,10 @@ pub struct Sandboxes {
     creates: Mutex<HashMap<(String, String), CreateSlot>>,
     /// Wakes the expiry watchers when a timeout was moved.
     moved: tokio::sync::Notify,
+    /// The commands running in them.
+    pub processes: process::Processes,
+    /// The directories watched in them.
+    pub watchers: Arc<watch::Watchers>,
 }
 
 impl Default for Sandboxes {
@@ -99,6 +109,8 @@ impl Sandboxes {
             records,
             creates: Mutex::default(),
             moved: tokio::sync::Notify::new(),
+            processes: process::Processes::default(),
+            watchers: Arc::default(),
         }
     }
 

@@ -22,6 +22,16 @@ pub const PREFIX: &str = "/.e2b";
 #[derive(Debug, Clone, Copy)]
 struct Addressed;
 
+/// The URI a request [`address`] rewrote came with: what a node forwards, and what the
+/// node it reaches checks the forwarded call's signature against.
+#[derive(Debug, Clone)]
+pub struct Original(pub Uri);
+
+/// A forwarded sandbox-plane request's `Authorization` (envd's `Basic <user>:`, which names
+/// a user and holds no secret): node-to-node calls drop `Authorization`, which elsewhere
+/// carries a client's key.
+pub const FORWARDED_USER: &str = "e2b-forwarded-authorization";
+
 /// The sandbox and port a request names, by its headers or its host.
 fn target(req: &Request) -> Option<(u16, String)> {
     use kernelgate_protocol::rest::headers::{E2B_SANDBOX_ID, E2B_SANDBOX_PORT};
@@ -61,7 +71,10 @@ pub async fn address(mut req: Request, next: Next) -> Response {
         None => format!("{PREFIX}/{port}/{id}{}", req.uri().path()),
     };
     match path_and_query.parse::<Uri>() {
-        Ok(uri) => *req.uri_mut() = uri,
+        Ok(uri) => {
+            let original = std::mem::replace(req.uri_mut(), uri);
+            req.extensions_mut().insert(Original(original));
+        }
         Err(_) => {
             return ApiError::bad_request("a sandbox-plane path that is not a valid URI")
                 .into_response()
