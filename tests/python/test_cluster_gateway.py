@@ -1,11 +1,12 @@
 """jupyter_server's gateway client (as JupyterLab uses it) against a Kernelgate cluster:
 `jupyter server --gateway-url` points at one node, and every kernel it starts lives on the
-other. Two nodes and a real etcd (Debian's etcd-server) on loopback; the Rust cluster suite
+other; E2B's SDK reaches a sandbox through the node that does not run it. Two nodes and a real etcd (Debian's etcd-server) on loopback; the Rust cluster suite
 covers three nodes in network namespaces and the failure cases.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import secrets
 import shutil
@@ -19,6 +20,14 @@ import requests
 
 from conftest import free_port, start_gateway, stop_gateway, stop_process, wait_until
 from test_jupyter_server_gateway import Channels
+
+
+ALICE = "alice-cluster-key"
+KEYS = f"""
+[[key]]
+name = "alice"
+token_sha256 = "{hashlib.sha256(ALICE.encode()).hexdigest()}"
+"""
 
 
 @pytest.fixture
@@ -50,13 +59,17 @@ def two_nodes(etcd: str, artifacts: Path, tmp_path: Path):
     the entry goes to the owner, which has more free room."""
     secret = tmp_path / "cluster.secret"
     secret.write_text(secrets.token_hex(32) + "\n")
+    # Every node loads the same keys file: a key works through any node.
+    keys = tmp_path / "keys.toml"
+    keys.write_text(KEYS)
     nodes = []
     try:
         for name, room in [("owner", "2"), ("entry", "1")]:
             nodes.append(start_gateway(
                 artifacts / f"node-{name}.log",
                 ["--etcd", etcd, "--node-id", name, "--advertise", "http://127.0.0.1:{port}",
-                 "--cluster-secret-file", str(secret), "--lease-ttl", "3", "--max-kernels", room],
+                 "--cluster-secret-file", str(secret), "--lease-ttl", "3", "--max-kernels", room,
+                 "--keys", str(keys)],
             ))
         owner, entry = nodes
 
@@ -135,3 +148,38 @@ def test_a_notebook_through_a_node_that_does_not_own_its_kernel(two_nodes, jupyt
     assert r.status_code == 204, r.text
     wait_until("the owner to drop the kernel", lambda: owner.kernels() == [], timeout=10)
     assert entry.request("GET", f"/api/kernels/{kid}").status_code == 404
+
+
+def test_an_e2b_sandbox_through_a_node_that_does_not_run_it(two_nodes):
+    from e2b import CommandExitException
+    from e2b_code_interpreter import Sandbox
+
+    entry, owner = two_nodes
+    # A create is served by the node it reaches, which runs the sandbox; every later call
+    # goes through the other node.
+    made = Sandbox.create(api_url=owner.url, sandbox_url=owner.url, api_key=ALICE, timeout=120)
+    assert created_on(owner, made.sandbox_id) and not created_on(entry, made.sandbox_id)
+    sbx = Sandbox.connect(made.sandbox_id, api_url=entry.url, sandbox_url=entry.url, api_key=ALICE)
+    assert sbx.get_info().sandbox_id == made.sandbox_id
+    assert sbx.run_code("x = 6 * 7").error is None
+    assert sbx.run_code("x").text == "42", "state through the other node"
+    sbx.files.write("/home/user/through.txt", "via the entry node")
+    assert sbx.files.read("/home/user/through.txt") == "via the entry node"
+    assert "through.txt" in [e.name for e in sbx.files.list("/home/user")]
+    done = sbx.commands.run("cat through.txt; echo; echo err >&2")
+    assert (done.stdout, done.stderr, done.exit_code) == ("via the entry node\n", "err\n", 0)
+    cat = sbx.commands.run("cat", background=True, stdin=True)
+    cat.send_stdin("piped\n")
+    sbx.commands.close_stdin(cat.pid)
+    assert cat.wait().stdout == "piped\n"
+    with pytest.raises(CommandExitException):
+        sbx.commands.run("exit 4")
+    # The sandbox plane's token is checked on the node that runs it.
+    r = requests.get(f"{entry.url}/health", headers={"E2b-Sandbox-Id": made.sandbox_id,
+                                                     "E2b-Sandbox-Port": "49983",
+                                                     "X-Access-Token": "wrong"}, timeout=10)
+    assert r.status_code == 401, r.text
+    sbx.set_timeout(60)
+    sbx.kill()
+    wait_until("the owner to drop the sandbox", lambda: owner.kernels() == [], timeout=15)
+    assert not created_on(entry, made.sandbox_id)
