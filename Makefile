@@ -28,8 +28,9 @@ run: image build
 
 ## Everything CI checks: format, lints, unit tests, fuzzing, then the end-to-end suites two
 ## at a time: the Rust suite under runc and under gVisor (`make gvisor` sets it up first), the
-## Python suite, the gVisor engine's suites and the Python suite's widget and E2B tests under
-## gVisor; then a check that no test left work behind.
+## Python suite, the gVisor engine's suites, the Python suite's widget and E2B tests under
+## gVisor and its E2B pause, snapshot and commands tests on the gVisor engine; then a check
+## that no test left work behind.
 TEST_STAMP := target/.test-started
 # Each long step prints when it starts and ends, so a log shows where the time went.
 CLOCK = @echo "[$$(date +%T)] $@ $(1)"
@@ -119,7 +120,7 @@ E2E_LONGEST := python-tests e2e-runc-cluster fuzz-smoke e2e-runsc-hibernation \
 	e2e-runc-recovery e2e-runc-output_limits
 E2E_ORDER := contract-runc contract-runsc contract-engine $(E2E_LONGEST) \
 	$(filter-out $(E2E_LONGEST) $(HEAVY_TARGETS),$(RUNC_TARGETS) $(GVISOR_TARGETS) \
-	$(ENGINE_TARGETS)) python-tests-gvisor
+	$(ENGINE_TARGETS)) python-tests-gvisor python-tests-engine
 .PHONY: e2e-prep contract-runc contract-runsc contract-engine \
 	$(RUNC_TARGETS) $(GVISOR_TARGETS) $(ENGINE_TARGETS)
 
@@ -189,3 +190,4 @@ test-tools:
 # The Python suite drives the debug binary too.
 python-tests: image debug-build fixture-image test-tools
 python-tests-gvisor: gvisor image debug-build fixture-image test-tools
+python-tests-engine: gvisor image debug-build

@@ -18,7 +18,7 @@ PY_STAMP := $(PY_VENV)/.requirements.stamp
 PYTEST_TIMEOUT ?= 900
 PYTEST_ARGS ?=
 
-.PHONY: python-venv python-tests python-tests-gvisor
+.PHONY: python-venv python-tests python-tests-gvisor python-tests-engine
 
 python-venv: $(PY_STAMP)
 	@if [ ! -x /usr/bin/chromium ]; then \
@@ -47,5 +47,17 @@ python-tests-gvisor: python-venv
 	$(call CLOCK,starts)
 	cd '$(PYTHON_ROOT)' && KERNELGATE_RUNTIME=runsc KERNELGATE_IMAGE='$(or $(KERNEL_IMAGE),kernelgate-kernel:latest)' KERNELGATE_FIXTURE_IMAGE='$(FIXTURE_IMAGE)' \
 		'$(PY_VENV)/bin/python' -m pytest $(PY_GVISOR_TESTS) -v \
+		--timeout=$(PYTEST_TIMEOUT) --durations=10 -p no:cacheprovider
+	$(call CLOCK,done)
+
+# E2B's pause and resume, snapshots, forks, commands, terminals and watches once more on the gVisor
+# engine (runsc driven directly, no Docker; the kernel image imported into the tests' image
+# store, tests/python/conftest.py): where the engine changes what happens (its whole-kernel
+# pause keeps a generator, which Docker's refuses by name). About 80 s.
+PY_ENGINE_TESTS := pause or generator or snapshot or fork or commands or terminal or watch
+python-tests-engine: python-venv
+	$(call CLOCK,starts)
+	cd '$(PYTHON_ROOT)' && KERNELGATE_RUNTIME=runsc KERNELGATE_ENGINE=gvisor KERNELGATE_IMAGE='$(or $(KERNEL_IMAGE),kernelgate-kernel:latest)' \
+		'$(PY_VENV)/bin/python' -m pytest tests/python/test_e2b.py -k '$(PY_ENGINE_TESTS)' -v \
 		--timeout=$(PYTEST_TIMEOUT) --durations=10 -p no:cacheprovider
 	$(call CLOCK,done)

@@ -7,6 +7,9 @@ first. Environment:
   KERNELGATE_BIN    the gateway binary (default <repo>/target/debug/kernelgate)
   KERNELGATE_IMAGE  the kernel image (default kernelgate-kernel:latest)
   KERNELGATE_LOG    the gateway's log filter (default kernelgate=debug,warn)
+  KERNELGATE_ENGINE `gvisor`: every gateway on the gVisor engine (runsc driven directly, no
+                    Docker), its images imported into the image store the Rust harness fills
+                    (tests/src/engine.rs); else Docker, under KERNELGATE_RUNTIME
 Every test gets <repo>/artifacts/<test name>/ for screenshots and the logs of the processes
 it started.
 """
@@ -182,8 +185,81 @@ def artifacts(request) -> Path:
     return path
 
 
+def gateway_binary() -> Path:
+    return Path(os.environ.get("KERNELGATE_BIN", REPO / "target" / "debug" / "kernelgate"))
+
+
+def gvisor_engine() -> bool:
+    """Whether this run's gateways run kernels on the gVisor engine (KERNELGATE_ENGINE=gvisor)."""
+    return os.environ.get("KERNELGATE_ENGINE") == "gvisor"
+
+
+# The image store the gVisor engine's tests fill, shared with the Rust harness
+# (tests/src/engine.rs IMAGES) and kept between runs.
+IMAGE_STORE = Path("/var/tmp/kernelgate-gvisor-images")
+
+
+def image_store(images: list[str]) -> Path:
+    """IMAGE_STORE holding each of `images`: saved from Docker with `docker save` and brought
+    in with `kernelgate image import` unless the store has that image id under that name
+    already (what tests/src/engine.rs does; the same lock file makes the two take turns)."""
+    import fcntl
+
+    binary = str(gateway_binary())
+    with open(f"{IMAGE_STORE}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        for image in images:
+            inspect = subprocess.run(["docker", "image", "inspect", "--format", "{{.Id}}", image],
+                                     capture_output=True, text=True, check=False)
+            if inspect.returncode != 0:
+                pytest.fail(f"the image {image} is not in Docker: {inspect.stderr}")
+            short = inspect.stdout.strip().removeprefix("sha256:")[:12]
+            listed = subprocess.run([binary, "image", "--image-store", str(IMAGE_STORE), "list"],
+                                    capture_output=True, text=True, check=False).stdout
+            if any(short in line and image in line for line in listed.splitlines()):
+                continue
+            with tempfile.NamedTemporaryFile(dir="/var/tmp", suffix=".tar") as archive:
+                subprocess.run(["docker", "save", "-o", archive.name, image], check=True)
+                imported = subprocess.run(
+                    [binary, "image", "--image-store", str(IMAGE_STORE), "import", archive.name],
+                    capture_output=True, text=True, check=False)
+                if imported.returncode != 0:
+                    pytest.fail(f"kernelgate image import {image}: {imported.stderr}")
+    return IMAGE_STORE
+
+
+def engine_flags(image: str, extra: list[str]) -> list[str]:
+    """The flags that put a gateway on this run's engine, as tests/src/lib.rs does: none under
+    Docker; under the gVisor engine `--engine gvisor`, the image store holding the kernel image
+    and the ones `extra` names (`--image`, `--kernelspec NAME=IMAGE`), and no kernel templates
+    (each would be a sandbox more, booted at start), unless `extra` says otherwise."""
+    if not gvisor_engine() or "--engine" in extra:
+        return []
+    flags = ["--engine", "gvisor"]
+    if "--image-store" not in extra:
+        images = [image]
+        for flag, value in zip(extra, extra[1:]):
+            if flag == "--image":
+                images.append(value)
+            elif flag == "--kernelspec" and "=" in value:
+                images.append(value.split("=", 1)[1])
+        flags += ["--image-store", str(image_store(images))]
+    if "--kernel-templates" not in extra:
+        flags += ["--kernel-templates", "false"]
+    return flags
+
+
+def runsc() -> str:
+    """The runsc the engine runs (tests/src/engine.rs runsc): KERNELGATE_RUNSC, else the newest
+    `make gvisor` unpacked, else /usr/bin/runsc."""
+    if os.environ.get("KERNELGATE_RUNSC"):
+        return os.environ["KERNELGATE_RUNSC"]
+    found = sorted(Path("/usr/local/lib/kernelgate/runsc").glob("*/usr/bin/runsc"))
+    return str(found[-1]) if found else "/usr/bin/runsc"
+
+
 def start_gateway(log_path: Path, extra: list[str] | None = None) -> Gateway:
-    binary = Path(os.environ.get("KERNELGATE_BIN", REPO / "target" / "debug" / "kernelgate"))
+    binary = gateway_binary()
     if not binary.exists():
         pytest.fail(f"{binary} does not exist: run `cargo build -p kernelgate` (make python-tests does)")
     port = free_port()
@@ -191,6 +267,7 @@ def start_gateway(log_path: Path, extra: list[str] | None = None) -> Gateway:
     # Short and unique: the gateway removes leftover containers of its runtime dir at start,
     # and the kernel socket paths under it must stay within the Unix socket limit.
     runtime_dir = Path(f"/run/kg-py-{port}-{secrets.token_hex(2)}")
+    image = os.environ.get("KERNELGATE_IMAGE", "kernelgate-kernel:latest")
     args = [
         str(binary),
         "serve",
@@ -199,12 +276,13 @@ def start_gateway(log_path: Path, extra: list[str] | None = None) -> Gateway:
         "--token",
         token,
         "--image",
-        os.environ.get("KERNELGATE_IMAGE", "kernelgate-kernel:latest"),
+        image,
         "--runtime-dir",
         str(runtime_dir),
     ]
     # `{port}` in a flag stands for the port it listens on (a cluster node's --advertise).
     extra = [a.replace("{port}", str(port)) for a in (extra or [])]
+    extra = engine_flags(image, extra) + extra
     if "--pool-size" not in extra:
         extra += ["--pool-size", "0"]
     if "--hibernate-dir" not in extra:
@@ -271,6 +349,19 @@ def remove_leftovers(runtime_dir: Path) -> None:
     directory, the directory, its hibernated kernels' state. Every test leaves the machine
     as it found it."""
     shutil.rmtree(f"{runtime_dir}.hibernated", ignore_errors=True)
+    # The gVisor engine's sandboxes: `delete -force` kills one from outside, so one whose
+    # kernel no longer answers signals goes too.
+    root = runtime_dir / "gvisor" / "root"
+    if root.exists():
+        out = subprocess.run([runsc(), "--root", str(root), "list", "-format=json"],
+                             capture_output=True, text=True, check=False).stdout
+        try:
+            sandboxes = json.loads(out or "null") or []
+        except ValueError:
+            sandboxes = []
+        for sandbox in sandboxes:
+            subprocess.run([runsc(), "--root", str(root), "delete", "-force", sandbox["id"]],
+                           capture_output=True, check=False)
     listed = subprocess.run(
         ["docker", "ps", "-aq", "--filter", f"label=org.kernelgate.runtime_dir={runtime_dir}"],
         capture_output=True, text=True, check=False,

@@ -46,6 +46,9 @@ const FIRST_PID: u32 = 1000;
 const LISTENER_BACKLOG: usize = 256;
 /// Keep-alive events when the client asks for none.
 const DEFAULT_KEEPALIVE: Duration = Duration::from_secs(50);
+/// How often a kill is sent before it is given up on, and how long each waits for the end.
+const KILL_TRIES: u32 = 5;
+const KILL_CHECK: Duration = Duration::from_secs(1);
 /// How long a process's end waits for its exit code once its output ended.
 const WAIT_FOR_EXIT: Duration = Duration::from_secs(30);
 
@@ -126,9 +129,33 @@ struct Process {
     stdin: tokio::sync::Mutex<Option<Pin<Box<dyn AsyncWrite + Send>>>>,
     control: Box<dyn InteractiveControl>,
     listeners: Mutex<Vec<mpsc::Sender<Value>>>,
+    /// True once its output and exit code are in.
+    ended: tokio::sync::watch::Sender<bool>,
 }
 
 impl Process {
+    /// Sends `signal`, and for a kill sends it again until the process has ended: a
+    /// command signalled while the launcher still sets it up can miss it (the engine finds
+    /// it by its tag, which a process being set up does not show yet).
+    async fn signal(&self, signal: Signal) -> Result<(), crate::backend::BackendError> {
+        let mut ended = self.ended.subscribe();
+        for _ in 0..KILL_TRIES {
+            self.control.signal(signal).await?;
+            if signal != Signal::Kill {
+                return Ok(());
+            }
+            let gone = tokio::time::timeout(KILL_CHECK, ended.wait_for(|done| *done)).await;
+            if gone.is_ok() {
+                return Ok(());
+            }
+        }
+        tracing::warn!(
+            pid = self.pid,
+            "a killed command still runs after {KILL_TRIES} tries"
+        );
+        Ok(())
+    }
+
     fn listen(&self) -> mpsc::Receiver<Value> {
         let (tx, rx) = mpsc::channel(LISTENER_BACKLOG);
         self.listeners
@@ -366,7 +393,6 @@ async fn serve(
                 }
             };
             process
-                .control
                 .signal(signal)
                 .await
                 .map_err(|e| ConnectError::new("internal", e.to_string()))?;
@@ -597,7 +623,7 @@ fn answer_stream(
                 },
                 () = &mut deadline => {
                     if kill_at_deadline {
-                        if let Err(e) = process.control.signal(Signal::Kill).await {
+                        if let Err(e) = process.signal(Signal::Kill).await {
                             tracing::warn!(pid = process.pid, error = %e, "cannot kill a command past its timeout");
                         }
                     }
@@ -821,6 +847,7 @@ async fn start(
         stdin: tokio::sync::Mutex::new(input),
         control: running.control,
         listeners: Mutex::default(),
+        ended: tokio::sync::watch::channel(false).0,
     });
     let events = process.listen();
     state
@@ -908,6 +935,7 @@ impl Pump {
             .e2b
             .processes
             .remove(&self.sandbox, self.process.pid);
+        self.process.ended.send_replace(true);
         self.process.tell(end).await;
         self.state
             .kernels
