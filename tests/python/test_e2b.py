@@ -520,19 +520,12 @@ def test_pause_and_connect_keep_the_state(gw: Gateway):
         assert resumed.run_code("x + 1").text == "42"
         assert Sandbox.get_info(sid, **o).state == SandboxState.RUNNING
 
-        # on_resume="reboot": a fresh kernel; the files kept under Docker, where they are
-        # saved apart. The gVisor engine's checkpoint holds them inside: they go with it
-        # (docs/engines.md, "discard-state").
+        # on_resume="reboot": a fresh kernel with the files, under every engine (the gVisor
+        # engine keeps the home's files beside its whole-kernel checkpoint for this).
         assert resumed.pause() is True
         rebooted = Sandbox.connect(sid, on_resume="reboot", **o)
         assert rebooted.run_code("x").error.name == "NameError"
-        if gvisor_engine():
-            from e2b import FileNotFoundException
-
-            with pytest.raises(FileNotFoundException, match="kept.txt"):
-                rebooted.files.read("kept.txt")
-        else:
-            assert rebooted.files.read("kept.txt") == "yes"
+        assert rebooted.files.read("kept.txt") == "yes"
     finally:
         Sandbox.kill(sid, **o)
 

@@ -53,6 +53,18 @@ impl Hibernation {
                 "work came in before its checkpoint".into(),
             ));
         }
+        // The home's files apart as well, sealed (no cell runs): a resume that discards the
+        // kernel's memory (E2B's `on_resume="reboot"`, `discard-state`) keeps them. Best
+        // effort: without them such a resume starts with an empty home, as it says.
+        match self.home_out(live, &partial, true, policy.max_bytes).await {
+            Ok(Some(_)) => {}
+            Ok(None) => {
+                tracing::info!(kernel = %live.id(), "the kernel's files pass --hibernate-max-mb: only its checkpoint keeps them")
+            }
+            Err(e) => {
+                tracing::warn!(kernel = %live.id(), error = %e, "cannot keep the kernel's files apart from its checkpoint")
+            }
+        }
         let handle = live.handle();
         let image = partial.path().join(MEMORY);
         match self.kernels.backend.checkpoint(&handle, &image).await {

@@ -133,9 +133,14 @@ impl Hibernation {
             self.woke(live, &dir, started, mode).await;
             return Ok(());
         }
-        // A whole kernel's checkpoint has no files apart: discarding it starts fresh.
-        let mode = if whole { Wake::Fresh } else { mode };
+        // A whole kernel's files apart from its checkpoint are in the tar (when they could
+        // be kept): discarding its memory keeps them; without the tar it starts fresh.
         let tar = dir.join(TAR);
+        let mode = if whole && !tar.is_file() {
+            Wake::Fresh
+        } else {
+            mode
+        };
         if mode != Wake::Fresh {
             if let Err(e) = tokio::fs::metadata(&tar).await {
                 return Err(CreateError::Resume(format!(
