@@ -6,11 +6,14 @@
 use super::super::error::ApiError;
 use crate::kernels::files::FileError;
 use axum::body::{Body, Bytes};
-use axum::http::{header, StatusCode};
+use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures::Stream;
+use serde::Deserialize;
 use serde_json::{json, Value};
+use std::time::Duration;
+use tokio::time::Instant;
 
 /// The flag of the message that ends a stream.
 const END_STREAM: u8 = 0b10;
@@ -170,6 +173,43 @@ impl Envelopes {
     }
 }
 
+/// The path of an RPC: `/<service>/{method}` under a sandbox's internal prefix.
+#[derive(Debug, Deserialize)]
+pub struct RpcPath {
+    #[allow(dead_code)]
+    sandbox: String,
+    pub method: String,
+}
+
+/// A unary call's request (JSON; an empty body is an empty message).
+pub fn unary(body: &[u8]) -> Result<Value, ConnectError> {
+    match body {
+        [] => Ok(json!({})),
+        bytes => serde_json::from_slice(bytes).map_err(|e| {
+            ConnectError::new("invalid_argument", format!("the request is not JSON: {e}"))
+        }),
+    }
+}
+
+/// A stream's deadline, from the client's `Connect-Timeout-Ms` (none, or 0: none).
+pub fn deadline(headers: &HeaderMap) -> Option<Instant> {
+    header_number(headers, "connect-timeout-ms")
+        .filter(|ms| *ms > 0)
+        .map(|ms| Instant::now() + Duration::from_millis(ms))
+}
+
+/// How often a stream sends a keep-alive: the client's `Keepalive-Ping-Interval` (seconds),
+/// else `default`.
+pub fn keepalive(headers: &HeaderMap, default: Duration) -> Duration {
+    header_number(headers, "keepalive-ping-interval")
+        .filter(|s| *s > 0)
+        .map_or(default, |s| Duration::from_secs(s.min(600)))
+}
+
+fn header_number(headers: &HeaderMap, name: &str) -> Option<u64> {
+    headers.get(name)?.to_str().ok()?.trim().parse().ok()
+}
+
 /// The one message of a server-stream call's request body.
 pub fn single(body: &[u8]) -> Result<Value, ConnectError> {
     let mut reader = Envelopes::default();
@@ -187,6 +227,22 @@ pub fn single(body: &[u8]) -> Result<Value, ConnectError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn client_headers_set_the_deadline_and_keepalive() {
+        use axum::http::HeaderValue;
+        let default = Duration::from_secs(30);
+        let mut headers = HeaderMap::new();
+        assert_eq!(deadline(&headers), None);
+        assert_eq!(keepalive(&headers, default), default);
+        headers.insert("connect-timeout-ms", HeaderValue::from_static("60000"));
+        headers.insert("keepalive-ping-interval", HeaderValue::from_static("50"));
+        let left = deadline(&headers).map(|at| at - Instant::now());
+        assert!(left.is_some_and(|d| d > Duration::from_secs(59) && d <= Duration::from_secs(60)));
+        assert_eq!(keepalive(&headers, default), Duration::from_secs(50));
+        headers.insert("connect-timeout-ms", HeaderValue::from_static("0"));
+        assert_eq!(deadline(&headers), None, "0 is no deadline");
+    }
 
     #[test]
     fn envelopes_are_read_back_across_chunks() {

@@ -13,7 +13,7 @@
 
 use super::super::error::ApiError;
 use super::super::AppState;
-use super::connect::ConnectError;
+use super::connect::{self, ConnectError, RpcPath};
 use super::plane::SandboxCall;
 use crate::kernels::files::{self, FileError, FileOp};
 use axum::body::Bytes;
@@ -265,13 +265,6 @@ async fn stat(state: &AppState, call: &SandboxCall, rel: &str) -> Result<Value, 
         .ok_or_else(not_found)
 }
 
-#[derive(Debug, Deserialize)]
-pub struct RpcPath {
-    #[allow(dead_code)]
-    sandbox: String,
-    method: String,
-}
-
 /// `POST /filesystem.Filesystem/{method}`: a unary Connect call with the JSON codec.
 pub async fn filesystem(
     State(state): State<AppState>,
@@ -279,12 +272,8 @@ pub async fn filesystem(
     Path(path): Path<RpcPath>,
     body: Bytes,
 ) -> Result<Json<Value>, ConnectError> {
-    let request: HashMap<String, Value> = match body.as_ref() {
-        [] => HashMap::new(),
-        bytes => serde_json::from_slice(bytes).map_err(|e| {
-            ConnectError::new("invalid_argument", format!("the request is not JSON: {e}"))
-        })?,
-    };
+    let request: HashMap<String, Value> = serde_json::from_value(connect::unary(&body)?)
+        .map_err(|_| ConnectError::new("invalid_argument", "the request is not a JSON object"))?;
     let text = |name: &str| -> Result<String, ConnectError> {
         let value = request
             .get(name)

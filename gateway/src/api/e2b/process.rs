@@ -15,7 +15,7 @@
 //! container's: it names the process in these calls.
 
 use super::super::AppState;
-use super::connect::{self, ConnectError, Envelopes};
+use super::connect::{self, ConnectError, Envelopes, RpcPath};
 use super::plane::SandboxCall;
 use crate::audit::{extend_preview, sha256, Record, Sender, OUTPUT_PREVIEW_CHARS};
 use crate::backend::{InteractiveControl, InteractiveRequest, Output, Signal, TtySize};
@@ -27,7 +27,6 @@ use axum::Json;
 use base64::Engine as _;
 use futures::StreamExt;
 use kernelgate_policy::Decision;
-use serde::Deserialize;
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, HashMap};
 use std::pin::Pin;
@@ -302,13 +301,6 @@ fn workdir(cwd: Option<&str>) -> Result<Option<String>, ConnectError> {
     }
 }
 
-#[derive(Debug, Deserialize)]
-pub struct RpcPath {
-    #[allow(dead_code)]
-    sandbox: String,
-    method: String,
-}
-
 /// `POST /process.Process/{method}`.
 pub async fn rpc(
     State(state): State<AppState>,
@@ -331,15 +323,6 @@ pub async fn rpc(
         },
     };
     result.unwrap_or_else(IntoResponse::into_response)
-}
-
-fn unary_request(body: &[u8]) -> Result<Value, ConnectError> {
-    match body {
-        [] => Ok(json!({})),
-        bytes => serde_json::from_slice(bytes).map_err(|e| {
-            ConnectError::new("invalid_argument", format!("the request is not JSON: {e}"))
-        }),
-    }
 }
 
 async fn serve(
@@ -372,13 +355,13 @@ async fn serve(
             Ok(Json(json!({"processes": listed})).into_response())
         }
         "SendInput" => {
-            let request = unary_request(body)?;
+            let request = connect::unary(body)?;
             let process = processes.find(&call.id, &selector(&request)?)?;
             write_input(&process, &request["input"]).await?;
             Ok(Json(json!({})).into_response())
         }
         "SendSignal" => {
-            let request = unary_request(body)?;
+            let request = connect::unary(body)?;
             let process = processes.find(&call.id, &selector(&request)?)?;
             let signal = match &request["signal"] {
                 Value::String(s) if s == "SIGNAL_SIGKILL" => Signal::Kill,
@@ -399,7 +382,7 @@ async fn serve(
             Ok(Json(json!({})).into_response())
         }
         "CloseStdin" => {
-            let request = unary_request(body)?;
+            let request = connect::unary(body)?;
             let process = processes.find(&call.id, &selector(&request)?)?;
             if process.terminal {
                 return Err(ConnectError::new(
@@ -414,7 +397,7 @@ async fn serve(
             Ok(Json(json!({})).into_response())
         }
         "Update" => {
-            let request = unary_request(body)?;
+            let request = connect::unary(body)?;
             let process = processes.find(&call.id, &selector(&request)?)?;
             let size = tty_size(&request["pty"]).ok_or_else(|| {
                 ConnectError::new("invalid_argument", "give the terminal's size: pty.size")
@@ -554,25 +537,15 @@ async fn stream_input(state: &AppState, call: &SandboxCall, body: Body) -> Respo
 /// A stream's deadline and keep-alives, from the request's headers.
 #[derive(Debug, Clone, Copy)]
 struct Timing {
-    deadline: Option<Instant>,
+    deadline: Option<tokio::time::Instant>,
     keepalive: Duration,
 }
 
 impl Timing {
     fn of(headers: &HeaderMap) -> Timing {
-        let header = |name: &str| {
-            headers
-                .get(name)
-                .and_then(|v| v.to_str().ok())
-                .and_then(|v| v.trim().parse::<u64>().ok())
-        };
         Timing {
-            deadline: header("connect-timeout-ms")
-                .filter(|ms| *ms > 0)
-                .map(|ms| Instant::now() + Duration::from_millis(ms)),
-            keepalive: header("keepalive-ping-interval")
-                .filter(|s| *s > 0)
-                .map_or(DEFAULT_KEEPALIVE, Duration::from_secs),
+            deadline: connect::deadline(headers),
+            keepalive: connect::keepalive(headers, DEFAULT_KEEPALIVE),
         }
     }
 }
@@ -593,7 +566,7 @@ fn answer_stream(
         }
         let deadline = async {
             match timing.deadline {
-                Some(at) => tokio::time::sleep_until(at.into()).await,
+                Some(at) => tokio::time::sleep_until(at).await,
                 None => std::future::pending().await,
             }
         };

@@ -552,27 +552,6 @@ impl Watchers {
     }
 }
 
-/// The client's deadline (`Connect-Timeout-Ms`), from now.
-fn deadline(headers: &HeaderMap) -> Option<Instant> {
-    let ms: u64 = headers
-        .get("connect-timeout-ms")?
-        .to_str()
-        .ok()?
-        .trim()
-        .parse()
-        .ok()?;
-    Some(Instant::now() + Duration::from_millis(ms))
-}
-
-/// How often a stream sends a keepalive: `Keepalive-Ping-Interval` (seconds), as envd.
-fn keepalive(headers: &HeaderMap) -> Duration {
-    headers
-        .get("keepalive-ping-interval")
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.trim().parse::<u64>().ok())
-        .map_or(KEEPALIVE, |s| Duration::from_secs(s.clamp(1, 600)))
-}
-
 fn deadline_exceeded() -> ConnectError {
     ConnectError::new(
         "deadline_exceeded",
@@ -592,8 +571,8 @@ pub async fn watch_dir(
     let request: HashMap<String, Value> = serde_json::from_value(connect::single(&body)?)
         .map_err(|_| ConnectError::new("invalid_argument", "the request is not a JSON object"))?;
     let target = Target::of(&request)?;
-    let deadline = deadline(&headers);
-    let every = keepalive(&headers);
+    let deadline = connect::deadline(&headers);
+    let every = connect::keepalive(&headers, KEEPALIVE);
     let slot = state.e2b.watchers.claim(&call.id)?;
     let start = Program::start(&state, &call, &target);
     let program = match deadline {
@@ -775,7 +754,6 @@ async fn poll(mut program: Program, target: &Target, polled: &Polled) -> Option<
 #[cfg(test)]
 mod tests {
     use super::*;
-    use axum::http::HeaderValue;
 
     fn change(event: &str, name: &str, kind: &str) -> Change {
         Change {
@@ -927,17 +905,5 @@ mod tests {
         drop(slots);
         assert!(watchers.claim("s1").is_ok());
         assert!(watchers.lock().is_empty(), "nothing is kept for no watch");
-    }
-
-    #[test]
-    fn client_headers_set_the_deadline_and_keepalive() {
-        let mut headers = HeaderMap::new();
-        assert_eq!(deadline(&headers), None);
-        assert_eq!(keepalive(&headers), KEEPALIVE);
-        headers.insert("connect-timeout-ms", HeaderValue::from_static("60000"));
-        headers.insert("keepalive-ping-interval", HeaderValue::from_static("50"));
-        let left = deadline(&headers).map(|at| at - Instant::now());
-        assert!(left.is_some_and(|d| d > Duration::from_secs(59) && d <= Duration::from_secs(60)));
-        assert_eq!(keepalive(&headers), Duration::from_secs(50));
     }
 }
