@@ -155,11 +155,17 @@ def test_an_e2b_sandbox_through_a_node_that_does_not_run_it(two_nodes):
     from e2b_code_interpreter import Sandbox
 
     entry, owner = two_nodes
-    # A create is served by the node it reaches, which runs the sandbox; every later call
-    # goes through the other node.
-    made = Sandbox.create(api_url=owner.url, sandbox_url=owner.url, api_key=ALICE, timeout=120)
+    # Everything through the entry node: the create is placed on the node with the most
+    # room (the other one), where the sandbox then lives; every call is forwarded there.
+    through = {"api_url": entry.url, "sandbox_url": entry.url, "api_key": ALICE}
+    made = Sandbox.create(timeout=120, **through)
     assert created_on(owner, made.sandbox_id) and not created_on(entry, made.sandbox_id)
-    sbx = Sandbox.connect(made.sandbox_id, api_url=entry.url, sandbox_url=entry.url, api_key=ALICE)
+    # A create retried with its idempotency key gets the same sandbox, wherever it went.
+    first = Sandbox.create(idempotency_key="cluster-retry-1", **through)
+    again = Sandbox.create(idempotency_key="cluster-retry-1", **through)
+    assert again.sandbox_id == first.sandbox_id
+    first.kill()
+    sbx = Sandbox.connect(made.sandbox_id, **through)
     assert sbx.get_info().sandbox_id == made.sandbox_id
     assert sbx.run_code("x = 6 * 7").error is None
     assert sbx.run_code("x").text == "42", "state through the other node"

@@ -109,7 +109,7 @@ pub fn surface() -> Surface {
         // E2B's control plane (docs/e2b.md): its own key header, X-API-KEY, checked by
         // e2b::control::authenticate in front of the router.
         .operations(
-            Rule::Local,
+            Rule::Sandboxes,
             routes!(e2b::control::create, e2b::control::list),
         )
         .operations(

@@ -28,6 +28,9 @@ pub enum Rule {
     /// MCP: a session's requests go to the node that holds the session; a sessionless tool
     /// call to the owner of the kernel its `kernel_id` names.
     Mcp,
+    /// E2B's `/v2/sandboxes`: a create (`POST`) is placed as a kernel's; the list (`GET`)
+    /// is the node reached's.
+    Sandboxes,
     /// About one E2B sandbox: the path's `{id}` (the control plane) or the sandbox a
     /// sandbox-plane request names (`E2b-Sandbox-Id`, or its host). The node that runs its
     /// kernel serves it: the sandbox's record and its commands live there.
@@ -113,6 +116,13 @@ pub fn decide(rule: Rule, ask: &Ask<'_>) -> Decision {
             }
         }
         Rule::Kernels if ask.method == Method::GET => Decision::FanOut(Fan::Kernels),
+        Rule::Sandboxes if ask.method == Method::POST => {
+            if ask.registered {
+                Decision::Place
+            } else {
+                Decision::Unavailable(Unavailable::CutOff)
+            }
+        }
         Rule::Approvals if ask.method == Method::GET => Decision::FanOut(Fan::Approvals),
         Rule::Approval if ask.method == Method::POST => Decision::HereThenOthers,
         Rule::Mcp => match ask.mcp_session {
@@ -122,7 +132,7 @@ pub fn decide(rule: Rule, ask: &Ask<'_>) -> Decision {
             None => Decision::Serve,
         },
         // A method the route does not take: the router's 405.
-        Rule::Kernels | Rule::Approvals | Rule::Approval => Decision::Serve,
+        Rule::Kernels | Rule::Sandboxes | Rule::Approvals | Rule::Approval => Decision::Serve,
     }
 }
 

@@ -150,6 +150,9 @@ pub async fn route(State(state): State<AppState>, req: Request, next: Next) -> R
         Decision::Unavailable(Unavailable::CutOff) => unavailable(
             "this node is cut off from the cluster registry and cannot place kernels now; try again shortly".into(),
         ),
+        Decision::Place if rule == Rule::Sandboxes => {
+            place::place_sandbox(&cluster, &caller, req, next).await
+        }
         Decision::Place => place::place(&cluster, &caller, req, next).await,
         Decision::FanOut(Fan::Kernels) => fan::list(&cluster, &caller, req, next).await,
         Decision::FanOut(Fan::Approvals) => fan::approvals(&cluster, &caller, req, next).await,

@@ -4,15 +4,91 @@
 use super::*;
 use kernelgate_protocol::rest::{CreateKernel, KernelModel};
 
-/// A create (see [`place_somewhere`]), answered once this node's view holds the new kernel:
-/// the next create through this node counts it, and a list through this node shows it.
+/// What a create asks for, read from its body by the API it came through.
+struct Wanted {
+    /// The snapshot it starts from (an id, or a name among the caller's).
+    snapshot: Option<String>,
+    spec: String,
+    /// A retry of the same create must reach the node the first try reached (the one
+    /// that knows its idempotency key): this seed picks that node first, whatever the room.
+    sticky: Option<String>,
+}
+
+/// A create through the kernel API (see [`place_somewhere`]), answered once this node's
+/// view holds the new kernel: the next create through this node counts it, and a list
+/// through this node shows it.
 pub(super) async fn place(
     cluster: &ClusterNode,
     caller: &Caller,
     req: Request,
     next: Next,
 ) -> Response {
-    let response = place_somewhere(cluster, caller, req, next).await;
+    let wanted = |bytes: &[u8], _: &View| {
+        let body = serde_json::from_slice::<CreateKernel>(bytes).ok();
+        Wanted {
+            snapshot: body.as_ref().and_then(|b| b.snapshot.clone()),
+            spec: body
+                .and_then(|body| body.name)
+                .filter(|n| !n.is_empty())
+                .unwrap_or_else(|| crate::kernelspecs::DEFAULT_SPEC.to_owned()),
+            sticky: None,
+        }
+    };
+    let response = place_somewhere(cluster, caller, req, next, wanted).await;
+    settle_created(cluster, response, |bytes| {
+        serde_json::from_slice::<KernelModel>(bytes)
+            .ok()
+            .map(|m| m.id)
+    })
+    .await
+}
+
+/// An E2B create (`POST /v2/sandboxes`), placed as a kernel's: its `templateID` is a
+/// snapshot of the caller's, E2B's default template (the default spec) or a spec's name.
+/// The sandbox lives where it is made: its record, commands and watches are that node's.
+pub(super) async fn place_sandbox(
+    cluster: &ClusterNode,
+    caller: &Caller,
+    req: Request,
+    next: Next,
+) -> Response {
+    let sticky = req
+        .headers()
+        .get("idempotency-key")
+        .and_then(|v| v.to_str().ok())
+        .map(|k| format!("{}\n{k}", caller.0.name));
+    let wanted = |bytes: &[u8], view: &View| {
+        let template = serde_json::from_slice::<Value>(bytes)
+            .ok()
+            .and_then(|b| b["templateID"].as_str().map(str::to_owned))
+            .unwrap_or_default();
+        let default = crate::api::e2b::control::is_default_template(&template);
+        Wanted {
+            snapshot: (!default && super::kept_by(view, caller, &template).is_some())
+                .then(|| template.clone()),
+            spec: match default {
+                true => crate::kernelspecs::DEFAULT_SPEC.to_owned(),
+                false => template,
+            },
+            sticky: sticky.clone(),
+        }
+    };
+    let response = place_somewhere(cluster, caller, req, next, wanted).await;
+    settle_created(cluster, response, |bytes| {
+        serde_json::from_slice::<Value>(bytes)
+            .ok()
+            .and_then(|v| v["sandboxID"].as_str().map(str::to_owned))
+    })
+    .await
+}
+
+/// A create's answer, once this node's view holds the kernel it made (`id_of` reads its
+/// id from the answer).
+async fn settle_created(
+    cluster: &ClusterNode,
+    response: Response,
+    id_of: impl Fn(&[u8]) -> Option<String>,
+) -> Response {
     if response.status() != StatusCode::CREATED {
         return response;
     }
@@ -21,7 +97,7 @@ pub(super) async fn place(
         return ApiError::new(StatusCode::BAD_GATEWAY, "a create's answer was cut short")
             .into_response();
     };
-    if let Ok(KernelModel { id, .. }) = serde_json::from_slice(&bytes) {
+    if let Some(id) = id_of(&bytes) {
         cluster
             .membership
             .until_kernel_known(&id, SEEN_TIMEOUT)
@@ -38,6 +114,7 @@ async fn place_somewhere(
     caller: &Caller,
     req: Request,
     next: Next,
+    wanted: impl Fn(&[u8], &View) -> Wanted,
 ) -> Response {
     if !cluster.membership.registered() {
         return unavailable(
@@ -52,33 +129,55 @@ async fn place_somewhere(
         )
         .into_response();
     };
-    let body = serde_json::from_slice::<CreateKernel>(&bytes).ok();
     let view = cluster.membership.view();
-    if let Some(snapshot) = body.as_ref().and_then(|b| b.snapshot.as_deref()) {
-        return from_snapshot(cluster, caller, &view, snapshot, parts, bytes, next).await;
+    let Wanted {
+        snapshot,
+        spec,
+        sticky,
+    } = wanted(&bytes, &view);
+    if let Some(snapshot) = snapshot {
+        return from_snapshot(cluster, caller, &view, &snapshot, parts, bytes, next).await;
     }
-    let spec = body
-        .and_then(|body| body.name)
-        .filter(|n| !n.is_empty())
-        .unwrap_or_else(|| crate::kernelspecs::DEFAULT_SPEC.to_owned());
-    let candidates = placement::candidates(&view, &spec);
-    let mut local = Some(parts);
+    let mut candidates = placement::candidates(&view, &spec);
+    if let Some(seed) = sticky {
+        // Among every node offering the spec, full or not: a full one that made the first
+        // try's sandbox answers with it.
+        let offering = view
+            .nodes
+            .iter()
+            .filter(|(_, n)| !n.away && n.specs.contains(&spec))
+            .map(|(id, _)| id.clone());
+        stick(&mut candidates, &seed, offering);
+    }
+    // What is sent to another node, made anew for each.
+    let sent = parts.clone();
+    // This node's handler runs once at most: `local` and `next` go together.
+    let mut local = Some((parts, next));
     let mut last = None;
     for node in &candidates {
         if *node == cluster.node_id {
-            if let Some(parts) = local.take() {
+            if let Some((parts, next)) = local.take() {
                 let response = next
-                    .run(Request::from_parts(parts, Body::from(bytes)))
+                    .run(Request::from_parts(parts, Body::from(bytes.clone())))
                     .await;
-                return response;
+                // Full (a create's sticky first try may ask a full node): the next one.
+                if response.status() != StatusCode::FORBIDDEN {
+                    return response;
+                }
+                let (head, body) = response.into_parts();
+                let body = to_bytes(body, MAX_CREATE_BODY).await.unwrap_or_default();
+                let response = Response::from_parts(head, Body::from(body.clone()));
+                if full_refusal(&body).is_none() {
+                    return response;
+                }
+                last = Some(response);
             }
             continue;
         }
         let Some(record) = view.nodes.get(node) else {
             continue;
         };
-        let Some(parts) = local.as_ref() else { break };
-        let req = again(&parts.method, &parts.uri, &parts.headers, &bytes);
+        let req = again(&sent.method, &sent.uri, &sent.headers, &bytes);
         let to = destination(node, record);
         let response = forward(
             cluster,
@@ -110,12 +209,23 @@ async fn place_somewhere(
     match (local, last) {
         // No other node took it: this node answers (a full node's answer, or its own
         // refusal of a spec it does not offer).
-        (Some(parts), _) => {
+        (Some((parts, next)), _) => {
             next.run(Request::from_parts(parts, Body::from(bytes)))
                 .await
         }
         (None, Some(response)) => response,
         (None, None) => unavailable("no node of the cluster can take a kernel now".into()),
+    }
+}
+
+/// Puts the node `seed` picks among `offering` (the highest hash of seed and node: the
+/// same node for the same seed while it offers the spec) first among the candidates.
+fn stick(candidates: &mut Vec<String>, seed: &str, offering: impl Iterator<Item = String>) {
+    use sha2::{Digest, Sha256};
+    let score = |node: &String| Sha256::digest(format!("{seed}\n{node}").as_bytes());
+    if let Some(pick) = offering.max_by_key(score) {
+        candidates.retain(|c| *c != pick);
+        candidates.insert(0, pick);
     }
 }
 
@@ -192,6 +302,30 @@ fn is_quota_refusal(body: &[u8]) -> bool {
 mod tests {
     use super::*;
     use crate::kernels::CreateError;
+
+    #[test]
+    fn a_retried_create_goes_first_where_the_first_went() {
+        let nodes: Vec<String> = ["a", "b", "c", "d"].map(str::to_owned).to_vec();
+        let pick = |candidates: &[&str], seed: &str| {
+            let mut c: Vec<String> = candidates.iter().map(|s| s.to_string()).collect();
+            stick(&mut c, seed, nodes.iter().cloned());
+            c
+        };
+        let first = pick(&["a", "b", "c", "d"], "alice\nkey-1");
+        // The room changed (another order, a node full): the same node comes first.
+        assert_eq!(pick(&["d", "b", "a", "c"], "alice\nkey-1")[0], first[0]);
+        let without: Vec<&str> = ["a", "b", "c", "d"]
+            .into_iter()
+            .filter(|n| *n != first[0])
+            .collect();
+        let full = pick(&without, "alice\nkey-1");
+        assert_eq!(full[0], first[0], "a full node is asked first all the same");
+        assert_eq!(full.len(), 4, "every other candidate stays, once");
+        let picks: std::collections::BTreeSet<String> = (0..32)
+            .map(|i| pick(&["a", "b", "c", "d"], &format!("alice\nkey-{i}"))[0].clone())
+            .collect();
+        assert!(picks.len() > 1, "different keys spread over the nodes");
+    }
 
     #[tokio::test]
     async fn a_quota_refusal_is_told_from_a_full_node_and_back() {

@@ -15,7 +15,7 @@ const TABLE: &[(&str, &str, &str)] = &[
     ("GET", "/healthz", "SSSSS"),
     ("GET", "/readyz", "SSSSS"),
     ("GET", "/metrics", "SSSSS"),
-    ("POST", "/v2/sandboxes", "SSSSS"),
+    ("POST", "/v2/sandboxes", "PPPPP"),
     ("GET", "/v2/sandboxes", "SSSSS"),
     ("GET", "/sandboxes/{id}", "SFAGS"),
     ("DELETE", "/sandboxes/{id}", "SFAGS"),
@@ -160,7 +160,7 @@ fn a_node_cut_off_from_the_registry_places_nothing_and_serves_the_rest_as_usual(
                 route::decide(rule, &ask(true)),
                 route::decide(rule, &ask(false)),
             );
-            if method == "POST" && path == "/api/kernels" {
+            if method == "POST" && (path == "/api/kernels" || path == "/v2/sandboxes") {
                 assert_eq!(off, Decision::Unavailable(Unavailable::CutOff));
             } else {
                 assert_eq!(on, off, "{method} {path} {owner:?}");

@@ -65,6 +65,11 @@ impl IntoResponse for E2bError {
     }
 }
 
+/// Whether a `templateID` is E2B's default template (the default kernel spec here).
+pub fn is_default_template(template: &str) -> bool {
+    template.is_empty() || DEFAULT_TEMPLATES.contains(&template)
+}
+
 /// The key in `X-API-KEY`.
 #[derive(Debug, Clone)]
 pub struct ApiKey(pub Arc<Tenant>);
@@ -345,10 +350,7 @@ pub async fn create(
             return Ok((StatusCode::CREATED, Json(created(&state, &id, &sandbox))).into_response());
         }
     }
-    let spec = match body.template_id.as_str() {
-        t if DEFAULT_TEMPLATES.contains(&t) => None,
-        t => Some(t),
-    };
+    let spec = Some(body.template_id.as_str()).filter(|t| !is_default_template(t));
     // A snapshot's id (or name) as the template: a sandbox with its state.
     let snapshot = spec.and_then(|t| super::snapshots::of_key(&state, &key, t));
     let live = match snapshot {
