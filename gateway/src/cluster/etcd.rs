@@ -4,7 +4,10 @@
 //! Checked against etcd 3.4 (Debian's `etcd-server`); the same paths serve 3.5 and later.
 //!
 //! Each call goes to the first endpoint that answers; the one that answered last is tried
-//! first next time. A watch is one long POST whose response streams one JSON object per
+//! first next time, and a new client starts at a random one, so that the nodes of a
+//! cluster spread their reads over etcd's members. A listing comes in pages of
+//! [`PAGE`] keys, all read at the revision of the first, so that no single request grows
+//! with the registry. A watch is one long POST whose response streams one JSON object per
 //! line; it ends with the connection, and the caller resumes it from a revision.
 //!
 //! With a user ([`Etcd::with_user`]) every call carries the token etcd's
@@ -27,6 +30,16 @@ use std::time::Duration;
 /// How long one request may take before the endpoint counts as unreachable. Well under
 /// the shortest lease etcd grants (2 s), so a slow member cannot cost a node its lease.
 const REQUEST_TIMEOUT: Duration = Duration::from_millis(1500);
+
+/// How long a lease renewal may take at most; the lease loop gives each renewal no more
+/// than the time left on its lease, so a slow etcd that still answers in time costs no lease.
+const RENEWAL_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Keys per page of a listing.
+pub const PAGE: usize = 1000;
+
+/// How often a listing starts over when etcd compacted its revision between two pages.
+const LISTING_ATTEMPTS: usize = 3;
 
 /// etcd reached through its JSON gateway; clones share the connection pool.
 #[derive(Debug, Clone)]
@@ -81,7 +94,7 @@ impl Etcd {
         if endpoints.is_empty() {
             return Err(RegistryError::Refused("no etcd endpoint given".into()));
         }
-        let endpoints = endpoints
+        let endpoints: Vec<String> = endpoints
             .into_iter()
             .map(|e| e.trim_end_matches('/').to_owned())
             .collect();
@@ -89,9 +102,10 @@ impl Etcd {
             .connect_timeout(REQUEST_TIMEOUT)
             .build()
             .map_err(|e| RegistryError::Refused(format!("cannot set up the etcd client: {e}")))?;
+        let first = rand::random_range(0..endpoints.len());
         Ok(Etcd {
             endpoints: Arc::new(endpoints),
-            preferred: Arc::new(AtomicUsize::new(0)),
+            preferred: Arc::new(AtomicUsize::new(first)),
             http,
             user: None,
         })
@@ -117,7 +131,7 @@ impl Etcd {
         }
         let body = json!({"name": user.name, "password": user.password});
         let reply = self
-            .post_json("/v3/auth/authenticate", &body, None)
+            .post_json("/v3/auth/authenticate", &body, None, REQUEST_TIMEOUT)
             .await
             .map_err(|e| match e {
                 RegistryError::Refused(why) => RegistryError::Refused(format!(
@@ -137,14 +151,24 @@ impl Etcd {
     /// POSTs `body` to `path` on the first endpoint that answers; the JSON reply. A call
     /// refused for its token is sent once more with a new one.
     async fn call(&self, path: &str, body: Value) -> Result<Value, RegistryError> {
+        self.call_within(path, body, REQUEST_TIMEOUT).await
+    }
+
+    /// [`Etcd::call`] with `timeout` for each request instead of the usual one.
+    async fn call_within(
+        &self,
+        path: &str,
+        body: Value,
+        timeout: Duration,
+    ) -> Result<Value, RegistryError> {
         let token = self.token().await?;
-        match self.post_json(path, &body, token.as_deref()).await {
+        match self.post_json(path, &body, token.as_deref(), timeout).await {
             Err(RegistryError::Refused(why)) if self.user.is_some() && bad_token(&why) => {
                 if let Some(user) = &self.user {
                     user.set_token(None);
                 }
                 let token = self.token().await?;
-                self.post_json(path, &body, token.as_deref()).await
+                self.post_json(path, &body, token.as_deref(), timeout).await
             }
             answer => answer,
         }
@@ -156,8 +180,9 @@ impl Etcd {
         path: &str,
         body: &Value,
         token: Option<&str>,
+        timeout: Duration,
     ) -> Result<Value, RegistryError> {
-        let response = self.send(path, body, Some(REQUEST_TIMEOUT), token).await?;
+        let response = self.send(path, body, Some(timeout), token).await?;
         let status = response.status();
         let text = response.text().await.map_err(|e| unreachable(path, &e))?;
         let value: Value = serde_json::from_str(&text).map_err(|_| {
@@ -200,6 +225,51 @@ impl Etcd {
             }
         }
         Err(last.unwrap_or_else(|| RegistryError::Refused("no etcd endpoint".into())))
+    }
+}
+
+impl Etcd {
+    /// Every key under `prefix`, [`PAGE`] at a time: the first page fixes the revision the
+    /// rest are read at, each next page starts after the last key of the one before.
+    async fn list_paged(&self, prefix: &str) -> Result<Listing, RegistryError> {
+        #[derive(Deserialize)]
+        struct Range {
+            #[serde(default)]
+            kvs: Vec<Kv>,
+            #[serde(default)]
+            more: bool,
+        }
+        let end = b64(&prefix_end(prefix));
+        let mut from = prefix.as_bytes().to_vec();
+        let mut revision: Option<Revision> = None;
+        let mut entries = Vec::new();
+        loop {
+            let mut body = json!({"key": b64(&from), "range_end": end, "limit": PAGE.to_string()});
+            if let Some(r) = revision {
+                body["revision"] = json!(r.to_string());
+            }
+            let reply = self.call("/v3/kv/range", body).await?;
+            let at = *revision.get_or_insert(int(&reply["header"]["revision"]));
+            let range: Range = serde_json::from_value(reply)
+                .map_err(|e| RegistryError::Malformed(format!("a range answer: {e}")))?;
+            let more = range.more;
+            for kv in range.kvs {
+                entries.push(kv.entry()?);
+            }
+            match entries.last() {
+                Some(last) if more => {
+                    from = last.key.as_bytes().to_vec();
+                    from.push(0);
+                }
+                _ => {
+                    entries.sort_by(|a, b| a.key.cmp(&b.key));
+                    return Ok(Listing {
+                        entries,
+                        revision: at,
+                    });
+                }
+            }
+        }
     }
 }
 
@@ -278,7 +348,11 @@ impl Registry for Etcd {
 
     async fn keep_alive(&self, lease: Lease) -> Result<bool, RegistryError> {
         let reply = self
-            .call("/v3/lease/keepalive", json!({"ID": lease.0.to_string()}))
+            .call_within(
+                "/v3/lease/keepalive",
+                json!({"ID": lease.0.to_string()}),
+                RENEWAL_TIMEOUT,
+            )
             .await?;
         // A lease that is gone comes back with no TTL (zero).
         Ok(int(&reply["result"]["TTL"]) > 0)
@@ -358,27 +432,17 @@ impl Registry for Etcd {
     }
 
     async fn list(&self, prefix: &str) -> Result<Listing, RegistryError> {
-        #[derive(Deserialize)]
-        struct Range {
-            #[serde(default)]
-            kvs: Vec<Kv>,
+        let mut attempts = 0;
+        loop {
+            match self.list_paged(prefix).await {
+                Err(RegistryError::Refused(why))
+                    if why.contains("compacted") && attempts + 1 < LISTING_ATTEMPTS =>
+                {
+                    attempts += 1;
+                }
+                answer => return answer,
+            }
         }
-        let reply = self
-            .call(
-                "/v3/kv/range",
-                json!({"key": b64(prefix.as_bytes()), "range_end": b64(&prefix_end(prefix))}),
-            )
-            .await?;
-        let revision = int(&reply["header"]["revision"]);
-        let range: Range = serde_json::from_value(reply)
-            .map_err(|e| RegistryError::Malformed(format!("a range answer: {e}")))?;
-        let mut entries = range
-            .kvs
-            .into_iter()
-            .map(Kv::entry)
-            .collect::<Result<Vec<_>, _>>()?;
-        entries.sort_by(|a, b| a.key.cmp(&b.key));
-        Ok(Listing { entries, revision })
     }
 
     async fn watch(

@@ -1,13 +1,17 @@
 //! The node's lease: registered with every record under it, renewed, registered again
 //! when found lost, given up for a while (a rolling restart) or for good.
 
-use super::{Lost, Membership, Registered};
-use crate::cluster::registry::{Registry, RegistryError};
+use super::{backoff, jitter, Lost, Membership, Registered, LOAD_EVERY};
+use crate::cluster::registry::{Lease, Registry, RegistryError};
 use crate::cluster::{node_key, snapshot_key};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
+
+/// The least time a renewal is given, even when the lease has less left: etcd may still
+/// hold it (its clock started when it received the last renewal, not when it was sent).
+const MIN_RENEWAL: Duration = Duration::from_millis(500);
 
 impl<R: Registry + Clone> Membership<R> {
     /// Gets a lease and registers the node and its kernels under it. What it could not
@@ -45,9 +49,10 @@ impl<R: Registry + Clone> Membership<R> {
     /// back from an earlier run, or a free one), and the slots of creates under way.
     pub(super) async fn register_for(&self, ttl: Duration) -> Result<Lost, RegistryError> {
         let lease = self.registry.grant(ttl).await?;
-        let (node, kernels, quotas, snapshots) = {
+        let (load, node, kernels, quotas, snapshots) = {
             let own = self.own();
             (
+                own.node.load,
                 serde_json::to_vec(&own.node).unwrap_or_default(),
                 own.kernels.clone(),
                 own.quotas.clone(),
@@ -93,6 +98,7 @@ impl<R: Registry + Clone> Membership<R> {
         }
         own.lease = Some(lease);
         own.renewed = Some(Instant::now());
+        own.published = Some((load, Instant::now()));
         Ok(lost)
     }
 
@@ -101,50 +107,96 @@ impl<R: Registry + Clone> Membership<R> {
     /// another node while this one was cut off, or (re-adopted at start) refused by their
     /// key's quota. Does not revoke the lease when cancelled (a stopping node's kernels stay
     /// registered until it returns or its lease runs out).
+    ///
+    /// A slow etcd costs no lease: each renewal may take all the time left on the lease,
+    /// a failed one is tried again soon (backing off, with jitter, so that many nodes do not
+    /// retry in step), and the lease counts as lost only when etcd says it is gone or when
+    /// no renewal sent within the last TTL succeeded. Meanwhile the node's load, when it
+    /// changed, is put at most once a second.
     pub async fn keep(self: Arc<Self>, cancel: CancellationToken, on_lost: impl Fn(Lost) + Send) {
         let period = self.ttl / 3;
-        let mut first = true;
+        let mut wait = Duration::ZERO;
+        let mut failures = 0u32;
+        let mut load = tokio::time::interval(LOAD_EVERY);
+        load.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
-            if !first {
+            let until = tokio::time::sleep(wait);
+            tokio::pin!(until);
+            loop {
                 tokio::select! {
                     _ = cancel.cancelled() => return,
-                    _ = tokio::time::sleep(period) => {}
+                    _ = &mut until => break,
+                    _ = load.tick() => self.publish_load_if_changed().await,
                 }
             }
-            first = false;
             let lease = self.own().lease;
-            match lease {
+            let ok = match lease {
                 None => match self.register().await {
                     Ok(lost) => {
                         tracing::info!(node = %self.node_id, "registered in the cluster registry");
                         if !lost.is_empty() {
                             on_lost(lost);
                         }
+                        true
                     }
                     Err(e) => {
-                        tracing::warn!(error = %e, "cannot register in the cluster registry; retrying")
+                        tracing::warn!(error = %e, "cannot register in the cluster registry; retrying");
+                        false
                     }
                 },
-                Some(lease) => match self.registry.keep_alive(lease).await {
-                    Ok(true) => self.own().renewed = Some(Instant::now()),
-                    Ok(false) => {
-                        tracing::warn!(node = %self.node_id, "cluster lease lost; registering again");
-                        let mut own = self.own();
-                        own.lease = None;
-                        own.reregistrations += 1;
-                        drop(own);
-                        first = true;
-                    }
-                    Err(e) => {
-                        let stale = self.own().renewed.is_none_or(|t| t.elapsed() >= self.ttl);
-                        tracing::warn!(error = %e, stale, "cannot renew the cluster lease");
-                        if stale {
-                            let mut own = self.own();
-                            own.lease = None;
-                            own.reregistrations += 1;
-                        }
-                    }
-                },
+                Some(lease) => self.renew(lease).await,
+            };
+            failures = if ok { 0 } else { failures + 1 };
+            wait = if self.own().lease.is_none() && ok {
+                // Lost just now: register again at once, after a moment's jitter.
+                jitter(Duration::from_millis(200))
+            } else if ok {
+                period
+            } else {
+                backoff(failures, period / 2)
+            };
+        }
+    }
+
+    /// One renewal of `lease`, given the time left on it; whether it went through. A lease
+    /// etcd says is gone, or that no renewal kept for a whole TTL, is dropped: the caller
+    /// registers again.
+    async fn renew(&self, lease: Lease) -> bool {
+        let sent = Instant::now();
+        let left = self
+            .own()
+            .renewed
+            .map_or(self.ttl, |t| self.ttl.saturating_sub(t.elapsed()));
+        let answer = tokio::time::timeout(left.max(MIN_RENEWAL), self.registry.keep_alive(lease))
+            .await
+            .unwrap_or_else(|_| {
+                Err(RegistryError::Unreachable {
+                    endpoint: "etcd".into(),
+                    reason: format!("no answer to a lease renewal within {left:?}"),
+                })
+            });
+        match answer {
+            Ok(true) => {
+                // etcd renewed it no earlier than it was sent.
+                self.own().renewed = Some(sent);
+                true
+            }
+            Ok(false) => {
+                tracing::warn!(node = %self.node_id, "cluster lease lost; registering again");
+                let mut own = self.own();
+                own.lease = None;
+                own.reregistrations += 1;
+                true
+            }
+            Err(e) => {
+                let stale = self.own().renewed.is_none_or(|t| t.elapsed() >= self.ttl);
+                tracing::warn!(error = %e, stale, "cannot renew the cluster lease");
+                if stale {
+                    let mut own = self.own();
+                    own.lease = None;
+                    own.reregistrations += 1;
+                }
+                false
             }
         }
     }

@@ -22,6 +22,25 @@ use tokio::time::Instant;
 /// How often a transaction that found the keys changed under it is tried again.
 const ATTEMPTS: usize = 4;
 
+/// A node's load, when it changed, is put at most this often: every put of the node's
+/// record reaches every node's watch, and a node creating and deleting kernels at a steady
+/// rate would otherwise put it with each.
+const LOAD_EVERY: Duration = Duration::from_secs(1);
+
+/// A random duration from zero to `most`.
+fn jitter(most: Duration) -> Duration {
+    most.mul_f64(rand::random::<f64>())
+}
+
+/// How long to wait after the `failures`-th failure in a row: from a quarter second,
+/// doubling, to at most `cap`, with full jitter (a random part of it), so that nodes that
+/// failed together do not try again together.
+fn backoff(failures: u32, cap: Duration) -> Duration {
+    let step = Duration::from_millis(250).saturating_mul(1 << failures.min(16));
+    let most = step.min(cap).max(Duration::from_millis(50));
+    Duration::from_millis(50) + jitter(most)
+}
+
 /// The kernel table's records go to the registry: a create is refused unless its kernel is
 /// claimed, and the node's load follows its kernels.
 impl<R: Registry + Clone + std::fmt::Debug> Ledger for Membership<R> {
@@ -161,6 +180,9 @@ impl<R: Registry + Clone + std::fmt::Debug> Ledger for Membership<R> {
 pub struct View {
     pub nodes: HashMap<String, NodeRecord>,
     pub kernels: HashMap<String, KernelRecord>,
+    /// The revision of each kernel record's last change, by kernel id: the reconcile
+    /// removes a stale record only if it is still that change.
+    pub kernel_revisions: HashMap<String, Revision>,
     pub snapshots: HashMap<String, SnapshotRecord>,
     /// The registry revision this view reflects.
     pub revision: Revision,
@@ -178,6 +200,7 @@ impl View {
                 Some(Key::Kernel(id)) => {
                     if let Ok(r) = serde_json::from_slice(&entry.value) {
                         self.kernels.insert(id.to_owned(), r);
+                        self.kernel_revisions.insert(id.to_owned(), entry.revision);
                     }
                 }
                 Some(Key::Snapshot(id)) => {
@@ -193,6 +216,7 @@ impl View {
                 }
                 Some(Key::Kernel(id)) => {
                     self.kernels.remove(id);
+                    self.kernel_revisions.remove(id);
                 }
                 Some(Key::Snapshot(id)) => {
                     self.snapshots.remove(id);
@@ -292,6 +316,11 @@ struct Own {
     snapshots: HashMap<String, Vec<u8>>,
     /// Times the lease was found lost and the records registered again.
     reregistrations: u64,
+    /// The load last put in the node's record, and when.
+    published: Option<(u32, Instant)>,
+    /// Quota keys (tenants) with a slot this node failed to free: the reconcile looks at
+    /// their slots until it has.
+    unfreed: std::collections::HashSet<String>,
 }
 
 /// A node's membership: see the module's documentation.
@@ -321,6 +350,8 @@ impl<R: Registry + Clone> Membership<R> {
                 quotas: HashMap::new(),
                 snapshots: HashMap::new(),
                 reregistrations: 0,
+                published: None,
+                unfreed: Default::default(),
             }),
             view: Mutex::new(View::default()),
             changes: tokio::sync::watch::Sender::new(0),
@@ -547,22 +578,36 @@ impl<R: Registry + Clone> Membership<R> {
                 .and_then(|b| serde_json::from_slice::<KernelRecord>(b).ok())
                 .map(|r| r.tenant)
         });
-        match (quota.and_then(|q| q.slot), tenant) {
-            (Some(slot), _) => {
-                self.registry.delete_if(&slot, id.as_bytes()).await?;
+        if let Some(tenant) = &tenant {
+            if let Err(e) = self.free_slot(id, quota.and_then(|q| q.slot), tenant).await {
+                // The reconcile looks at this key's slots until it is freed.
+                self.own().unfreed.insert(tenant.clone());
+                return Err(e);
             }
-            (None, Some(tenant)) => {
-                let listing = self.registry.list(&quota_prefix(&tenant)).await?;
-                for e in listing.entries.iter().filter(|e| e.value == id.as_bytes()) {
-                    self.registry.delete_if(&e.key, id.as_bytes()).await?;
-                }
-            }
-            (None, None) => {}
         }
         let Some(bytes) = bytes else {
             return Ok(());
         };
         self.registry.delete_if(&kernel_key(id), &bytes).await?;
+        Ok(())
+    }
+
+    /// Frees the quota slot kernel `id` of key `tenant` holds: `slot` when it is known,
+    /// else any slot of the key that names it.
+    async fn free_slot(
+        &self,
+        id: &str,
+        slot: Option<String>,
+        tenant: &str,
+    ) -> Result<(), RegistryError> {
+        if let Some(slot) = slot {
+            self.registry.delete_if(&slot, id.as_bytes()).await?;
+            return Ok(());
+        }
+        let listing = self.registry.list(&quota_prefix(tenant)).await?;
+        for e in listing.entries.iter().filter(|e| e.value == id.as_bytes()) {
+            self.registry.delete_if(&e.key, id.as_bytes()).await?;
+        }
         Ok(())
     }
 
@@ -642,17 +687,40 @@ impl<R: Registry + Clone> Membership<R> {
         }
     }
 
-    /// Puts this node's record again with its load: the kernels it holds now.
+    /// Brings this node's load up to date: the kernels it holds now. Put at once when the
+    /// last put is [`LOAD_EVERY`] old, else by the lease loop's next tick.
     async fn publish_load(&self) {
-        let (lease, bytes) = {
+        let due = {
             let mut own = self.own();
             own.node.load = u32::try_from(own.kernels.len()).unwrap_or(u32::MAX);
-            (own.lease, serde_json::to_vec(&own.node).unwrap_or_default())
+            own.published
+                .is_none_or(|(_, at)| at.elapsed() >= LOAD_EVERY)
+        };
+        if due {
+            self.publish_load_if_changed().await;
+        }
+    }
+
+    /// Puts this node's record when its load differs from the one last put.
+    async fn publish_load_if_changed(&self) {
+        let (lease, bytes, load) = {
+            let own = self.own();
+            if own.published.is_some_and(|(load, _)| load == own.node.load) {
+                return;
+            }
+            (
+                own.lease,
+                serde_json::to_vec(&own.node).unwrap_or_default(),
+                own.node.load,
+            )
         };
         if let Some(lease) = lease {
             let key = node_key(&self.node_id);
-            if let Err(e) = self.registry.put(&key, &bytes, lease).await {
-                tracing::warn!(error = %e, "cannot update this node's load in the cluster registry");
+            match self.registry.put(&key, &bytes, lease).await {
+                Ok(_) => self.own().published = Some((load, Instant::now())),
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot update this node's load in the cluster registry")
+                }
             }
         }
     }
@@ -671,6 +739,8 @@ impl<R: Registry + Clone> Membership<R> {
             self.registry
                 .put(&node_key(&self.node_id), &bytes, lease)
                 .await?;
+            let mut own = self.own();
+            own.published = Some((own.node.load, Instant::now()));
         }
         Ok(())
     }

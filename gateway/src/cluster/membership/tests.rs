@@ -175,6 +175,7 @@ async fn the_reconcile_removes_stale_records_and_registers_what_is_missing() {
         "admin".to_owned(),
         "python3".to_owned(),
     )];
+    settle().await;
     let fixed = a.reconcile(&local).await.expect("reconcile");
     assert_eq!(
         fixed,
@@ -197,6 +198,7 @@ async fn the_reconcile_removes_stale_records_and_registers_what_is_missing() {
         [kernel_key("bs"), kernel_key("running")],
         "b's record stays"
     );
+    settle().await;
     let again = a.reconcile(&local).await.expect("reconcile");
     assert_eq!(again, Reconciled::default(), "nothing left to fix");
     // A claim after the reconcile registered the kernel is still this node's.
@@ -459,6 +461,7 @@ async fn the_reconcile_repairs_quota_slots_both_ways() {
         .create(&quota_key("alice", 1), b"ghost", lease)
         .await
         .expect("create"));
+    settle().await;
     let fixed = a.reconcile(&local(&["k1"])).await.expect("reconcile");
     assert_eq!(
         fixed,
@@ -476,6 +479,7 @@ async fn the_reconcile_repairs_quota_slots_both_ways() {
             .collect::<Vec<_>>(),
         ["k1"]
     );
+    settle().await;
     assert_eq!(
         a.reconcile(&local(&["k1"])).await.expect("again"),
         Reconciled::default()
@@ -487,6 +491,7 @@ async fn the_reconcile_repairs_quota_slots_both_ways() {
         .await
         .expect("delete"));
     create_for(&b, "k3", "alice", 2).await.expect("k3");
+    settle().await;
     let fixed = a.reconcile(&local(&["k1"])).await.expect("reconcile");
     assert_eq!(
         fixed,
@@ -497,7 +502,9 @@ async fn the_reconcile_repairs_quota_slots_both_ways() {
     );
     // A kernel gone from a's table: its record and its slot go.
     Membership::release(&b, "k3").await.expect("released");
+    settle().await;
     a.reconcile(&local(&["k1"])).await.expect("slot back");
+    settle().await;
     let fixed = a.reconcile(&local(&[])).await.expect("reconcile");
     assert_eq!(fixed.stale_records, 1);
     assert_eq!(
@@ -563,4 +570,61 @@ async fn a_nodes_snapshots_are_everyones_to_see_and_come_back_with_its_lease() {
         "a deleted snapshot leaves every view"
     );
     cancel.cancel();
+}
+
+/// The load a peer places by, as node b sees node a's record.
+fn load_seen(b: &Membership<Memory>) -> Option<u32> {
+    b.view().nodes.get("a").map(|n| n.load)
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_burst_of_creates_puts_the_nodes_load_at_most_once_a_second() {
+    use crate::kernels::ledger::Ledger;
+    use futures::{FutureExt, StreamExt};
+    let store = Memory::new();
+    let cancel = CancellationToken::new();
+    let (a, b) = two_nodes(&store, &cancel);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let from = store.list(PREFIX).await.expect("list").revision + 1;
+    let mut puts = store.watch(&node_key("a"), from).await.expect("watch");
+    let started = tokio::time::Instant::now();
+    for n in 0..10 {
+        let reservation = Ledger::reserve(&*a, "admin", None).await.expect("reserve");
+        Ledger::claim(&*a, &format!("k{n}"), "admin", "python3", reservation)
+            .await
+            .expect("claim");
+    }
+    let burst = started.elapsed();
+    tokio::time::sleep(LOAD_EVERY + Duration::from_millis(100)).await;
+    settle().await;
+    assert_eq!(load_seen(&b), Some(10), "the burst's load reached the peer");
+    let count = |puts: &mut futures::stream::BoxStream<'static, _>| {
+        let mut n = 0;
+        while let Some(Some(Ok::<Vec<Event>, RegistryError>(events))) = puts.next().now_or_never() {
+            n += events.len();
+        }
+        n
+    };
+    let during = count(&mut puts);
+    let most = 1 + (burst + LOAD_EVERY).as_millis() / LOAD_EVERY.as_millis();
+    assert!(
+        during >= 1 && during as u128 <= most,
+        "{during} puts of the node's record for 10 creates in {burst:?}"
+    );
+    tokio::time::sleep(LOAD_EVERY * 3).await;
+    assert_eq!(count(&mut puts), 0, "no put while the load stays");
+    cancel.cancel();
+}
+
+#[test]
+fn retries_back_off_with_jitter_up_to_their_cap() {
+    let cap = Duration::from_secs(2);
+    for failures in 1..40 {
+        let wait = backoff(failures, cap);
+        assert!(wait >= Duration::from_millis(50), "{wait:?}");
+        assert!(wait <= cap + Duration::from_millis(50), "{wait:?}");
+    }
+    // Nodes that failed together do not all wait the same.
+    let waits: std::collections::HashSet<Duration> = (0..20).map(|_| backoff(5, cap)).collect();
+    assert!(waits.len() > 10, "{waits:?}");
 }

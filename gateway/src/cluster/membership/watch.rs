@@ -2,9 +2,11 @@
 //! revision (and lists again when etcd compacted it), and the reconcile that repairs this
 //! node's own records and slots against the registry.
 
-use super::{Membership, Reconciled, Registered, View, PENDING};
-use crate::cluster::registry::{Change, Compare, Event, Lease, Registry, RegistryError, Revision};
-use crate::cluster::{kernel_key, Key, PREFIX};
+use super::{backoff, quota_prefix, Membership, Reconciled, Registered, View, PENDING};
+use crate::cluster::registry::{
+    Change, Compare, Entry, Event, Lease, Registry, RegistryError, Revision,
+};
+use crate::cluster::{kernel_key, PREFIX};
 use futures::StreamExt;
 use std::sync::Arc;
 use std::time::Duration;
@@ -12,10 +14,21 @@ use tokio_util::sync::CancellationToken;
 
 impl<R: Registry + Clone> Membership<R> {
     /// Compares the registry with `local`, the kernels this node runs now (id, owner,
-    /// spec), both ways: a record of this node's whose kernel is gone is removed, a kernel
-    /// the registry does not name is registered; a kernel of a key with a quota that holds
-    /// no slot is given one (or reported, when its key has none free), and a slot that
-    /// names a kernel no node has is freed. Returns how many of each it fixed.
+    /// spec), both ways, and returns how many of each it fixed:
+    ///
+    /// - a record of this node's whose kernel is gone is removed, with its quota slot (so
+    ///   that the node's next create is not refused for a kernel it no longer runs);
+    /// - a kernel the registry does not name is registered (so that it can be routed to),
+    ///   and a kernel of a key with a quota that holds no slot is given one (so that the key
+    ///   cannot start more than its `max_kernels`), or reported when the key has none free;
+    /// - a slot of one of this node's keys that names a kernel no node has is freed (a
+    ///   release that failed half-way), as is a slot of a create of this node's that ended.
+    ///
+    /// It reads no full listing: this node's records come from the watched view, and slots
+    /// only of the keys this node runs kernels of (or failed to free a slot of), one small
+    /// range each. Records and slots of other nodes are theirs to fix, and go with their
+    /// leases when they stop. Nothing is done before the view holds a first listing, and a
+    /// slot is judged only once the view has seen the slot's last change.
     pub async fn reconcile(
         &self,
         local: &[(String, String, String)],
@@ -23,45 +36,90 @@ impl<R: Registry + Clone> Membership<R> {
         let Some(lease) = self.own().lease else {
             return Ok(Reconciled::default());
         };
+        let (view_revision, mine, others) = {
+            let view = self.view.lock().unwrap_or_else(|e| e.into_inner());
+            let mine: Vec<(String, String, Revision)> = view
+                .kernels
+                .iter()
+                .filter(|(_, r)| r.node == self.node_id)
+                .map(|(id, r)| {
+                    let revision = view.kernel_revisions.get(id).copied().unwrap_or(0);
+                    (id.clone(), r.tenant.clone(), revision)
+                })
+                .collect();
+            let others: std::collections::HashSet<String> = view
+                .kernels
+                .iter()
+                .filter(|(_, r)| r.node != self.node_id)
+                .map(|(id, _)| id.clone())
+                .collect();
+            (view.revision, mine, others)
+        };
+        if view_revision == 0 {
+            return Ok(Reconciled::default());
+        }
         let mut fixed = Reconciled::default();
-        // One listing: records and slots as of one revision.
-        let listing = self.registry.list(PREFIX).await?;
-        let quota_prefix_all = format!("{PREFIX}quota/");
-        let slots: Vec<&crate::cluster::Entry> = listing
-            .entries
-            .iter()
-            .filter(|e| e.key.starts_with(&quota_prefix_all))
-            .collect();
         let is_local = |id: &str| local.iter().any(|(l, _, _)| l == id);
-        let mut records = std::collections::HashSet::new();
-        for entry in &listing.entries {
-            let Some(Key::Kernel(id)) = Key::parse(&entry.key) else {
+        let mut registered: std::collections::HashSet<String> = std::collections::HashSet::new();
+        let unfreed: Vec<String> = self.own().unfreed.iter().cloned().collect();
+        let mut keys: std::collections::BTreeSet<String> = unfreed.iter().cloned().collect();
+        for (id, tenant, revision) in &mine {
+            if is_local(id) {
+                registered.insert(id.clone());
                 continue;
-            };
-            records.insert(id.to_owned());
-            let gone = self.is_ours(&entry.value) && !is_local(id);
-            if gone && self.registry.delete_if(&entry.key, &entry.value).await? {
+            }
+            let unchanged = [Compare::Unchanged(kernel_key(id), *revision)];
+            if self
+                .registry
+                .txn(&unchanged, &[Change::Delete(kernel_key(id))])
+                .await?
+            {
                 let mut own = self.own();
                 own.kernels.remove(id);
                 own.quotas.remove(id);
                 drop(own);
-                records.remove(id);
                 fixed.stale_records += 1;
+                // Its slot, if its key has a quota, is freed below.
+                keys.insert(tenant.clone());
             }
         }
-        for (id, owner, spec) in local {
-            let record = listing.entries.iter().find(|e| e.key == kernel_key(id));
-            if record.is_some_and(|r| !self.is_ours(&r.value)) {
+        let quotas: Vec<(String, Option<super::Quota>)> = local
+            .iter()
+            .map(|(id, _, _)| (id.clone(), self.own().quotas.get(id).cloned()))
+            .collect();
+        keys.extend(
+            quotas
+                .iter()
+                .filter_map(|(_, q)| q.as_ref().map(|q| q.tenant.clone())),
+        );
+        keys.extend(self.own().quotas.values().map(|q| q.tenant.clone()));
+        let mut slots: Vec<Entry> = Vec::new();
+        for tenant in &keys {
+            slots.extend(self.registry.list(&quota_prefix(tenant)).await?.entries);
+        }
+        for ((id, owner, spec), (_, quota)) in local.iter().zip(&quotas) {
+            if others.contains(id) {
                 // Another node's: not this node's to fix.
                 continue;
             }
-            let quota = self.own().quotas.get(id).cloned();
             let has_slot = quota.is_none() || slots.iter().any(|e| e.value == id.as_bytes());
-            if record.is_some() && has_slot {
+            let mut known = registered.contains(id);
+            if !known {
+                // Not in the view: perhaps only not seen yet; one key's read tells.
+                let key = kernel_key(id);
+                let held = self.registry.list(&key).await?;
+                match held.entries.iter().find(|e| e.key == key) {
+                    Some(e) if !self.is_ours(&e.value) => continue,
+                    Some(_) => known = true,
+                    None => {}
+                }
+            }
+            if known && has_slot {
+                registered.insert(id.clone());
                 continue;
             }
-            let known = self.own().kernels.get(id).cloned();
-            let bytes = known.unwrap_or_else(|| {
+            let known_bytes = self.own().kernels.get(id).cloned();
+            let bytes = known_bytes.unwrap_or_else(|| {
                 serde_json::to_vec(&self.record_of(owner, spec)).unwrap_or_default()
             });
             match self
@@ -74,8 +132,8 @@ impl<R: Registry + Clone> Membership<R> {
                     if let Some(q) = own.quotas.get_mut(id) {
                         q.slot = slot;
                     }
-                    records.insert(id.clone());
-                    fixed.unregistered_kernels += u64::from(record.is_none());
+                    registered.insert(id.clone());
+                    fixed.unregistered_kernels += u64::from(!known);
                     fixed.missing_slots += u64::from(!has_slot);
                 }
                 Registered::Taken => {}
@@ -85,14 +143,23 @@ impl<R: Registry + Clone> Membership<R> {
                 }
             }
         }
-        let mine = format!("{PENDING}{}:", self.node_id);
+        let pending = format!("{PENDING}{}:", self.node_id);
         for slot in slots {
             let holder = String::from_utf8_lossy(&slot.value);
             let stale = match holder.strip_prefix(PENDING) {
                 // A create of this node's that ended without giving its slot back; other
                 // nodes' creates go with their leases.
-                Some(_) => holder.starts_with(&mine) && !self.own().quotas.contains_key(&*holder),
-                None => !records.contains(&*holder) && !is_local(&holder),
+                Some(_) => {
+                    holder.starts_with(&pending) && !self.own().quotas.contains_key(&*holder)
+                }
+                // The view has seen the slot's last change, and with it the record put in
+                // the same transaction, if there still is one.
+                None => {
+                    slot.revision <= self.view.lock().unwrap_or_else(|e| e.into_inner()).revision
+                        && !registered.contains(&*holder)
+                        && !others.contains(&*holder)
+                        && !is_local(&holder)
+                }
             };
             if !stale {
                 continue;
@@ -105,6 +172,10 @@ impl<R: Registry + Clone> Membership<R> {
             {
                 fixed.stale_slots += 1;
             }
+        }
+        let mut own = self.own();
+        for tenant in &unfreed {
+            own.unfreed.remove(tenant);
         }
         Ok(fixed)
     }
@@ -132,10 +203,13 @@ impl<R: Registry + Clone> Membership<R> {
     }
 
     /// The watch loop, until `cancel`: lists, then follows changes from the listing's
-    /// revision; resumes after a lost connection, lists again after compaction.
+    /// revision; resumes after a lost connection, lists again after compaction. A failed
+    /// listing or watch is tried again after a backoff with jitter (up to 5 s), so that a
+    /// slow etcd is not met with every node's retries at once.
     pub async fn follow(self: Arc<Self>, cancel: CancellationToken) {
         let mut from: Option<Revision> = None;
-        let retry = Duration::from_millis(500);
+        let mut failures = 0u32;
+        let most = Duration::from_secs(5);
         loop {
             if cancel.is_cancelled() {
                 return;
@@ -153,13 +227,15 @@ impl<R: Registry + Clone> Membership<R> {
                         }
                         view.revision = listing.revision;
                         self.update_view(|current| *current = view);
+                        failures = 0;
                         listing.revision + 1
                     }
                     Err(e) => {
                         tracing::debug!(error = %e, "cannot list the cluster registry; retrying");
+                        failures += 1;
                         tokio::select! {
                             _ = cancel.cancelled() => return,
-                            _ = tokio::time::sleep(retry) => continue,
+                            _ = tokio::time::sleep(backoff(failures, most)) => continue,
                         }
                     }
                 },
@@ -173,9 +249,10 @@ impl<R: Registry + Clone> Membership<R> {
                 }
                 Err(e) => {
                     tracing::debug!(error = %e, "cannot watch the cluster registry; retrying");
+                    failures += 1;
                     tokio::select! {
                         _ = cancel.cancelled() => return,
-                        _ = tokio::time::sleep(retry) => continue,
+                        _ = tokio::time::sleep(backoff(failures, most)) => continue,
                     }
                 }
             };
@@ -194,6 +271,7 @@ impl<R: Registry + Clone> Membership<R> {
                             revision = view.revision;
                         });
                         from = Some(revision + 1);
+                        failures = 0;
                     }
                     Some(Err(RegistryError::Compacted { .. })) => {
                         from = None;
@@ -206,9 +284,10 @@ impl<R: Registry + Clone> Membership<R> {
                     None => break,
                 }
             }
+            failures += 1;
             tokio::select! {
                 _ = cancel.cancelled() => return,
-                _ = tokio::time::sleep(retry) => {}
+                _ = tokio::time::sleep(backoff(failures, most)) => {}
             }
         }
     }
