@@ -368,7 +368,8 @@ async fn version(State(state): State<AppState>, req: Request) -> Json<Version> {
         cluster: state.cluster.as_ref().map(|c| ClusterInfo {
             node: c.node_id.clone(),
             nodes: {
-                let mut nodes: Vec<String> = c.membership.view().nodes.into_keys().collect();
+                let mut nodes: Vec<String> =
+                    c.membership.view_for(None).nodes.into_keys().collect();
                 nodes.sort();
                 nodes
             },

@@ -225,7 +225,7 @@ pub async fn list(
     let tenant = caller.0.clone();
     // In a cluster, other nodes' snapshots too, as the registry lists them.
     let elsewhere = state.cluster.as_ref().map_or_else(Vec::new, |cluster| {
-        let view = cluster.membership.view();
+        let view = cluster.membership.view_for(None);
         view.snapshots
             .into_values()
             .filter(|r| r.node != cluster.node_id)

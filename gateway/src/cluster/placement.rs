@@ -16,8 +16,8 @@ pub fn candidates(view: &View, spec: &str) -> Vec<String> {
         .iter()
         .filter(|(_, n)| !n.away && n.specs.iter().any(|s| s == spec))
         .filter_map(|(id, n)| {
-            let recorded = view.kernels.values().filter(|k| k.node == *id).count();
-            let used = n.load.max(u32::try_from(recorded).unwrap_or(u32::MAX));
+            let recorded = view.kernels_on.get(id).copied().unwrap_or(0);
+            let used = n.load.max(recorded);
             let free = n.capacity.saturating_sub(used);
             let warm = n.warm.get(spec).copied().unwrap_or(0);
             (free > 0).then_some((free, warm, id.as_str()))
@@ -30,7 +30,7 @@ pub fn candidates(view: &View, spec: &str) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cluster::{KernelRecord, NodeRecord};
+    use crate::cluster::{kernel_key, Entry, Event, KernelRecord, NodeRecord};
 
     fn node(capacity: u32, load: u32, specs: &[&str]) -> NodeRecord {
         NodeRecord {
@@ -83,7 +83,11 @@ mod tests {
         let mut placed = Vec::new();
         for i in 0..6 {
             let first = candidates(&view, "python3")[0].clone();
-            view.kernels.insert(format!("k{i}"), kernel_on(&first));
+            view.apply(&Event::Put(Entry {
+                key: kernel_key(&format!("k{i}")),
+                value: serde_json::to_vec(&kernel_on(&first)).expect("json"),
+                revision: i + 1,
+            }));
             placed.push(first);
         }
         placed.sort();

@@ -45,7 +45,7 @@ pub(super) async fn route(
     let Some(id) = sandbox_of(&path) else {
         return next.run(req).await;
     };
-    let view = cluster.membership.view();
+    let view = cluster.membership.view_for(Some(id));
     let ask = Ask {
         method: req.method().clone(),
         kernel: owner_of(state, cluster, Some(&view), Some(id)),

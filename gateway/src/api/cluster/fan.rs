@@ -17,23 +17,25 @@ pub(super) async fn list(
     req: Request,
     next: Next,
 ) -> Response {
-    let view = cluster.membership.view();
     let (asked, mut rows) = match local_rows::<KernelModel>(req, next).await {
         Ok(local) => local,
         Err(answer) => return answer,
     };
     // Only the nodes that hold a kernel the caller may see.
-    let mut others = other_nodes(cluster, &view);
-    others.retain(|to| {
+    let mut others = other_nodes(cluster, &cluster.membership.view_for(None));
+    let holding: std::collections::HashSet<String> = cluster.membership.with_view(|view| {
         view.kernels
             .values()
-            .any(|k| k.node == to.node && caller.0.may_use(&k.tenant))
+            .filter(|k| caller.0.may_use(&k.tenant))
+            .map(|k| k.node.clone())
+            .collect()
     });
+    others.retain(|to| holding.contains(&to.node));
     let asks = ask_others(cluster, caller, &asked, &others).await;
     for (node, answer) in asks {
         match answer {
             Some(theirs) => rows.extend(theirs),
-            None => rows.extend(
+            None => rows.extend(cluster.membership.with_view(|view| {
                 view.kernels
                     .iter()
                     .filter(|(_, k)| k.node == node && caller.0.may_use(&k.tenant))
@@ -46,8 +48,9 @@ pub(super) async fn list(
                         hibernated: false,
                         hibernate_blocked: None,
                         hibernation: None,
-                    }),
-            ),
+                    })
+                    .collect::<Vec<_>>()
+            })),
         }
     }
     axum::Json(rows).into_response()
@@ -152,7 +155,7 @@ pub(super) async fn approvals(
         Ok(local) => local,
         Err(answer) => return answer,
     };
-    let others = other_nodes(cluster, &cluster.membership.view());
+    let others = other_nodes(cluster, &cluster.membership.view_for(None));
     for (_, theirs) in ask_others(cluster, caller, &asked, &others).await {
         rows.extend(theirs.unwrap_or_default());
     }
@@ -187,7 +190,7 @@ pub(super) async fn answer(
     if local.status() != StatusCode::NOT_FOUND {
         return local;
     }
-    for to in other_nodes(cluster, &cluster.membership.view()) {
+    for to in other_nodes(cluster, &cluster.membership.view_for(None)) {
         let response = forward(
             cluster,
             &to,
@@ -231,7 +234,7 @@ pub(super) async fn mcp_elsewhere(
         .get(session)
         .cloned();
     // The node remembered first, then the others.
-    let mut order = other_nodes(cluster, &cluster.membership.view());
+    let mut order = other_nodes(cluster, &cluster.membership.view_for(None));
     if let Some(node) = &remembered {
         order.sort_by_key(|to| to.node != *node);
     }

@@ -109,8 +109,11 @@ pub async fn route(State(state): State<AppState>, req: Request, next: Next) -> R
         }
         _ => {}
     }
-    // The registry's view is copied only for a request that names a kernel.
-    let view = kernel.as_ref().map(|_| cluster.membership.view());
+    // The registry's view is copied only for a request that names a kernel, with that
+    // kernel's record alone.
+    let view = kernel
+        .as_deref()
+        .map(|id| cluster.membership.view_for(Some(id)));
     let owner = match rule {
         Rule::Snapshot => keeper_of(&state, &cluster, &caller, view.as_ref(), kernel.as_deref()),
         _ => owner_of(&state, &cluster, view.as_ref(), kernel.as_deref()),
@@ -274,7 +277,7 @@ pub(super) async fn replace_named(state: &AppState, caller: &Caller, name: &str,
     let Some(cluster) = &state.cluster else {
         return;
     };
-    let view = cluster.membership.view();
+    let view = cluster.membership.view_for(None);
     let older = view.snapshots.iter().filter(|(other, r)| {
         *other != id
             && r.owner == caller.0.name

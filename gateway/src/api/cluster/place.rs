@@ -129,7 +129,7 @@ async fn place_somewhere(
         )
         .into_response();
     };
-    let view = cluster.membership.view();
+    let view = cluster.membership.view_for(None);
     let Wanted {
         snapshot,
         spec,

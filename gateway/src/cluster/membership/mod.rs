@@ -184,12 +184,16 @@ pub struct View {
     /// removes a stale record only if it is still that change.
     pub kernel_revisions: HashMap<String, Revision>,
     pub snapshots: HashMap<String, SnapshotRecord>,
+    /// How many kernel records each node holds, kept as records come and go (placement
+    /// reads it for every create; counting the records each time grows with the cluster).
+    pub kernels_on: HashMap<String, u32>,
     /// The registry revision this view reflects.
     pub revision: Revision,
 }
 
 impl View {
-    fn apply(&mut self, event: &Event) {
+    /// One change the watch saw (or one entry of a listing, as a put).
+    pub fn apply(&mut self, event: &Event) {
         match event {
             Event::Put(entry) => match Key::parse(&entry.key) {
                 Some(Key::Node(id)) => {
@@ -198,8 +202,11 @@ impl View {
                     }
                 }
                 Some(Key::Kernel(id)) => {
-                    if let Ok(r) = serde_json::from_slice(&entry.value) {
-                        self.kernels.insert(id.to_owned(), r);
+                    if let Ok(r) = serde_json::from_slice::<KernelRecord>(&entry.value) {
+                        *self.kernels_on.entry(r.node.clone()).or_default() += 1;
+                        if let Some(old) = self.kernels.insert(id.to_owned(), r) {
+                            self.uncount(&old.node);
+                        }
                         self.kernel_revisions.insert(id.to_owned(), entry.revision);
                     }
                 }
@@ -215,7 +222,9 @@ impl View {
                     self.nodes.remove(id);
                 }
                 Some(Key::Kernel(id)) => {
-                    self.kernels.remove(id);
+                    if let Some(old) = self.kernels.remove(id) {
+                        self.uncount(&old.node);
+                    }
                     self.kernel_revisions.remove(id);
                 }
                 Some(Key::Snapshot(id)) => {
@@ -225,6 +234,37 @@ impl View {
             },
         }
         self.revision = self.revision.max(event.revision());
+    }
+
+    fn uncount(&mut self, node: &str) {
+        if let Some(n) = self.kernels_on.get_mut(node) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                self.kernels_on.remove(node);
+            }
+        }
+    }
+
+    /// A copy of the nodes, the snapshots and the counts, with only kernel `kernel`'s
+    /// record (if named and known): what a request needs, without copying every record.
+    fn for_kernel(&self, kernel: Option<&str>) -> View {
+        let one = |map_id: Option<&str>| {
+            map_id
+                .and_then(|id| self.kernels.get_key_value(id))
+                .map(|(id, r)| (id.clone(), r.clone()))
+        };
+        View {
+            nodes: self.nodes.clone(),
+            kernels: one(kernel).into_iter().collect(),
+            kernel_revisions: kernel
+                .and_then(|id| self.kernel_revisions.get_key_value(id))
+                .map(|(id, r)| (id.clone(), *r))
+                .into_iter()
+                .collect(),
+            snapshots: self.snapshots.clone(),
+            kernels_on: self.kernels_on.clone(),
+            revision: self.revision,
+        }
     }
 }
 
@@ -368,9 +408,24 @@ impl<R: Registry + Clone> Membership<R> {
         self.own.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// A copy of the current view.
+    /// A copy of the current view, every kernel record included.
     pub fn view(&self) -> View {
         self.view.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// A copy of the view with only kernel `kernel`'s record (or none): the nodes, the
+    /// snapshots and each node's count of records. What a request routes by, at a cost that
+    /// does not grow with the number of kernels.
+    pub fn view_for(&self, kernel: Option<&str>) -> View {
+        self.view
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .for_kernel(kernel)
+    }
+
+    /// `read` of the view in place, without copying it.
+    pub fn with_view<T>(&self, read: impl FnOnce(&View) -> T) -> T {
+        read(&self.view.lock().unwrap_or_else(|e| e.into_inner()))
     }
 
     /// Replaces the view (a listing), or applies changes to it (the watch), and wakes who
