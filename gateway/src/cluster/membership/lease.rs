@@ -117,17 +117,13 @@ impl<R: Registry + Clone> Membership<R> {
         let period = self.ttl / 3;
         let mut wait = Duration::ZERO;
         let mut failures = 0u32;
-        let mut load = tokio::time::interval(LOAD_EVERY);
-        load.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // Beside the renewals, never in their way: a put etcd is slow to answer must not
+        // hold a renewal back.
+        tokio::spawn(self.clone().publish_loads(cancel.clone()));
         loop {
-            let until = tokio::time::sleep(wait);
-            tokio::pin!(until);
-            loop {
-                tokio::select! {
-                    _ = cancel.cancelled() => return,
-                    _ = &mut until => break,
-                    _ = load.tick() => self.publish_load_if_changed().await,
-                }
+            tokio::select! {
+                _ = cancel.cancelled() => return,
+                _ = tokio::time::sleep(wait) => {}
             }
             let lease = self.own().lease;
             let ok = match lease {
@@ -155,6 +151,18 @@ impl<R: Registry + Clone> Membership<R> {
             } else {
                 backoff(failures, period / 2)
             };
+        }
+    }
+
+    /// Puts the node's load, when it changed, every [`LOAD_EVERY`] until `cancel`.
+    async fn publish_loads(self: Arc<Self>, cancel: CancellationToken) {
+        let mut tick = tokio::time::interval(LOAD_EVERY);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = cancel.cancelled() => return,
+                _ = tick.tick() => self.publish_load_if_changed().await,
+            }
         }
     }
 

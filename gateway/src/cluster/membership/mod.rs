@@ -9,10 +9,9 @@
 //! new lease with every record registered again. A kernel record is claimed with
 //! create-if-absent, so re-registering never takes a kernel another node claimed meanwhile.
 
-use super::registry::{Change, Compare, Event, Lease, Registry, RegistryError, Revision};
-use super::{kernel_key, node_key, snapshot_key, KernelRecord, Key, NodeRecord, SnapshotRecord};
-use crate::kernels::ledger::{ClaimRefused, Ledger, Reservation};
-use futures::future::BoxFuture;
+use super::registry::{Change, Compare, Lease, Registry, RegistryError};
+use super::{kernel_key, node_key, snapshot_key, KernelRecord, NodeRecord, SnapshotRecord};
+use crate::kernels::ledger::Reservation;
 use kernelgate_protocol::rest::SnapshotModel;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -39,233 +38,6 @@ fn backoff(failures: u32, cap: Duration) -> Duration {
     let step = Duration::from_millis(250).saturating_mul(1 << failures.min(16));
     let most = step.min(cap).max(Duration::from_millis(50));
     Duration::from_millis(50) + jitter(most)
-}
-
-/// The kernel table's records go to the registry: a create is refused unless its kernel is
-/// claimed, and the node's load follows its kernels.
-impl<R: Registry + Clone + std::fmt::Debug> Ledger for Membership<R> {
-    fn reserve<'a>(
-        &'a self,
-        owner: &'a str,
-        max_kernels: Option<usize>,
-    ) -> BoxFuture<'a, Result<Reservation, ClaimRefused>> {
-        Box::pin(async move {
-            let unavailable = |e: ClaimError| ClaimRefused::Unavailable(e.to_string());
-            let Some(max) = max_kernels else {
-                // No slot to hold; a node cut off refuses here all the same, before a
-                // kernel is taken or started for nothing.
-                if self.own().lease.is_none() {
-                    return Err(unavailable(ClaimError::CutOff));
-                }
-                return Ok(Reservation {
-                    holder: None,
-                    quota: None,
-                });
-            };
-            let holder = format!(
-                "{PENDING}{}:{}",
-                self.node_id,
-                uuid::Uuid::new_v4().simple()
-            );
-            if !self
-                .reserve_slot(owner, max, &holder)
-                .await
-                .map_err(unavailable)?
-            {
-                return Err(ClaimRefused::Quota {
-                    key: owner.to_owned(),
-                    max,
-                });
-            }
-            Ok(Reservation {
-                holder: Some(holder),
-                quota: Some((owner.to_owned(), max)),
-            })
-        })
-    }
-
-    fn claim<'a>(
-        &'a self,
-        id: &'a str,
-        owner: &'a str,
-        spec: &'a str,
-        reservation: Reservation,
-    ) -> BoxFuture<'a, Result<(), ClaimRefused>> {
-        Box::pin(async move {
-            let unavailable = |e: ClaimError| ClaimRefused::Unavailable(e.to_string());
-            let record = self.record_of(owner, spec);
-            let refused = match self.claim_with(id, &record, &reservation).await {
-                Ok(Registered::Held { .. }) => {
-                    self.publish_load().await;
-                    return Ok(());
-                }
-                Ok(Registered::Taken) => unavailable(ClaimError::Taken(id.to_owned())),
-                Ok(Registered::OverQuota { key, max }) => ClaimRefused::Quota { key, max },
-                Err(e) => unavailable(e),
-            };
-            self.cancel_reservation(reservation).await;
-            Err(refused)
-        })
-    }
-
-    fn cancel(&self, reservation: Reservation) -> BoxFuture<'_, ()> {
-        Box::pin(self.cancel_reservation(reservation))
-    }
-
-    fn adopt(&self, id: &str, owner: &str, spec: &str, running: bool) {
-        let record = self.record_of(owner, spec);
-        Membership::adopt(self, id, &record);
-        let max = if running { self.quota_of(owner) } else { None };
-        let mut own = self.own();
-        if let Some(max) = max {
-            own.quotas.insert(
-                id.to_owned(),
-                Quota {
-                    tenant: owner.to_owned(),
-                    max,
-                    slot: None,
-                },
-            );
-        }
-        own.node.load = u32::try_from(own.kernels.len()).unwrap_or(u32::MAX);
-    }
-
-    fn release<'a>(&'a self, id: &'a str) -> BoxFuture<'a, ()> {
-        Box::pin(async move {
-            if let Err(e) = Membership::release(self, id).await {
-                // Its lease takes it when this node stops; until then others may still
-                // route to it and get this node's 404.
-                tracing::warn!(kernel = %id, error = %e, "cannot remove the kernel's record from the cluster registry");
-            }
-            self.publish_load().await;
-        })
-    }
-
-    fn hibernated<'a>(&'a self, id: &'a str, hibernated: bool) -> BoxFuture<'a, ()> {
-        Box::pin(async move {
-            if let Err(e) = self.set_hibernated(id, hibernated).await {
-                tracing::warn!(kernel = %id, error = %e, "cannot mark the kernel's record hibernated in the cluster registry");
-            }
-        })
-    }
-
-    fn snapshot_kept<'a>(&'a self, owner: &'a str, model: &'a SnapshotModel) -> BoxFuture<'a, ()> {
-        Box::pin(async move {
-            if let Err(e) = self.keep_snapshot(owner, model).await {
-                // Kept in this node's records all the same: the next registration puts it.
-                tracing::warn!(snapshot = %model.id, error = %e, "cannot record the snapshot in the cluster registry");
-            }
-        })
-    }
-
-    fn snapshot_gone<'a>(&'a self, id: &'a str) -> BoxFuture<'a, ()> {
-        Box::pin(async move {
-            if let Err(e) = self.forget_snapshot(id).await {
-                tracing::warn!(snapshot = %id, error = %e, "cannot remove the snapshot's record from the cluster registry");
-            }
-        })
-    }
-
-    fn snapshots_elsewhere(&self, owner: &str) -> (usize, u64) {
-        let view = self.view.lock().unwrap_or_else(|e| e.into_inner());
-        view.snapshots
-            .values()
-            .filter(|r| r.owner == owner && r.node != self.node_id)
-            .fold((0, 0), |(n, b), r| (n + 1, b + r.model.size))
-    }
-}
-
-/// Everyone's records, as this node last saw them.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct View {
-    pub nodes: HashMap<String, NodeRecord>,
-    pub kernels: HashMap<String, KernelRecord>,
-    /// The revision of each kernel record's last change, by kernel id: the reconcile
-    /// removes a stale record only if it is still that change.
-    pub kernel_revisions: HashMap<String, Revision>,
-    pub snapshots: HashMap<String, SnapshotRecord>,
-    /// How many kernel records each node holds, kept as records come and go (placement
-    /// reads it for every create; counting the records each time grows with the cluster).
-    pub kernels_on: HashMap<String, u32>,
-    /// The registry revision this view reflects.
-    pub revision: Revision,
-}
-
-impl View {
-    /// One change the watch saw (or one entry of a listing, as a put).
-    pub fn apply(&mut self, event: &Event) {
-        match event {
-            Event::Put(entry) => match Key::parse(&entry.key) {
-                Some(Key::Node(id)) => {
-                    if let Ok(r) = serde_json::from_slice(&entry.value) {
-                        self.nodes.insert(id.to_owned(), r);
-                    }
-                }
-                Some(Key::Kernel(id)) => {
-                    if let Ok(r) = serde_json::from_slice::<KernelRecord>(&entry.value) {
-                        *self.kernels_on.entry(r.node.clone()).or_default() += 1;
-                        if let Some(old) = self.kernels.insert(id.to_owned(), r) {
-                            self.uncount(&old.node);
-                        }
-                        self.kernel_revisions.insert(id.to_owned(), entry.revision);
-                    }
-                }
-                Some(Key::Snapshot(id)) => {
-                    if let Ok(r) = serde_json::from_slice(&entry.value) {
-                        self.snapshots.insert(id.to_owned(), r);
-                    }
-                }
-                None => {}
-            },
-            Event::Delete { key, .. } => match Key::parse(key) {
-                Some(Key::Node(id)) => {
-                    self.nodes.remove(id);
-                }
-                Some(Key::Kernel(id)) => {
-                    if let Some(old) = self.kernels.remove(id) {
-                        self.uncount(&old.node);
-                    }
-                    self.kernel_revisions.remove(id);
-                }
-                Some(Key::Snapshot(id)) => {
-                    self.snapshots.remove(id);
-                }
-                None => {}
-            },
-        }
-        self.revision = self.revision.max(event.revision());
-    }
-
-    fn uncount(&mut self, node: &str) {
-        if let Some(n) = self.kernels_on.get_mut(node) {
-            *n = n.saturating_sub(1);
-            if *n == 0 {
-                self.kernels_on.remove(node);
-            }
-        }
-    }
-
-    /// A copy of the nodes, the snapshots and the counts, with only kernel `kernel`'s
-    /// record (if named and known): what a request needs, without copying every record.
-    fn for_kernel(&self, kernel: Option<&str>) -> View {
-        let one = |map_id: Option<&str>| {
-            map_id
-                .and_then(|id| self.kernels.get_key_value(id))
-                .map(|(id, r)| (id.clone(), r.clone()))
-        };
-        View {
-            nodes: self.nodes.clone(),
-            kernels: one(kernel).into_iter().collect(),
-            kernel_revisions: kernel
-                .and_then(|id| self.kernel_revisions.get_key_value(id))
-                .map(|(id, r)| (id.clone(), *r))
-                .into_iter()
-                .collect(),
-            snapshots: self.snapshots.clone(),
-            kernels_on: self.kernels_on.clone(),
-            revision: self.revision,
-        }
-    }
 }
 
 /// What one reconcile fixed, or found and could not fix.
@@ -802,10 +574,13 @@ impl<R: Registry + Clone> Membership<R> {
 }
 
 mod lease;
+mod ledger;
 mod quota;
+mod view;
 mod watch;
 pub use quota::QuotaOf;
 use quota::{free_slots, quota_prefix, PENDING};
+pub use view::View;
 
 #[cfg(test)]
 mod tests;

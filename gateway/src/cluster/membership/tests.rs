@@ -2,7 +2,8 @@
 //! outages, a restarted node's records, the reconcile.
 use super::*;
 use crate::cluster::memory::Memory;
-use crate::cluster::{quota_key, PREFIX};
+use crate::cluster::{quota_key, Event, PREFIX};
+use crate::kernels::ledger::{ClaimRefused, Ledger};
 use tokio_util::sync::CancellationToken;
 
 fn node(address: &str) -> NodeRecord {
@@ -579,7 +580,6 @@ fn load_seen(b: &Membership<Memory>) -> Option<u32> {
 
 #[tokio::test(start_paused = true)]
 async fn a_burst_of_creates_puts_the_nodes_load_at_most_once_a_second() {
-    use crate::kernels::ledger::Ledger;
     use futures::{FutureExt, StreamExt};
     let store = Memory::new();
     let cancel = CancellationToken::new();
