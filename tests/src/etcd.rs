@@ -1,7 +1,8 @@
 //! A real etcd (Debian's `etcd-server`) for the tests of cluster mode: one member on
 //! loopback ports of its own (or in a test host of its own), a temporary data directory,
 //! stopped and removed on drop. Optionally serving TLS with client certificates, signed by
-//! a CA made for the test.
+//! a CA made for the test, or with command-line flags of the caller's (the deployed ones).
+//! It can be killed and resumed (an outage), or paused and continued (a member that hangs).
 
 use crate::netns::Host;
 use anyhow::{bail, Context, Result};
@@ -20,6 +21,8 @@ pub struct EtcdServer {
     peer_port: u16,
     /// Certificates for an etcd serving TLS that asks clients for theirs.
     tls: Option<Tls>,
+    /// Flags added to its command line, at every start.
+    args: Vec<String>,
 }
 
 /// A test CA, etcd's server certificate and a client certificate, all signed by that CA,
@@ -97,16 +100,22 @@ impl Tls {
 impl EtcdServer {
     /// Starts etcd on free loopback ports and waits until it answers.
     pub async fn start() -> Result<EtcdServer> {
-        Self::on_loopback(false).await
+        Self::on_loopback(false, &[]).await
+    }
+
+    /// Starts etcd on free loopback ports with `args` added to its command line (again at
+    /// each [`EtcdServer::resume`]), e.g. the compaction flags of deploy/.
+    pub async fn start_with(args: &[String]) -> Result<EtcdServer> {
+        Self::on_loopback(false, args).await
     }
 
     /// Starts etcd on free loopback ports serving TLS only, and only to clients that show a
     /// certificate signed by its test CA ([`EtcdServer::tls`]).
     pub async fn start_tls() -> Result<EtcdServer> {
-        Self::on_loopback(true).await
+        Self::on_loopback(true, &[]).await
     }
 
-    async fn on_loopback(tls: bool) -> Result<EtcdServer> {
+    async fn on_loopback(tls: bool, args: &[String]) -> Result<EtcdServer> {
         let data = tempfile::Builder::new().prefix("kg-etcd-").tempdir()?;
         let tls = if tls {
             Some(Tls::write(data.path())?)
@@ -120,6 +129,7 @@ impl EtcdServer {
             client_port: crate::free_port()?,
             peer_port: crate::free_port()?,
             tls,
+            args: args.to_vec(),
         };
         server.spawn().await?;
         Ok(server)
@@ -141,6 +151,7 @@ impl EtcdServer {
             client_port: 2379,
             peer_port: 2380,
             tls: None,
+            args: Vec::new(),
         };
         server.spawn().await?;
         Ok(server)
@@ -165,9 +176,39 @@ impl EtcdServer {
         Ok(())
     }
 
-    /// Starts the member again on the same ports and data (the end of an outage).
+    /// Starts the member again on the same ports, data and flags (the end of an outage).
     pub async fn resume(&mut self) -> Result<()> {
         self.spawn().await
+    }
+
+    /// The member's process id (in a test host too: `nsenter` execs etcd); `None` while
+    /// killed.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// Stops the member with SIGSTOP: it keeps its connections and answers nothing, as a
+    /// member stuck on its disk or starved of CPU does, until [`EtcdServer::unpause`].
+    pub fn pause(&self) -> Result<()> {
+        self.signal("STOP")
+    }
+
+    /// Lets a paused member run on with SIGCONT.
+    pub fn unpause(&self) -> Result<()> {
+        self.signal("CONT")
+    }
+
+    fn signal(&self, name: &str) -> Result<()> {
+        let pid = self.pid().context("etcd is not running")?;
+        let status = Command::new("kill")
+            .arg(format!("-{name}"))
+            .arg(pid.to_string())
+            .status()
+            .context("cannot run kill")?;
+        if !status.success() {
+            bail!("kill -{name} {pid}: {status}");
+        }
+        Ok(())
     }
 
     async fn spawn(&mut self) -> Result<()> {
@@ -205,6 +246,7 @@ impl EtcdServer {
             .args(["--listen-peer-urls", &peer])
             .args(["--initial-advertise-peer-urls", &peer])
             .args(["--initial-cluster", &format!("kg-test={peer}")])
+            .args(&self.args)
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()

@@ -2,16 +2,48 @@
 //! mode relies on, as etcd really does it. Leases expire with their keys, a kernel can be
 //! claimed once, a record is removed only by whoever holds its exact value, a watch resumes
 //! from a revision and reports compaction, and an outage is an error the caller can tell.
+//! etcd run with deploy/'s compaction flags keeps its history bounded under churn, and a
+//! member that hangs for less than the TTL costs no node its lease.
 
-use anyhow::Result;
+use anyhow::{bail, ensure, Context, Result};
 use futures::StreamExt;
 use kernelgate::cluster::etcd::Etcd;
-use kernelgate::cluster::{kernel_key, Event, Registry, RegistryError};
+use kernelgate::cluster::{kernel_key, Event, KernelRecord, NodeRecord, Registry, RegistryError};
 use kernelgate_tests::etcd::EtcdServer;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 fn client(server: &EtcdServer) -> Result<Etcd> {
     Ok(Etcd::new(vec![server.url()], reqwest::Client::builder())?)
+}
+
+/// A node's record, advertising `address`.
+fn node_record(address: &str) -> NodeRecord {
+    NodeRecord {
+        address: address.into(),
+        cluster_address: None,
+        incarnation: uuid::Uuid::new_v4().to_string(),
+        capacity: 2,
+        load: 0,
+        version: "test".into(),
+        specs: vec!["python3".into()],
+        warm: Default::default(),
+        away: false,
+    }
+}
+
+/// A kernel's record, owned by node `node`.
+fn kernel_record(node: &str) -> KernelRecord {
+    KernelRecord {
+        node: node.into(),
+        incarnation: "i".into(),
+        tenant: "admin".into(),
+        spec: "python3".into(),
+        created: "2026-01-01T00:00:00.000000Z".into(),
+        hibernated: false,
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -114,24 +146,22 @@ async fn an_outage_is_unreachable_and_leases_come_back_with_etcd() -> Result<()>
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_that_stops_renewing_loses_its_kernels_in_the_others_view() -> Result<()> {
     use kernelgate::cluster::membership::Membership;
-    use kernelgate::cluster::{KernelRecord, NodeRecord};
     use tokio_util::sync::CancellationToken;
 
     let server = EtcdServer::start().await?;
     let ttl = Duration::from_secs(3);
-    let record = |address: &str| NodeRecord {
-        address: address.into(),
-        cluster_address: None,
-        incarnation: uuid::Uuid::new_v4().to_string(),
-        capacity: 2,
-        load: 0,
-        version: "test".into(),
-        specs: vec!["python3".into()],
-        warm: Default::default(),
-        away: false,
-    };
-    let a = Membership::new(client(&server)?, "a", record("http://198.18.0.1:8888"), ttl);
-    let b = Membership::new(client(&server)?, "b", record("http://198.18.0.2:8888"), ttl);
+    let a = Membership::new(
+        client(&server)?,
+        "a",
+        node_record("http://198.18.0.1:8888"),
+        ttl,
+    );
+    let b = Membership::new(
+        client(&server)?,
+        "b",
+        node_record("http://198.18.0.2:8888"),
+        ttl,
+    );
     let a_stops = CancellationToken::new();
     let b_stops = CancellationToken::new();
     let a_keep = tokio::spawn(a.clone().keep(a_stops.clone(), |_| {}));
@@ -142,15 +172,7 @@ async fn a_node_that_stops_renewing_loses_its_kernels_in_the_others_view() -> Re
         assert!(started.elapsed() < Duration::from_secs(5), "registration");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let kernel = KernelRecord {
-        node: "a".into(),
-        incarnation: "i".into(),
-        tenant: "admin".into(),
-        spec: "python3".into(),
-        created: "2026-01-01T00:00:00.000000Z".into(),
-        hibernated: false,
-    };
-    a.claim("k1", &kernel).await?;
+    a.claim("k1", &kernel_record("a")).await?;
     let seen = Instant::now();
     while !b.view().kernels.contains_key("k1") {
         assert!(
@@ -256,5 +278,312 @@ async fn with_authentication_on_only_the_user_gets_in_and_a_stale_token_is_renew
     enable_auth(&server, "s3cret", true).await?;
     assert!(etcd.keep_alive(lease).await?, "renewed with a new token");
     assert_eq!(etcd.list("/kernelgate/v1/").await?.entries.len(), 1);
+    Ok(())
+}
+
+/// The flags of etcd's command line in deploy/kubernetes/etcd.yaml that bound its history
+/// and its file (`--auto-compaction-*`, `--quota-backend-bytes`); deploy/swarm/kernelgate.yml
+/// must give the same ones.
+fn deployed_etcd_flags() -> Result<Vec<String>> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let flags = |file: &str| -> Result<Vec<String>> {
+        let text = std::fs::read_to_string(root.join(file)).with_context(|| file.to_owned())?;
+        Ok(text
+            .lines()
+            .filter_map(|line| line.trim().strip_prefix("- "))
+            .map(|arg| arg.trim_matches(['"', '\'']))
+            .filter(|arg| {
+                arg.starts_with("--auto-compaction-") || arg.starts_with("--quota-backend-bytes=")
+            })
+            .map(str::to_owned)
+            .collect())
+    };
+    let kubernetes = flags("deploy/kubernetes/etcd.yaml")?;
+    let swarm = flags("deploy/swarm/kernelgate.yml")?;
+    ensure!(
+        kubernetes.len() == 3,
+        "deploy/kubernetes/etcd.yaml gives etcd {kubernetes:?}"
+    );
+    ensure!(
+        swarm == kubernetes,
+        "deploy/swarm/kernelgate.yml gives etcd {swarm:?}, Kubernetes {kubernetes:?}"
+    );
+    Ok(kubernetes)
+}
+
+/// The value of `--name=value` among `flags`.
+fn flag<'a>(flags: &'a [String], name: &str) -> Option<&'a str> {
+    flags
+        .iter()
+        .find_map(|f| f.strip_prefix(name)?.strip_prefix('='))
+}
+
+/// A periodic `--auto-compaction-retention`: a number of `s`, `m` or `h` (hours when bare,
+/// as etcd reads it).
+fn retention(value: &str) -> Result<Duration> {
+    let digits = value
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(value.len());
+    let (n, unit) = value.split_at(digits);
+    let n: u64 = n.parse().with_context(|| format!("retention {value:?}"))?;
+    Ok(Duration::from_secs(match unit {
+        "s" => n,
+        "m" => n * 60,
+        "h" | "" => n * 3600,
+        _ => bail!("retention {value:?}: not a number of s, m or h"),
+    }))
+}
+
+/// etcd run with deploy/'s flags under steady churn (kernel records created and deleted
+/// under a lease, about 40 writes/s, through the project's client) compacts its history:
+/// revision 1 is gone, and the revisions it keeps are about a retention's worth of writes,
+/// fewer than the writes made. It runs with the quota deploy/ states.
+///
+/// etcd's periodic compactor compacts, every retention, to the revision it noted a
+/// retention before; it takes its first note when the member starts. A new member's first
+/// compaction is therefore to revision 1 and drops nothing, and the first one that drops
+/// history comes two retentions after the start (etcd 3.4: at 60 s to revision 1, at 120 s
+/// to the revision of 66 s before). So the member is restarted after 20 s of churn: its
+/// first compaction, a retention later, drops those 20 s, and the test takes about 85 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_deployed_compaction_bounds_the_history_under_churn() -> Result<()> {
+    use tokio::time::MissedTickBehavior;
+    use tokio_util::sync::CancellationToken;
+
+    let flags = deployed_etcd_flags()?;
+    assert_eq!(flag(&flags, "--auto-compaction-mode"), Some("periodic"));
+    let retention = retention(flag(&flags, "--auto-compaction-retention").context("retention")?)?;
+    let quota: u64 = flag(&flags, "--quota-backend-bytes")
+        .context("quota")?
+        .parse()?;
+    ensure!(
+        retention <= Duration::from_secs(90),
+        "a retention of {retention:?} is longer than this test waits for a compaction"
+    );
+    let mut server = EtcdServer::start_with(&flags).await?;
+    let http = reqwest::Client::new();
+    let metrics = http
+        .get(format!("{}/metrics", server.url()))
+        .send()
+        .await?
+        .text()
+        .await?;
+    let running: f64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("etcd_server_quota_backend_bytes "))
+        .context("etcd's metrics name no quota")?
+        .trim()
+        .parse()?;
+    assert_eq!(running, quota as f64, "the quota etcd runs with");
+
+    let etcd = client(&server)?;
+    let lease = etcd.grant(Duration::from_secs(60)).await?;
+    let writes = Arc::new(AtomicU64::new(0));
+    let stop = CancellationToken::new();
+    let churn = tokio::spawn({
+        let (etcd, writes, stop) = (etcd.clone(), writes.clone(), stop.clone());
+        async move {
+            let record = serde_json::to_vec(&kernel_record("churn")).unwrap_or_default();
+            let mut tick = tokio::time::interval(Duration::from_millis(25));
+            tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+            for n in 0u64.. {
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    _ = tick.tick() => {}
+                }
+                // A create, then the delete of what it created: a revision each. A call
+                // etcd does not answer (while it restarts) is not counted.
+                let key = kernel_key(&format!("churn-{}", n / 2));
+                let wrote = if n.is_multiple_of(2) {
+                    etcd.put(&key, &record, lease).await.is_ok()
+                } else {
+                    etcd.delete_if(&key, &record).await.unwrap_or(false)
+                };
+                if wrote {
+                    writes.fetch_add(1, Ordering::Relaxed);
+                }
+                if n.is_multiple_of(40) {
+                    let _ = etcd.keep_alive(lease).await;
+                }
+            }
+        }
+    });
+    let started = Instant::now();
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    server.kill()?;
+    server.resume().await?;
+    let restarted = Instant::now();
+    let before_restart = writes.load(Ordering::Relaxed);
+
+    // Every key (from \0 to the end) as it was at revision 1.
+    let at_revision_1 =
+        serde_json::json!({"key": "AA==", "range_end": "AA==", "revision": "1", "limit": "1"});
+    let mut last = String::from("no compaction yet");
+    let (compacted, current, made, bound, seen) = loop {
+        ensure!(
+            started.elapsed() < Duration::from_secs(150),
+            "no compaction bounded the history within 150 s: {last}"
+        );
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let answer: serde_json::Value = http
+            .post(format!("{}/v3/kv/range", server.url()))
+            .json(&at_revision_1)
+            .send()
+            .await?
+            .json()
+            .await?;
+        if !answer["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("compacted"))
+        {
+            continue;
+        }
+        // How far: a watch from revision 1 names the oldest revision etcd keeps.
+        let mut watch = etcd.watch("/kernelgate/v1/", 1).await?;
+        let answer = tokio::time::timeout(Duration::from_secs(5), watch.next()).await?;
+        let Some(Err(RegistryError::Compacted { compacted, .. })) = answer else {
+            bail!("revision 1 is compacted, yet a watch from it answers {answer:?}");
+        };
+        let current = etcd.list("/kernelgate/v1/").await?.revision;
+        let made = writes.load(Ordering::Relaxed);
+        // A retention's worth of writes, with the compactor's step (a tenth of the
+        // retention) and 5 s of slack.
+        let rate = made as f64 / started.elapsed().as_secs_f64();
+        let bound = (rate * (retention.as_secs_f64() * 1.1 + 5.0)) as i64;
+        if current - compacted <= bound {
+            break (compacted, current, made, bound, restarted.elapsed());
+        }
+        last = format!("compacted at {compacted}, at {current}: {made} writes, bound {bound}");
+    };
+    stop.cancel();
+    churn.await?;
+    let elapsed = started.elapsed();
+    let kept = current - compacted;
+    let status: serde_json::Value = http
+        .post(format!("{}/v3/maintenance/status", server.url()))
+        .json(&serde_json::json!({}))
+        .send()
+        .await?
+        .json()
+        .await?;
+    println!(
+        "etcd {flags:?}: compaction seen {seen:?} after its restart (test {elapsed:?}), at \
+         revision {compacted}; at revision {current} it keeps {kept} revisions of the {made} \
+         writes made ({before_restart} before the restart, {:.1}/s); bound {bound}; database \
+         {} bytes, {} in use",
+        made as f64 / elapsed.as_secs_f64(),
+        status["dbSize"].as_str().unwrap_or("?"),
+        status["dbSizeInUse"].as_str().unwrap_or("?"),
+    );
+    assert!(
+        kept < i64::try_from(made)?,
+        "etcd keeps {kept} revisions of {made} writes"
+    );
+    assert!(kept <= bound, "etcd keeps {kept} revisions, bound {bound}");
+    Ok(())
+}
+
+/// Two nodes' memberships on a 3 s lease (renewed every second), each with a kernel. etcd
+/// hangs (SIGSTOP) for 1.7 s, from 0.9 s after a renewal: the next renewal is sent into the
+/// hang and answered only when etcd runs on, 2.6 s after the last one. That renewal is waited
+/// for (the lease has time left), so for two TTLs after neither node counts as cut off or
+/// registers again, each kernel's record is in etcd with its owner, and each node still sees
+/// the other's kernel. (A renewal given up after a fixed 1.5 s would be tried again only after
+/// etcd had expired the lease.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_etcd_shorter_than_the_lease_loses_no_lease() -> Result<()> {
+    use kernelgate::cluster::membership::Membership;
+    use tokio_util::sync::CancellationToken;
+
+    let server = EtcdServer::start().await?;
+    let ttl = Duration::from_secs(3);
+    let a = Membership::new(
+        client(&server)?,
+        "a",
+        node_record("http://198.18.0.1:8888"),
+        ttl,
+    );
+    let b = Membership::new(
+        client(&server)?,
+        "b",
+        node_record("http://198.18.0.2:8888"),
+        ttl,
+    );
+    let stop = CancellationToken::new();
+    for m in [&a, &b] {
+        tokio::spawn(m.clone().keep(stop.clone(), |_| {}));
+        tokio::spawn(m.clone().follow(stop.clone()));
+    }
+    let started = Instant::now();
+    while !(a.registered() && b.registered()) {
+        assert!(started.elapsed() < Duration::from_secs(5), "registration");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // Renewals go out a whole number of seconds after this.
+    let registered = Instant::now();
+    a.claim("ka", &kernel_record("a")).await?;
+    b.claim("kb", &kernel_record("b")).await?;
+    let owner_seen =
+        |m: &Membership<Etcd>, id: &str| m.view().kernels.get(id).map(|k| k.node.clone());
+    let claimed = Instant::now();
+    while owner_seen(&a, "kb").is_none() || owner_seen(&b, "ka").is_none() {
+        assert!(
+            claimed.elapsed() < Duration::from_secs(2),
+            "each node sees the other's kernel"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    let renewals_after = registered.elapsed().as_secs() + 1;
+    let hang_at = registered + Duration::from_secs(renewals_after) + Duration::from_millis(900);
+    tokio::time::sleep_until(hang_at.into()).await;
+    server.pause()?;
+    let paused = Instant::now();
+    tokio::time::sleep(Duration::from_millis(1700)).await;
+    server.unpause()?;
+    let pause = paused.elapsed();
+    println!("etcd was paused (SIGSTOP) for {pause:?}; TTL {ttl:?}");
+    assert!(pause < ttl);
+
+    let etcd = client(&server)?;
+    let since = Instant::now();
+    while since.elapsed() < 2 * ttl {
+        let at = since.elapsed();
+        for (m, name) in [(&a, "a"), (&b, "b")] {
+            assert!(
+                m.registered(),
+                "{name} counts as cut off {at:?} after etcd ran on"
+            );
+            assert_eq!(
+                m.reregistrations(),
+                0,
+                "{name} registered again {at:?} after etcd ran on"
+            );
+        }
+        for (id, owner, other) in [("ka", "a", &b), ("kb", "b", &a)] {
+            let key = kernel_key(id);
+            let owners = etcd
+                .list(&key)
+                .await?
+                .entries
+                .iter()
+                .filter(|e| e.key == key)
+                .map(|e| serde_json::from_slice::<KernelRecord>(&e.value).map(|r| r.node))
+                .collect::<Result<Vec<_>, _>>()?;
+            assert_eq!(owners, [owner], "{id}'s record {at:?} after etcd ran on");
+            assert_eq!(
+                owner_seen(other, id).as_deref(),
+                Some(owner),
+                "{id} in the other node's view {at:?} after etcd ran on"
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    println!(
+        "for {:?} after etcd ran on: both registered, no registration again, both kernels \
+         with their owners in etcd and in the other's view",
+        since.elapsed()
+    );
+    stop.cancel();
     Ok(())
 }
