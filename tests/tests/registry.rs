@@ -204,6 +204,53 @@ async fn a_node_that_stops_renewing_loses_its_kernels_in_the_others_view() -> Re
     Ok(())
 }
 
+/// A listing larger than a page (the client reads 1,000 keys a request) comes
+/// whole, sorted, at one revision: the keys written while it was read are not in it, and a
+/// watch from its revision + 1 sees them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_listing_of_many_pages_is_whole_and_at_one_revision() -> Result<()> {
+    use kernelgate::cluster::Change;
+    let server = EtcdServer::start().await?;
+    let etcd = client(&server)?;
+    let lease = etcd.grant(Duration::from_secs(60)).await?;
+    let total = 2 * kernelgate::cluster::etcd::PAGE + 345;
+    let ids: Vec<String> = (0..total).map(|n| format!("k{n:05}")).collect();
+    for chunk in ids.chunks(100) {
+        let puts: Vec<Change> = chunk
+            .iter()
+            .map(|id| Change::Put {
+                key: kernel_key(id),
+                value: id.as_bytes().to_vec(),
+                lease,
+            })
+            .collect();
+        ensure!(etcd.txn(&[], &puts).await?, "a batch of puts");
+    }
+    let listing = etcd.list("/kernelgate/v1/kernels/").await?;
+    let keys: Vec<String> = listing.entries.iter().map(|e| e.key.clone()).collect();
+    let wanted: Vec<String> = ids.iter().map(|id| kernel_key(id)).collect();
+    assert_eq!(keys.len(), total);
+    assert_eq!(keys, wanted, "every key once, in order");
+    assert!(listing
+        .entries
+        .iter()
+        .all(|e| e.value == e.key.rsplit('/').next().unwrap_or("").as_bytes()));
+
+    // Written after the listing: not in it, and the watch from its revision sees it.
+    etcd.put(&kernel_key("later"), b"x", lease).await?;
+    let mut watch = etcd
+        .watch("/kernelgate/v1/kernels/", listing.revision + 1)
+        .await?;
+    let batch = tokio::time::timeout(Duration::from_secs(5), watch.next())
+        .await?
+        .context("a batch")??;
+    assert!(
+        matches!(&batch[..], [Event::Put(e)] if e.key == kernel_key("later")),
+        "{batch:?}"
+    );
+    Ok(())
+}
+
 /// Turns authentication on in `server`'s etcd with user `root`, password `password`; the
 /// steps etcd's documentation gives (`etcdctl role add root`, `user add`, `user grant-role`,
 /// `auth enable`), through its JSON gateway.
