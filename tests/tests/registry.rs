@@ -8,6 +8,7 @@
 use anyhow::{bail, ensure, Context, Result};
 use futures::StreamExt;
 use kernelgate::cluster::etcd::Etcd;
+use kernelgate::cluster::membership::Membership;
 use kernelgate::cluster::{kernel_key, Event, KernelRecord, NodeRecord, Registry, RegistryError};
 use kernelgate_tests::etcd::EtcdServer;
 use std::path::Path;
@@ -35,6 +36,17 @@ fn node_record(address: &str) -> NodeRecord {
 }
 
 /// A kernel's record, owned by node `node`.
+/// Node `id`'s membership on `server`, with a lease of `ttl` (not yet kept or followed).
+fn member(server: &EtcdServer, id: &str, ttl: Duration) -> Result<Arc<Membership<Etcd>>> {
+    let address = format!("http://198.18.0.{}:8888", u32::from(id.as_bytes()[0]) - 96);
+    Ok(Membership::new(
+        client(server)?,
+        id,
+        node_record(&address),
+        ttl,
+    ))
+}
+
 fn kernel_record(node: &str) -> KernelRecord {
     KernelRecord {
         node: node.into(),
@@ -145,23 +157,12 @@ async fn an_outage_is_unreachable_and_leases_come_back_with_etcd() -> Result<()>
 /// its kernel within the TTL plus etcd's lease granularity.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_that_stops_renewing_loses_its_kernels_in_the_others_view() -> Result<()> {
-    use kernelgate::cluster::membership::Membership;
     use tokio_util::sync::CancellationToken;
 
     let server = EtcdServer::start().await?;
     let ttl = Duration::from_secs(3);
-    let a = Membership::new(
-        client(&server)?,
-        "a",
-        node_record("http://198.18.0.1:8888"),
-        ttl,
-    );
-    let b = Membership::new(
-        client(&server)?,
-        "b",
-        node_record("http://198.18.0.2:8888"),
-        ttl,
-    );
+    let a = member(&server, "a", ttl)?;
+    let b = member(&server, "b", ttl)?;
     let a_stops = CancellationToken::new();
     let b_stops = CancellationToken::new();
     let a_keep = tokio::spawn(a.clone().keep(a_stops.clone(), |_| {}));
@@ -539,23 +540,12 @@ async fn the_deployed_compaction_bounds_the_history_under_churn() -> Result<()> 
 /// etcd had expired the lease.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_paused_etcd_shorter_than_the_lease_loses_no_lease() -> Result<()> {
-    use kernelgate::cluster::membership::Membership;
     use tokio_util::sync::CancellationToken;
 
     let server = EtcdServer::start().await?;
     let ttl = Duration::from_secs(3);
-    let a = Membership::new(
-        client(&server)?,
-        "a",
-        node_record("http://198.18.0.1:8888"),
-        ttl,
-    );
-    let b = Membership::new(
-        client(&server)?,
-        "b",
-        node_record("http://198.18.0.2:8888"),
-        ttl,
-    );
+    let a = member(&server, "a", ttl)?;
+    let b = member(&server, "b", ttl)?;
     let stop = CancellationToken::new();
     for m in [&a, &b] {
         tokio::spawn(m.clone().keep(stop.clone(), |_| {}));
