@@ -45,7 +45,10 @@ pub(super) async fn route(
     let Some(id) = sandbox_of(&path) else {
         return next.run(req).await;
     };
-    let view = cluster.membership.view_for(Some(id));
+    let view = match state.kernels.get(id) {
+        Some(_) => cluster.membership.view_for(Some(id)),
+        None => cluster.membership.view_finding(id).await,
+    };
     let ask = Ask {
         method: req.method().clone(),
         kernel: owner_of(state, cluster, Some(&view), Some(id)),

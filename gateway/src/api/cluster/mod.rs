@@ -111,9 +111,13 @@ pub async fn route(State(state): State<AppState>, req: Request, next: Next) -> R
     }
     // The registry's view is copied only for a request that names a kernel, with that
     // kernel's record alone.
-    let view = kernel
-        .as_deref()
-        .map(|id| cluster.membership.view_for(Some(id)));
+    let view = match kernel.as_deref() {
+        Some(id) if rule != Rule::Snapshot && state.kernels.get(id).is_none() => {
+            Some(cluster.membership.view_finding(id).await)
+        }
+        Some(id) => Some(cluster.membership.view_for(Some(id))),
+        None => None,
+    };
     let owner = match rule {
         Rule::Snapshot => keeper_of(&state, &cluster, &caller, view.as_ref(), kernel.as_deref()),
         _ => owner_of(&state, &cluster, view.as_ref(), kernel.as_deref()),

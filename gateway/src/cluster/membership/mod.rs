@@ -195,6 +195,28 @@ impl<R: Registry + Clone> Membership<R> {
             .for_kernel(kernel)
     }
 
+    /// [`Membership::view_for`] kernel `id`, with its record read from the registry when the
+    /// view does not hold it (yet): a node whose first listing is still coming in, or whose
+    /// watch has not brought a new kernel's record, routes to its owner all the same.
+    pub async fn view_finding(&self, id: &str) -> View {
+        let mut view = self.view_for(Some(id));
+        if view.kernels.contains_key(id) {
+            return view;
+        }
+        let key = kernel_key(id);
+        match self.registry.list(&key).await {
+            Ok(listing) => {
+                if let Some(entry) = listing.entries.into_iter().find(|e| e.key == key) {
+                    view.apply(&crate::cluster::Event::Put(entry));
+                }
+            }
+            Err(e) => {
+                tracing::debug!(kernel = %id, error = %e, "cannot look the kernel's owner up in the cluster registry")
+            }
+        }
+        view
+    }
+
     /// `read` of the view in place, without copying it.
     pub fn with_view<T>(&self, read: impl FnOnce(&View) -> T) -> T {
         read(&self.view.lock().unwrap_or_else(|e| e.into_inner()))

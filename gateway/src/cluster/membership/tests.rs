@@ -628,3 +628,30 @@ fn retries_back_off_with_jitter_up_to_their_cap() {
     let waits: std::collections::HashSet<Duration> = (0..20).map(|_| backoff(5, cap)).collect();
     assert!(waits.len() > 10, "{waits:?}");
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_kernel_the_view_does_not_hold_yet_is_found_in_the_registry() {
+    let store = Memory::new();
+    let cancel = CancellationToken::new();
+    let ttl = Duration::from_secs(3);
+    let a = Membership::new(store.clone(), "a", node("http://a"), ttl);
+    // b keeps its lease but has no view yet (its first listing still coming in).
+    let b = Membership::new(store.clone(), "b", node("http://b"), ttl);
+    for m in [&a, &b] {
+        tokio::spawn(m.clone().keep(cancel.clone(), |_| {}));
+    }
+    settle().await;
+    a.claim("k1", &kernel("a")).await.expect("claim");
+    assert!(b.view().kernels.is_empty());
+    let found = b.view_finding("k1").await;
+    assert_eq!(found.kernels.get("k1").map(|k| k.node.as_str()), Some("a"));
+    assert!(
+        b.view_finding("k2").await.kernels.is_empty(),
+        "no such kernel"
+    );
+    assert!(
+        b.view().kernels.is_empty(),
+        "the view itself waits for the watch"
+    );
+    cancel.cancel();
+}
