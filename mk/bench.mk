@@ -11,6 +11,14 @@
 #                                     `make gvisor`; samples in docs/bench-engines.json)
 #   make bench BENCH_ARGS='--only stages' only the per-stage breakdown of one execute and each
 #                                     optional feature on and off
+#   make bench-registry               only the registry at scale, old against new: simulated
+#                                     nodes (100, 300, 1,000) x kernels (10^4, 10^5) on a
+#                                     real etcd, each point run with REGISTRY_BASELINE's
+#                                     cluster code and this tree's; samples in
+#                                     docs/bench-registry.json. About 25 minutes; a point
+#                                     that collapses is cut short and the larger ones skipped
+#                                     (BENCH_ARGS='--registry-nodes 100 --registry-kernels
+#                                     10000 --registry-window 30' for one point)
 #   make bench-versions BASELINE=REV  this tree's gateway against REV's (a release build of
 #                                     `git archive REV`), both under runc in alternating
 #                                     rounds: creates, round trip, stream; writes
@@ -37,16 +45,51 @@ $(BENCH_VENV)/.stamp: $(KERNELGATE_ROOT)/kernel-image/requirements.txt $(KERNELG
 		'jupyter_kernel_gateway>=3,<4'
 	touch '$@'
 
-.PHONY: bench bench-venv bench-versions
+.PHONY: bench bench-venv bench-versions bench-registry registry-baseline
 bench-venv: $(BENCH_VENV)/.stamp
 
-bench: image bench-venv python-venv test-tools
+# The registry section's builds are named for it: which baseline, and this tree's commit.
+REGISTRY_ENV = REGISTRY_BASELINE_BIN='$(REGISTRY_DIR)/registry_scale' \
+	BENCH_REGISTRY_BASELINE_REV="$$(cat '$(REGISTRY_DIR)/rev' 2>/dev/null)" \
+	BENCH_CURRENT_REV="$$(git rev-parse --short HEAD)$$(git diff --quiet HEAD || echo ' (with uncommitted changes)')"
+
+bench: image bench-venv python-venv test-tools registry-baseline
 	cd '$(KERNELGATE_ROOT)' && $(CARGO) build --release -p kernelgate -p kernelgate-tests
 	cd '$(KERNELGATE_ROOT)' && KERNELGATE_IMAGE='$(KERNEL_IMAGE)' \
 		KERNELGATE_BIN='$(KERNELGATE_ROOT)/target/release/kernelgate' \
-		BENCH_COMMAND='$(strip make bench $(BENCH_ARGS))' \
+		BENCH_COMMAND='$(strip make bench $(BENCH_ARGS))' $(REGISTRY_ENV) \
 		./target/release/bench --venv '$(BENCH_VENV)' \
 		--out bench-results.json --md bench-results.md $(BENCH_ARGS)
+
+# Needs neither Docker nor the venv: etcd (`make test-tools`) and the two builds.
+bench-registry: test-tools registry-baseline
+	cd '$(KERNELGATE_ROOT)' && $(CARGO) build --release -p kernelgate -p kernelgate-tests
+	cd '$(KERNELGATE_ROOT)' && BENCH_COMMAND='$(strip make bench-registry $(BENCH_ARGS))' \
+		$(REGISTRY_ENV) ./target/release/bench --only registry \
+		--out docs/bench-registry.json --md bench-registry.md $(BENCH_ARGS)
+
+# The registry section's baseline: `git archive $(REGISTRY_BASELINE)` (a commit; by default
+# the cluster code before the registry's scale work) with this tree's
+# tests/src/bin/registry_scale.rs copied in, which uses only the registry API both trees
+# have; built as bench-versions builds its baseline (the same target directory, the
+# workspace's own crates cleaned before and after), and kept until that file changes. When
+# it does not build, the registry section runs this tree's alone and says so.
+REGISTRY_BASELINE ?= 96f05d4
+REGISTRY_DIR := $(KERNELGATE_ROOT)/target/registry-baseline/$(REGISTRY_BASELINE)
+registry-baseline: $(REGISTRY_DIR)/registry_scale
+$(REGISTRY_DIR)/registry_scale: $(KERNELGATE_ROOT)/tests/src/bin/registry_scale.rs
+	rm -rf '$(REGISTRY_DIR)' && mkdir -p '$(REGISTRY_DIR)/src'
+	cd '$(KERNELGATE_ROOT)' && git archive '$(REGISTRY_BASELINE)' | tar -x -C '$(REGISTRY_DIR)/src'
+	mkdir -p '$(REGISTRY_DIR)/src/tests/src/bin'
+	cp '$<' '$(REGISTRY_DIR)/src/tests/src/bin/'
+	cd '$(KERNELGATE_ROOT)' && $(CARGO) clean --release $(OWN_CRATES)
+	cd '$(REGISTRY_DIR)/src' && CARGO_TARGET_DIR='$(KERNELGATE_ROOT)/target' \
+		$(CARGO) build --release -p kernelgate-tests --bin registry_scale \
+		&& cp '$(KERNELGATE_ROOT)/target/release/registry_scale' '$@' \
+		&& git -C '$(KERNELGATE_ROOT)' rev-parse --short '$(REGISTRY_BASELINE)' > '$(REGISTRY_DIR)/rev' \
+		|| echo 'registry-baseline: $(REGISTRY_BASELINE) did not build; the registry section runs this tree alone'
+	rm -f '$(KERNELGATE_ROOT)/target/release/registry_scale'
+	cd '$(KERNELGATE_ROOT)' && $(CARGO) clean --release $(OWN_CRATES)
 
 # The baseline is built from `git archive $(BASELINE)` in target/bench-baseline/src with the
 # same target directory (its dependencies are compiled once); its binary is copied out and

@@ -38,6 +38,11 @@ const RENEWAL_TIMEOUT: Duration = Duration::from_secs(30);
 /// Keys per page of a listing.
 pub const PAGE: usize = 1000;
 
+/// How long one page of a listing may take: more than other requests (a page is up to
+/// [`PAGE`] records, and a busy etcd serves many listings at once after an outage), so
+/// that a slow page is waited for rather than asked again, which would cost etcd more.
+const PAGE_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// How often a listing starts over when etcd compacted its revision between two pages.
 const LISTING_ATTEMPTS: usize = 3;
 
@@ -248,7 +253,7 @@ impl Etcd {
             if let Some(r) = revision {
                 body["revision"] = json!(r.to_string());
             }
-            let reply = self.call("/v3/kv/range", body).await?;
+            let reply = self.call_within("/v3/kv/range", body, PAGE_TIMEOUT).await?;
             let at = *revision.get_or_insert(int(&reply["header"]["revision"]));
             let range: Range = serde_json::from_value(reply)
                 .map_err(|e| RegistryError::Malformed(format!("a range answer: {e}")))?;

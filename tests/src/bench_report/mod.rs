@@ -6,6 +6,7 @@
 use serde_json::Value;
 
 mod engines;
+mod registry;
 
 fn num(v: &Value) -> Option<f64> {
     v.as_f64().filter(|x| x.is_finite())
@@ -149,10 +150,11 @@ pub enum Section {
     Versions,
     E2b,
     Engines,
+    Registry,
 }
 
 impl Section {
-    pub const ALL: [Section; 10] = [
+    pub const ALL: [Section; 11] = [
         Section::Mcp,
         Section::Stages,
         Section::Walls,
@@ -163,6 +165,7 @@ impl Section {
         Section::Versions,
         Section::E2b,
         Section::Engines,
+        Section::Registry,
     ];
 
     /// Its name on the command line and in the samples' `settings.only`.
@@ -178,6 +181,7 @@ impl Section {
             Section::Versions => "versions",
             Section::E2b => "e2b",
             Section::Engines => "engines",
+            Section::Registry => "registry",
         }
     }
 
@@ -218,6 +222,7 @@ pub fn markdown(doc: &Value) -> String {
         Some(Section::Versions) => return versions_table(m),
         Some(Section::E2b) => return e2b_table(m),
         Some(Section::Engines) => return engines::table(m),
+        Some(Section::Registry) => return registry::table(m),
         None => {}
     }
     let mut out = String::new();
@@ -297,6 +302,9 @@ pub fn markdown(doc: &Value) -> String {
     out.push_str(&packages_table(m));
     if m["e2b"].is_object() {
         out.push_str(&e2b_table(m));
+    }
+    if m["registry"].is_object() {
+        out.push_str(&registry::table(m));
     }
     out.push_str(&readme_markdown(doc));
     out

@@ -4,9 +4,10 @@
 //!
 //! Usage: bench [--out FILE.json] [--md FILE.md] [--venv DIR] [--rounds N] [--pool-size N]
 //!              [--idle-kernels N] [--quick] [--only SECTION] [--baseline-bin PATH]
+//!              [--registry-nodes N,..] [--registry-kernels K,..] [--registry-window SECONDS]
 //!
 //! `--only` runs one section alone (its table, its samples): mcp, stages, walls, restart,
-//! cluster, hibernate, packages, versions (with `--baseline-bin`), e2b, engines.
+//! cluster, hibernate, packages, versions (with `--baseline-bin`), e2b, engines, registry.
 //!
 //! Kernelgate runs each kernel in a Docker container under runc (ipc sockets
 //! bind-mounted), then, in a table of its own, under runc and both gVisor runtimes beside
@@ -22,6 +23,7 @@ mod hibernate;
 mod mcp;
 mod packages;
 mod procs;
+mod registry;
 mod report;
 mod restart;
 mod snapshots;
@@ -68,6 +70,8 @@ struct Opts {
     hibernate_large_rounds: usize,
     /// Measure nothing: print the tables of this earlier run's samples.
     render: Option<PathBuf>,
+    /// The registry's scale points (registry.rs).
+    registry: registry::Points,
 }
 
 impl Opts {
@@ -91,6 +95,7 @@ impl Opts {
             hibernate_rounds: 10,
             hibernate_large_rounds: 5,
             render: None,
+            registry: registry::Points::default(),
         };
         let mut args = std::env::args().skip(1);
         while let Some(a) = args.next() {
@@ -106,6 +111,9 @@ impl Opts {
                 "--only" => o.only = Some(val()?.parse()?),
                 "--baseline-bin" => o.baseline_bin = Some(val()?.into()),
                 "--render" => o.render = Some(val()?.into()),
+                "--registry-nodes" => o.registry.nodes = registry::Points::list(&val()?)?,
+                "--registry-kernels" => o.registry.kernels = registry::Points::list(&val()?)?,
+                "--registry-window" => o.registry.window = Duration::from_secs_f64(val()?.parse()?),
                 "--quick" => {
                     // For trying the bench out, not for numbers.
                     o.rounds = 1;
@@ -118,6 +126,7 @@ impl Opts {
                     o.idle_kernels = 5;
                     o.hibernate_rounds = 3;
                     o.hibernate_large_rounds = 2;
+                    o.registry = registry::Points::quick();
                 }
                 "-h" | "--help" => {
                     println!("{}", USAGE);
@@ -138,8 +147,10 @@ impl Opts {
 
 const USAGE: &str = "usage: bench [--out FILE.json] [--md FILE.md] [--venv DIR] [--rounds N] \
                      [--pool-size N] [--idle-kernels N] [--quick] [--only SECTION] \
-                     [--baseline-bin PATH (with --only versions)] [--render BENCH-RESULTS.json]\n\
-                     sections: mcp stages walls restart cluster hibernate packages versions e2b engines";
+                     [--baseline-bin PATH (with --only versions)] [--render BENCH-RESULTS.json] \
+                     [--registry-nodes N,..] [--registry-kernels K,..] [--registry-window SECONDS]\n\
+                     sections: mcp stages walls restart cluster hibernate packages versions e2b engines \
+                     registry";
 
 /// One target's kernels and client connections during the run.
 #[derive(Debug)]
@@ -268,6 +279,7 @@ async fn measure_all(opts: &Opts, paths: &Paths, results: &mut Results) -> Resul
         (Some(Section::Versions), None) => bail!("--only versions needs --baseline-bin PATH"),
         (Some(Section::E2b), _) => return e2b::compare(opts, paths, results).await,
         (Some(Section::Engines), _) => return engines::compare(opts, paths, results).await,
+        (Some(Section::Registry), _) => return registry::compare(opts, &paths.work, results).await,
         (None, _) => {}
     }
     log(format!(
@@ -322,7 +334,8 @@ async fn measure_all(opts: &Opts, paths: &Paths, results: &mut Results) -> Resul
     cluster::compare(opts, paths, results).await?;
     hibernate::compare(opts, paths, results).await?;
     packages::compare(opts, paths, results).await?;
-    e2b::compare(opts, paths, results).await
+    e2b::compare(opts, paths, results).await?;
+    registry::compare(opts, &paths.work, results).await
 }
 
 async fn measure(
