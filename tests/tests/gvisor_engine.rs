@@ -624,10 +624,13 @@ async fn creates_restore_from_the_template_each_with_its_own_key_random_state_an
     let templates = kernelgate_tests::hibernate_dir(&gw.runtime_dir).join("templates");
     let made = async {
         loop {
-            let found = std::fs::read_dir(&templates)
-                .ok()
-                .and_then(|mut d| d.next());
-            if let Some(Ok(entry)) = found {
+            // The template itself, not the hidden directory it is written into first (and
+            // that is renamed into place once whole).
+            let found = std::fs::read_dir(&templates).ok().and_then(|d| {
+                d.flatten()
+                    .find(|e| !e.file_name().to_string_lossy().starts_with('.'))
+            });
+            if let Some(entry) = found {
                 if entry.path().join("memory/checkpoint.json").is_file() {
                     return entry.path();
                 }
