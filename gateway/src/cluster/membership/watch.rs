@@ -36,7 +36,7 @@ impl<R: Registry + Clone> Membership<R> {
         let Some(lease) = self.own().lease else {
             return Ok(Reconciled::default());
         };
-        let (view_revision, mine, others) = {
+        let (view_revision, mine) = {
             let view = self.view.lock().unwrap_or_else(|e| e.into_inner());
             let mine: Vec<(String, String, Revision)> = view
                 .kernels
@@ -47,14 +47,11 @@ impl<R: Registry + Clone> Membership<R> {
                     (id.clone(), r.tenant.clone(), revision)
                 })
                 .collect();
-            let others: std::collections::HashSet<String> = view
-                .kernels
-                .iter()
-                .filter(|(_, r)| r.node != self.node_id)
-                .map(|(id, _)| id.clone())
-                .collect();
-            (view.revision, mine, others)
+            (view.revision, mine)
         };
+        // Looked up when asked, not copied: the other nodes' records are most of the view.
+        let elsewhere =
+            |view: &View, id: &str| view.kernels.get(id).is_some_and(|r| r.node != self.node_id);
         if view_revision == 0 {
             return Ok(Reconciled::default());
         }
@@ -98,7 +95,7 @@ impl<R: Registry + Clone> Membership<R> {
             slots.extend(self.registry.list(&quota_prefix(tenant)).await?.entries);
         }
         for ((id, owner, spec), (_, quota)) in local.iter().zip(&quotas) {
-            if others.contains(id) {
+            if elsewhere(&self.view.lock().unwrap_or_else(|e| e.into_inner()), id) {
                 // Another node's: not this node's to fix.
                 continue;
             }
@@ -155,9 +152,10 @@ impl<R: Registry + Clone> Membership<R> {
                 // The view has seen the slot's last change, and with it the record put in
                 // the same transaction, if there still is one.
                 None => {
-                    slot.revision <= self.view.lock().unwrap_or_else(|e| e.into_inner()).revision
+                    let view = self.view.lock().unwrap_or_else(|e| e.into_inner());
+                    slot.revision <= view.revision
                         && !registered.contains(&*holder)
-                        && !others.contains(&*holder)
+                        && !elsewhere(&view, &holder)
                         && !is_local(&holder)
                 }
             };
