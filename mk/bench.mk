@@ -70,18 +70,19 @@ bench-registry: test-tools registry-baseline
 
 # The registry section's baseline: `git archive $(REGISTRY_BASELINE)` (a commit; by default
 # the cluster code before the registry's scale work) with this tree's
-# tests/src/bin/registry_scale.rs copied in, which uses only the registry API both trees
-# have; built as bench-versions builds its baseline (the same target directory, the
+# tests/src/bin/registry_scale/ copied in, which uses only the registry API both trees
+# have, and the baseline's way to find an owner (tests/registry-baseline/routing.rs); built as bench-versions builds its baseline (the same target directory, the
 # workspace's own crates cleaned before and after), and kept until that file changes. When
 # it does not build, the registry section runs this tree's alone and says so.
 REGISTRY_BASELINE ?= 96f05d4
 REGISTRY_DIR := $(KERNELGATE_ROOT)/target/registry-baseline/$(REGISTRY_BASELINE)
 registry-baseline: $(REGISTRY_DIR)/registry_scale
-$(REGISTRY_DIR)/registry_scale: $(KERNELGATE_ROOT)/tests/src/bin/registry_scale.rs
+$(REGISTRY_DIR)/registry_scale: $(wildcard $(KERNELGATE_ROOT)/tests/src/bin/registry_scale/*.rs) $(KERNELGATE_ROOT)/tests/registry-baseline/routing.rs
 	rm -rf '$(REGISTRY_DIR)' && mkdir -p '$(REGISTRY_DIR)/src'
 	cd '$(KERNELGATE_ROOT)' && git archive '$(REGISTRY_BASELINE)' | tar -x -C '$(REGISTRY_DIR)/src'
-	mkdir -p '$(REGISTRY_DIR)/src/tests/src/bin'
-	cp '$<' '$(REGISTRY_DIR)/src/tests/src/bin/'
+	rm -rf '$(REGISTRY_DIR)/src/tests/src/bin/registry_scale.rs' '$(REGISTRY_DIR)/src/tests/src/bin/registry_scale'
+	cp -r '$(KERNELGATE_ROOT)/tests/src/bin/registry_scale' '$(REGISTRY_DIR)/src/tests/src/bin/'
+	cp '$(KERNELGATE_ROOT)/tests/registry-baseline/routing.rs' '$(REGISTRY_DIR)/src/tests/src/bin/registry_scale/'
 	cd '$(KERNELGATE_ROOT)' && $(CARGO) clean --release $(OWN_CRATES)
 	cd '$(REGISTRY_DIR)/src' && CARGO_TARGET_DIR='$(KERNELGATE_ROOT)/target' \
 		$(CARGO) build --release -p kernelgate-tests --bin registry_scale \

@@ -8,8 +8,16 @@
 //! |---|---|---|
 //! | `/kernelgate/v1/nodes/<node id>` | [`NodeRecord`] | the node's |
 //! | `/kernelgate/v1/kernels/<kernel id>` | [`KernelRecord`] | its owner's |
+//! | `/kernelgate/v1/tenants/<tenant>/<kernel id>` | the same [`KernelRecord`] | its owner's |
 //! | `/kernelgate/v1/quota/<tenant>/<n>` | the id of the kernel holding slot `n` | its owner's |
 //! | `/kernelgate/v1/snapshots/<snapshot id>` | [`SnapshotRecord`] | the node's that keeps it |
+//!
+//! Every node watches only the nodes' and the snapshots' records; a kernel's record is read
+//! when a request names a kernel this node does not run (and kept in a cache). The tenant
+//! index, put and removed in the same transaction as the record, makes a tenant's kernels
+//! one small range (docs/cluster.md, "Key layout"). It was added to this layout rather
+//! than starting a new one: nodes of an earlier version ignore its keys, and nodes that do
+//! not write it say so in their record ([`NodeRecord::indexed`]).
 //!
 //! A kernel's key is claimed with a create-if-absent transaction and removed only by a
 //! transaction that compares the whole record, so that no kernel ever has two owners and no
@@ -43,6 +51,29 @@ pub fn node_key(id: &str) -> String {
 /// The key of kernel `id`'s record.
 pub fn kernel_key(id: &str) -> String {
     format!("{PREFIX}kernels/{id}")
+}
+
+/// Where the node records are: every node watches them.
+pub fn nodes_prefix() -> String {
+    format!("{PREFIX}nodes/")
+}
+
+/// Where the snapshot records are: every node watches them.
+pub fn snapshots_prefix() -> String {
+    format!("{PREFIX}snapshots/")
+}
+
+/// The key of kernel `id`'s entry in `tenant`'s index.
+pub fn tenant_key(tenant: &str, id: &str) -> String {
+    format!("{PREFIX}tenants/{tenant}/{id}")
+}
+
+/// The prefix of `tenant`'s index (every tenant's: `None`).
+pub fn tenants_prefix(tenant: Option<&str>) -> String {
+    match tenant {
+        Some(tenant) => format!("{PREFIX}tenants/{tenant}/"),
+        None => format!("{PREFIX}tenants/"),
+    }
 }
 
 /// The key of `tenant`'s quota slot `n` (0 to its `max_kernels` - 1); its value is the id
@@ -108,6 +139,10 @@ pub struct NodeRecord {
     /// Retry-After, not 404, and it takes no creates.
     #[serde(default)]
     pub away: bool,
+    /// It indexes its kernels by tenant (`tenants/`): a list needs to ask only the nodes the
+    /// index names, and every node that does not index.
+    #[serde(default)]
+    pub indexed: bool,
 }
 
 /// A kernel, as the registry knows it.

@@ -127,6 +127,7 @@ impl ClusterNode {
             specs: offer.specs,
             warm: Default::default(),
             away: false,
+            indexed: true,
         };
         let ttl = Duration::from_secs(args.lease_ttl);
         let signer = Arc::new(Signer::new(&secret, &node_id, &record.incarnation));

@@ -1,8 +1,7 @@
 //! Where a new kernel goes: the nodes that can start its spec, the one with the most free
-//! room first. Free room is a node's capacity less the kernels it runs, counting whichever
-//! is higher of the load it reported and the kernel records the view holds for it (records
-//! appear within a watch's delay, reports only when the node updates its record), so that
-//! creates in quick succession spread out. Among equals, a node with a warm kernel of the
+//! room first. Free room is a node's capacity less the kernels it runs: the load it
+//! reported, and the creates this entry node placed on it since (a node puts its load at
+//! most once a second), so that creates in quick succession spread out. Among equals, a node with a warm kernel of the
 //! spec goes first (its create takes milliseconds), then the node id, so that every entry
 //! node orders alike. The target enforces its own limit: a full node refuses, and the entry
 //! node tries the next.
@@ -16,8 +15,8 @@ pub fn candidates(view: &View, spec: &str) -> Vec<String> {
         .iter()
         .filter(|(_, n)| !n.away && n.specs.iter().any(|s| s == spec))
         .filter_map(|(id, n)| {
-            let recorded = view.kernels_on.get(id).copied().unwrap_or(0);
-            let used = n.load.max(recorded);
+            let placed = view.placed.get(id).copied().unwrap_or(0);
+            let used = n.load.saturating_add(placed);
             let free = n.capacity.saturating_sub(used);
             let warm = n.warm.get(spec).copied().unwrap_or(0);
             (free > 0).then_some((free, warm, id.as_str()))
@@ -30,7 +29,7 @@ pub fn candidates(view: &View, spec: &str) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cluster::{kernel_key, Entry, Event, KernelRecord, NodeRecord};
+    use crate::cluster::{node_key, Entry, Event, NodeRecord};
 
     fn node(capacity: u32, load: u32, specs: &[&str]) -> NodeRecord {
         NodeRecord {
@@ -43,17 +42,7 @@ mod tests {
             specs: specs.iter().map(|s| s.to_string()).collect(),
             warm: Default::default(),
             away: false,
-        }
-    }
-
-    fn kernel_on(node: &str) -> KernelRecord {
-        KernelRecord {
-            node: node.into(),
-            incarnation: String::new(),
-            tenant: String::new(),
-            spec: "python3".into(),
-            created: String::new(),
-            hibernated: false,
+            indexed: true,
         }
     }
 
@@ -70,7 +59,7 @@ mod tests {
     }
 
     #[test]
-    fn records_count_before_the_load_is_reported_and_warm_kernels_break_ties() {
+    fn creates_placed_count_until_the_load_is_reported_and_warm_kernels_break_ties() {
         let mut view = View::default();
         view.nodes.insert("a".into(), node(2, 0, &["python3"]));
         view.nodes.insert("b".into(), node(2, 0, &["python3"]));
@@ -79,15 +68,11 @@ mod tests {
             .get_mut("c")
             .map(|c| c.warm.insert("python3".into(), 1));
         assert_eq!(candidates(&view, "python3"), ["c", "a", "b"]);
-        // Six creates in a row spread 2/2/2, each seeing the records of the ones before.
+        // Six creates in a row spread 2/2/2, each counting the ones placed before.
         let mut placed = Vec::new();
-        for i in 0..6 {
+        for _ in 0..6 {
             let first = candidates(&view, "python3")[0].clone();
-            view.apply(&Event::Put(Entry {
-                key: kernel_key(&format!("k{i}")),
-                value: serde_json::to_vec(&kernel_on(&first)).expect("json"),
-                revision: i + 1,
-            }));
+            *view.placed.entry(first.clone()).or_default() += 1;
             placed.push(first);
         }
         placed.sort();
@@ -96,5 +81,12 @@ mod tests {
             candidates(&view, "python3").is_empty(),
             "the cluster is full"
         );
+        // Node a reports its load: its placements are in it now, and no longer counted.
+        view.apply(&Event::Put(Entry {
+            key: node_key("a"),
+            value: serde_json::to_vec(&node(2, 1, &["python3"])).expect("json"),
+            revision: 7,
+        }));
+        assert_eq!(candidates(&view, "python3"), ["a"]);
     }
 }

@@ -36,6 +36,7 @@ async fn cluster_node_with(
         specs: vec!["python3".into()],
         warm: Default::default(),
         away: false,
+        indexed: true,
     };
     let membership = Membership::new(store.clone(), id, node, Duration::from_secs(3));
     tokio::spawn(membership.clone().keep(cancel.clone(), |_| {}));
@@ -64,12 +65,11 @@ async fn in_a_cluster_the_table_registers_its_kernels_and_removes_their_records(
         .await
         .expect("created");
     let id = live.id().to_owned();
-    eventually("the other node sees the kernel", || async {
-        b_member.view().kernels.contains_key(&id)
-    })
-    .await;
-    let view = b_member.view();
+    // The record is registered before the create answers: the other node reads it.
+    let view = b_member.view_finding(&id).await;
     let record = &view.kernels[&id];
+    let indexed = b_member.kernels_of(Some("alice")).await.expect("index");
+    assert_eq!(indexed, vec![(id.clone(), record.clone())]);
     assert_eq!(
         (record.node.as_str(), record.incarnation.as_str()),
         ("a", "a-1")
@@ -87,10 +87,13 @@ async fn in_a_cluster_the_table_registers_its_kernels_and_removes_their_records(
         .await
         .expect("was there")
         .expect("removed");
-    eventually("the record is gone", || async {
-        !b_member.view().kernels.contains_key(&id)
-    })
-    .await;
+    b_member.forget_owner(&id);
+    assert!(b_member.view_finding(&id).await.kernels.is_empty());
+    assert!(b_member
+        .kernels_of(Some("alice"))
+        .await
+        .expect("index")
+        .is_empty());
     eventually("a's load is 0", || async {
         b_member.view().nodes.get("a").is_some_and(|n| n.load == 0)
     })

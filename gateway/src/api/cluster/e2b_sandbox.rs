@@ -13,7 +13,7 @@ use crate::cluster::node::ClusterNode;
 use crate::cluster::route::{self, Ask, Decision, Rule, Unavailable};
 use crate::cluster::signing::Forwarded;
 use axum::extract::Request;
-use axum::http::{header, HeaderValue};
+use axum::http::{header, HeaderValue, StatusCode};
 use axum::middleware::Next;
 use axum::response::Response;
 use kernelgate_protocol::rest::headers::{E2B_SANDBOX_ID, E2B_SANDBOX_PORT};
@@ -72,7 +72,12 @@ pub(super) async fn route(
             };
             let port = path.split('/').nth(2).unwrap_or_default().to_owned();
             let req = as_sent(req, id, &port);
-            to_owner(cluster, &Caller(owner), &node, record, req).await
+            let response = to_owner(cluster, &Caller(owner), &node, record, req).await;
+            // The cached owner is read again next time when it may be wrong now.
+            if response.status() == StatusCode::NOT_FOUND || response.status().is_server_error() {
+                cluster.membership.forget_owner(id);
+            }
+            response
         }
         Decision::Unavailable(Unavailable::OwnerAway(node)) => unavailable(format!(
             "the node that {ROLE} {id} ({node}) is restarting; try again shortly"

@@ -21,37 +21,56 @@ pub(super) async fn list(
         Ok(local) => local,
         Err(answer) => return answer,
     };
-    // Only the nodes that hold a kernel the caller may see.
-    let mut others = other_nodes(cluster, &cluster.membership.view_for(None));
-    let holding: std::collections::HashSet<String> = cluster.membership.with_view(|view| {
-        view.kernels
-            .values()
-            .filter(|k| caller.0.may_use(&k.tenant))
-            .map(|k| k.node.clone())
-            .collect()
-    });
-    others.retain(|to| holding.contains(&to.node));
+    // Only the nodes that hold a kernel the caller may see, by the tenant index (one
+    // small range), and the nodes that do not index theirs. An admin may see every
+    // kernel: every node is asked, and the index read only when one does not answer.
+    let view = cluster.membership.view_for(None);
+    let mut others = other_nodes(cluster, &view);
+    let tenant = (!caller.0.admin).then_some(caller.0.name.as_str());
+    let mut index = match tenant {
+        Some(tenant) => cluster.membership.kernels_of(Some(tenant)).await.ok(),
+        None => None,
+    };
+    if let Some(index) = &index {
+        let holding: std::collections::HashSet<&str> =
+            index.iter().map(|(_, k)| k.node.as_str()).collect();
+        others.retain(|to| {
+            holding.contains(to.node.as_str())
+                || view.nodes.get(&to.node).is_none_or(|n| !n.indexed)
+        });
+    }
     let asks = ask_others(cluster, caller, &asked, &others).await;
-    for (node, answer) in asks {
-        match answer {
-            Some(theirs) => rows.extend(theirs),
-            None => rows.extend(cluster.membership.with_view(|view| {
-                view.kernels
-                    .iter()
-                    .filter(|(_, k)| k.node == node && caller.0.may_use(&k.tenant))
-                    .map(|(id, k)| KernelModel {
-                        id: id.clone(),
-                        name: k.spec.clone(),
-                        last_activity: k.created.clone(),
-                        execution_state: STATE_UNKNOWN.to_owned(),
-                        connections: 0,
-                        hibernated: false,
-                        hibernate_blocked: None,
-                        hibernation: None,
-                    })
-                    .collect::<Vec<_>>()
-            })),
+    let silent: Vec<String> = asks
+        .into_iter()
+        .filter_map(|(node, answer)| match answer {
+            Some(theirs) => {
+                rows.extend(theirs);
+                None
+            }
+            None => Some(node),
+        })
+        .collect();
+    if !silent.is_empty() {
+        if index.is_none() {
+            index = cluster.membership.kernels_of(tenant).await.ok();
         }
+        // The silent nodes' kernels as the registry knows them.
+        rows.extend(
+            index
+                .unwrap_or_default()
+                .into_iter()
+                .filter(|(_, k)| silent.contains(&k.node) && caller.0.may_use(&k.tenant))
+                .map(|(id, k)| KernelModel {
+                    id,
+                    name: k.spec,
+                    last_activity: k.created,
+                    execution_state: STATE_UNKNOWN.to_owned(),
+                    connections: 0,
+                    hibernated: false,
+                    hibernate_blocked: None,
+                    hibernation: None,
+                }),
+        );
     }
     axum::Json(rows).into_response()
 }

@@ -140,7 +140,15 @@ pub async fn route(State(state): State<AppState>, req: Request, next: Next) -> R
         Decision::Forward(node) => match view.as_ref().and_then(|v| v.nodes.get(&node)) {
             Some(record) => {
                 let made = made_by(req.method(), req.uri().path());
+                let deleting = req.method() == Method::DELETE;
                 let response = to_owner(&cluster, &caller, &node, record, req).await;
+                // The cached owner is read again next time when it may be wrong now.
+                let status = response.status();
+                if rule != Rule::Snapshot
+                    && (deleting || status == StatusCode::NOT_FOUND || status.is_server_error())
+                {
+                    cluster.membership.forget_owner(id);
+                }
                 match made {
                     Some(made) => settle(&cluster, made, response).await,
                     None => response,
@@ -264,9 +272,7 @@ async fn settle(cluster: &ClusterNode, made: Made, response: Response) -> Respon
         Made::Forks => {
             if let Ok(forks) = serde_json::from_slice::<Forks>(&bytes) {
                 for kernel in forks.forks.iter().filter_map(|f| f.kernel.as_ref()) {
-                    membership
-                        .until_kernel_known(&kernel.id, SEEN_TIMEOUT)
-                        .await;
+                    membership.knows_kernel(&kernel.id).await;
                 }
             }
         }

@@ -82,8 +82,8 @@ pub(super) async fn place_sandbox(
     .await
 }
 
-/// A create's answer, once this node's view holds the kernel it made (`id_of` reads its
-/// id from the answer).
+/// A create's answer, once this node has read the record of the kernel it made (`id_of`
+/// reads its id from the answer).
 async fn settle_created(
     cluster: &ClusterNode,
     response: Response,
@@ -98,10 +98,8 @@ async fn settle_created(
             .into_response();
     };
     if let Some(id) = id_of(&bytes) {
-        cluster
-            .membership
-            .until_kernel_known(&id, SEEN_TIMEOUT)
-            .await;
+        // Read once here, so that the next request for it goes straight to its owner.
+        cluster.membership.knows_kernel(&id).await;
     }
     Response::from_parts(parts, Body::from(bytes))
 }
@@ -162,6 +160,9 @@ async fn place_somewhere(
                     .await;
                 // Full (a create's sticky first try may ask a full node): the next one.
                 if response.status() != StatusCode::FORBIDDEN {
+                    if response.status() == StatusCode::CREATED {
+                        cluster.membership.note_placed(node);
+                    }
                     return response;
                 }
                 let (head, body) = response.into_parts();
@@ -203,6 +204,9 @@ async fn place_somewhere(
         if status == StatusCode::SERVICE_UNAVAILABLE {
             last = Some(response);
             continue;
+        }
+        if status == StatusCode::CREATED {
+            cluster.membership.note_placed(node);
         }
         return response;
     }

@@ -359,6 +359,7 @@ async fn with_tls_a_server_that_is_not_the_owner_gets_no_byte_of_a_call_or_an_up
         specs: Vec::new(),
         warm: Default::default(),
         away: false,
+        indexed: true,
     };
     let planted = Destination::of("node-2", &record(Some(format!("https://{addr}"))));
     let call = || {

@@ -1,6 +1,8 @@
 //! One node's place in the cluster: its lease and the records under it, kept alive and
-//! re-registered when lost, and the node's view of everyone's records, kept current by a
-//! watch that resumes from its revision and lists again when etcd has compacted it.
+//! re-registered when lost, and the node's view of the nodes' and the snapshots' records,
+//! kept current by a watch that resumes from its revision and lists again when etcd has
+//! compacted it. Kernel records are read one at a time, when a request names a kernel
+//! this node does not run, and their owners kept in a cache.
 //!
 //! The lease: renewed every TTL/3. A renewal that finds the lease gone (it expired during a
 //! partition or an etcd outage longer than the TTL), or no successful renewal for a whole
@@ -10,7 +12,9 @@
 //! create-if-absent, so re-registering never takes a kernel another node claimed meanwhile.
 
 use super::registry::{Change, Compare, Lease, Registry, RegistryError};
-use super::{kernel_key, node_key, snapshot_key, KernelRecord, NodeRecord, SnapshotRecord};
+use super::{
+    kernel_key, node_key, snapshot_key, tenant_key, KernelRecord, NodeRecord, SnapshotRecord,
+};
 use crate::kernels::ledger::Reservation;
 use kernelgate_protocol::rest::SnapshotModel;
 use std::collections::HashMap;
@@ -25,6 +29,10 @@ const ATTEMPTS: usize = 4;
 /// record reaches every node's watch, and a node creating and deleting kernels at a steady
 /// rate would otherwise put it with each.
 const LOAD_EVERY: Duration = Duration::from_secs(1);
+
+/// How many kernels' owners the cache keeps: enough for every kernel of a large cluster
+/// (a record is about 200 bytes), and a bound on a stream of made-up ids.
+const OWNERS_KEPT: usize = 100_000;
 
 /// A random duration from zero to `most`.
 fn jitter(most: Duration) -> Duration {
@@ -143,6 +151,9 @@ pub struct Membership<R> {
     ttl: Duration,
     own: Mutex<Own>,
     view: Mutex<View>,
+    /// Kernel records read on demand, by kernel id: a kernel's owner never changes, and an
+    /// entry is read again when its node leaves the view or a forward to it fails.
+    owners: Mutex<HashMap<String, KernelRecord>>,
     /// Counts the view's changes: waiters wake on each.
     changes: tokio::sync::watch::Sender<u64>,
     quotas: Quotas,
@@ -166,6 +177,7 @@ impl<R: Registry + Clone> Membership<R> {
                 unfreed: Default::default(),
             }),
             view: Mutex::new(View::default()),
+            owners: Mutex::new(HashMap::new()),
             changes: tokio::sync::watch::Sender::new(0),
             quotas: Quotas(Mutex::new(None)),
         })
@@ -180,41 +192,106 @@ impl<R: Registry + Clone> Membership<R> {
         self.own.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// A copy of the current view, every kernel record included.
+    /// A copy of the current view.
     pub fn view(&self) -> View {
         self.view.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
-    /// A copy of the view with only kernel `kernel`'s record (or none): the nodes, the
-    /// snapshots and each node's count of records. What a request routes by, at a cost that
-    /// does not grow with the number of kernels.
-    pub fn view_for(&self, kernel: Option<&str>) -> View {
-        self.view
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .for_kernel(kernel)
+    fn owners(&self) -> std::sync::MutexGuard<'_, HashMap<String, KernelRecord>> {
+        self.owners.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// [`Membership::view_for`] kernel `id`, with its record read from the registry when the
-    /// view does not hold it (yet): a node whose first listing is still coming in, or whose
-    /// watch has not brought a new kernel's record, routes to its owner all the same.
-    pub async fn view_finding(&self, id: &str) -> View {
-        let mut view = self.view_for(Some(id));
-        if view.kernels.contains_key(id) {
-            return view;
-        }
-        let key = kernel_key(id);
-        match self.registry.list(&key).await {
-            Ok(listing) => {
-                if let Some(entry) = listing.entries.into_iter().find(|e| e.key == key) {
-                    view.apply(&crate::cluster::Event::Put(entry));
-                }
-            }
-            Err(e) => {
-                tracing::debug!(kernel = %id, error = %e, "cannot look the kernel's owner up in the cluster registry")
+    /// A copy of the view with kernel `kernel`'s record, when the cache holds it: the
+    /// nodes, the snapshots and the placements. What a request routes by, at a cost that
+    /// does not grow with the number of kernels.
+    pub fn view_for(&self, kernel: Option<&str>) -> View {
+        let mut view = self.view.lock().unwrap_or_else(|e| e.into_inner()).copy();
+        if let Some(id) = kernel {
+            if let Some(record) = self.owners().get(id) {
+                view.kernels.insert(id.to_owned(), record.clone());
             }
         }
         view
+    }
+
+    /// [`Membership::view_for`] kernel `id`, its record read from the registry when the
+    /// cache does not hold it, or names a node that has left the view since (its kernels
+    /// went with its lease, unless it came back under the same id).
+    pub async fn view_finding(&self, id: &str) -> View {
+        let mut view = self.view_for(Some(id));
+        if view
+            .kernels
+            .get(id)
+            .is_some_and(|r| view.nodes.contains_key(&r.node))
+        {
+            return view;
+        }
+        view.kernels.remove(id);
+        if let Some(record) = self.read_owner(id).await {
+            view.kernels.insert(id.to_owned(), record);
+        }
+        view
+    }
+
+    /// Reads kernel `id`'s record and keeps it in the cache: `None` when there is none, or
+    /// the registry cannot be read now.
+    async fn read_owner(&self, id: &str) -> Option<KernelRecord> {
+        let key = kernel_key(id);
+        let listing = match self.registry.list(&key).await {
+            Ok(listing) => listing,
+            Err(e) => {
+                tracing::debug!(kernel = %id, error = %e, "cannot look the kernel's owner up in the cluster registry");
+                return None;
+            }
+        };
+        let Some(entry) = listing.entries.into_iter().find(|e| e.key == key) else {
+            self.owners().remove(id);
+            return None;
+        };
+        let record: KernelRecord = serde_json::from_slice(&entry.value).ok()?;
+        let mut owners = self.owners();
+        if owners.len() >= OWNERS_KEPT {
+            if let Some(any) = owners.keys().next().cloned() {
+                owners.remove(&any);
+            }
+        }
+        owners.insert(id.to_owned(), record.clone());
+        Some(record)
+    }
+
+    /// Whether the registry names kernel `id` (a create another node answered): read once,
+    /// and kept in the cache, so that the next request for it goes straight to its owner.
+    pub async fn knows_kernel(&self, id: &str) -> bool {
+        self.read_owner(id).await.is_some()
+    }
+
+    /// Drops kernel `id`'s owner from the cache: a forward to it failed, or the kernel is
+    /// gone; the next request reads its record again.
+    pub fn forget_owner(&self, id: &str) {
+        self.owners().remove(id);
+    }
+
+    /// The kernels of `tenant` (of every tenant: `None`), by its index: kernel ids and
+    /// records. Only nodes that index their kernels ([`NodeRecord::indexed`]) are in it.
+    pub async fn kernels_of(
+        &self,
+        tenant: Option<&str>,
+    ) -> Result<Vec<(String, KernelRecord)>, RegistryError> {
+        let prefix = super::tenants_prefix(tenant);
+        let listing = self.registry.list(&prefix).await?;
+        Ok(listing
+            .entries
+            .into_iter()
+            .filter_map(|e| {
+                let id = e.key.strip_prefix(&prefix)?.rsplit('/').next()?.to_owned();
+                Some((id, serde_json::from_slice(&e.value).ok()?))
+            })
+            .collect())
+    }
+
+    /// Counts a create this node placed on `node`, until that node's record next changes.
+    pub fn note_placed(&self, node: &str) {
+        self.update_view(|view| *view.placed.entry(node.to_owned()).or_default() += 1);
     }
 
     /// `read` of the view in place, without copying it.
@@ -241,14 +318,6 @@ impl<R: Registry + Clone> Membership<R> {
                 return std::future::pending().await;
             }
         }
-    }
-
-    /// Waits, at most `timeout`, until kernel `id` is in the view (a create's record came
-    /// back through the watch); whether it is.
-    pub async fn until_kernel_known(&self, id: &str, timeout: Duration) -> bool {
-        tokio::time::timeout(timeout, self.until(|v| v.kernels.contains_key(id)))
-            .await
-            .is_ok()
     }
 
     /// Waits, at most `timeout`, until snapshot `id` is in the view; whether it is.
@@ -345,11 +414,19 @@ impl<R: Registry + Clone> Membership<R> {
             value: value.to_vec(),
             lease,
         };
+        // The tenant's index entry goes with the record, in the same transaction.
+        let index = index_key(id, bytes);
+        let with_index = |changes: &mut Vec<Change>| {
+            if let Some(index) = &index {
+                changes.push(put(index, bytes));
+            }
+        };
         // The usual case first, without reading: a new record, the slot already held.
         let known_slot = quota.and_then(|q| q.slot.clone());
         if quota.is_none() || known_slot.is_some() {
             let mut compare = vec![Compare::Absent(key.clone())];
             let mut changes = vec![put(&key, bytes)];
+            with_index(&mut changes);
             if let Some(slot) = &known_slot {
                 compare.push(Compare::Holds(slot.clone(), holder.as_bytes().to_vec()));
                 changes.push(put(slot, id.as_bytes()));
@@ -369,6 +446,7 @@ impl<R: Registry + Clone> Membership<R> {
                 Some(_) => return Ok(Registered::Taken),
             }
             let mut changes = vec![put(&key, bytes)];
+            with_index(&mut changes);
             let mut slot = None;
             if let Some(q) = quota {
                 let listing = self.registry.list(&quota_prefix(&q.tenant)).await?;
@@ -429,16 +507,37 @@ impl<R: Registry + Clone> Membership<R> {
         });
         if let Some(tenant) = &tenant {
             if let Err(e) = self.free_slot(id, quota.and_then(|q| q.slot), tenant).await {
-                // The reconcile looks at this key's slots until it is freed.
-                self.own().unfreed.insert(tenant.clone());
+                // The reconcile looks at this key's slots until it is freed, and removes
+                // the record (its kernel is not running).
+                let mut own = self.own();
+                own.unfreed.insert(tenant.clone());
+                if let Some(bytes) = bytes {
+                    own.kernels.insert(id.to_owned(), bytes);
+                }
                 return Err(e);
             }
         }
         let Some(bytes) = bytes else {
             return Ok(());
         };
-        self.registry.delete_if(&kernel_key(id), &bytes).await?;
+        if let Err(e) = self.remove_record(id, &bytes).await {
+            // Kept as this node's: the reconcile removes it (its kernel is not running).
+            self.own().kernels.insert(id.to_owned(), bytes);
+            return Err(e);
+        }
+        self.forget_owner(id);
         Ok(())
+    }
+
+    /// Removes kernel `id`'s record, if it still holds `bytes`, with its tenant's index
+    /// entry: whether it did.
+    async fn remove_record(&self, id: &str, bytes: &[u8]) -> Result<bool, RegistryError> {
+        let key = kernel_key(id);
+        let mut changes = vec![Change::Delete(key.clone())];
+        changes.extend(index_key(id, bytes).map(Change::Delete));
+        self.registry
+            .txn(&[Compare::Holds(key, bytes.to_vec())], &changes)
+            .await
     }
 
     /// Frees the quota slot kernel `id` of key `tenant` holds: `slot` when it is known,
@@ -475,15 +574,18 @@ impl<R: Registry + Clone> Membership<R> {
             *bytes = serde_json::to_vec(&record).unwrap_or_default();
             (lease, bytes.clone())
         };
-        match lease {
-            Some(lease) => self
-                .registry
-                .put(&kernel_key(id), &bytes, lease)
-                .await
-                .map(drop),
+        let Some(lease) = lease else {
             // Registered as it is now when the lease comes back.
-            None => Ok(()),
-        }
+            return Ok(());
+        };
+        let put = |key: String| Change::Put {
+            key,
+            value: bytes.clone(),
+            lease,
+        };
+        let mut changes = vec![put(kernel_key(id))];
+        changes.extend(index_key(id, &bytes).map(put));
+        self.registry.txn(&[], &changes).await.map(drop)
     }
 
     /// Records snapshot `model` of key `owner` as kept on this node: put now when the node
@@ -593,6 +695,12 @@ impl<R: Registry + Clone> Membership<R> {
         }
         Ok(())
     }
+}
+
+/// The key of kernel `id`'s entry in its tenant's index, from its record `bytes`.
+fn index_key(id: &str, bytes: &[u8]) -> Option<String> {
+    let record = serde_json::from_slice::<KernelRecord>(bytes).ok()?;
+    Some(tenant_key(&record.tenant, id))
 }
 
 mod lease;

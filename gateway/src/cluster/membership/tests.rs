@@ -17,6 +17,7 @@ fn node(address: &str) -> NodeRecord {
         specs: vec!["python3".into()],
         warm: Default::default(),
         away: false,
+        indexed: true,
     }
 }
 
@@ -68,10 +69,16 @@ async fn nodes_see_each_other_and_a_kernel_has_one_owner() {
     tokio::time::sleep(Duration::from_millis(600)).await;
     let view = b.view();
     assert_eq!(view.nodes.len(), 2);
-    assert_eq!(view.kernels["k1"].node, "a");
+    // Kernel records are not watched: b reads k1's when asked, and finds it in the index.
+    assert!(view.kernels.is_empty(), "{view:?}");
+    assert_eq!(b.view_finding("k1").await.kernels["k1"].node, "a");
+    let indexed = b.kernels_of(Some("admin")).await.expect("index");
+    assert_eq!(indexed, vec![("k1".to_owned(), kernel("a"))]);
     a.release("k1").await.expect("release");
-    tokio::time::sleep(Duration::from_millis(600)).await;
-    assert!(b.view().kernels.is_empty());
+    // b's cache still names a, whose answer would be 404; once forgotten, it reads again.
+    b.forget_owner("k1");
+    assert!(b.view_finding("k1").await.kernels.is_empty());
+    assert!(b.kernels_of(None).await.expect("index").is_empty());
     cancel.cancel();
 }
 
@@ -98,7 +105,12 @@ async fn an_outage_longer_than_the_ttl_cuts_the_node_off_until_it_registers_agai
     assert!(a.reregistrations() >= 1);
     let listing = store.list(PREFIX).await.expect("list");
     let keys: Vec<&str> = listing.entries.iter().map(|e| e.key.as_str()).collect();
-    assert_eq!(keys, vec![kernel_key("k1"), node_key("a")], "{keys:?}");
+    let index = crate::cluster::tenant_key("admin", "k1");
+    assert_eq!(
+        keys,
+        vec![kernel_key("k1"), node_key("a"), index],
+        "{keys:?}"
+    );
     cancel.cancel();
 }
 
@@ -227,13 +239,14 @@ async fn a_node_that_steps_away_keeps_its_kernels_registered_past_its_ttl() {
     // Well past the 3 s TTL, b still sees k1 as a's, and a as away.
     tokio::time::sleep(Duration::from_secs(20)).await;
     settle().await;
-    let view = b.view();
+    let view = b.view_finding("k1").await;
     assert_eq!(view.kernels.get("k1").map(|k| k.node.as_str()), Some("a"));
     assert!(view.nodes.get("a").is_some_and(|n| n.away), "{view:?}");
     // Past the away lease, nothing of a's is left.
     tokio::time::sleep(Duration::from_secs(60)).await;
     settle().await;
-    let view = b.view();
+    // The cache named a; a has left the view, so the record is read again: gone.
+    let view = b.view_finding("k1").await;
     assert!(
         view.kernels.is_empty() && !view.nodes.contains_key("a"),
         "{view:?}"
@@ -652,6 +665,34 @@ async fn a_kernel_the_view_does_not_hold_yet_is_found_in_the_registry() {
     assert!(
         b.view().kernels.is_empty(),
         "the view itself waits for the watch"
+    );
+    cancel.cancel();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_removal_that_failed_is_finished_by_the_reconcile_with_its_index_entry() {
+    let store = Memory::new();
+    let cancel = CancellationToken::new();
+    let ttl = Duration::from_secs(30);
+    let a = Membership::new(store.clone(), "a", node("http://a"), ttl);
+    tokio::spawn(a.clone().keep(cancel.clone(), |_| {}));
+    settle().await;
+    a.claim("k1", &kernel("a")).await.expect("claim");
+    store.set_down(true);
+    assert!(a.release("k1").await.is_err(), "etcd is down");
+    store.set_down(false);
+    let kernels = |prefix: String| {
+        let store = store.clone();
+        async move { store.list(&prefix).await.expect("list").entries.len() }
+    };
+    assert_eq!(kernels(format!("{PREFIX}kernels/")).await, 1, "still there");
+    let fixed = a.reconcile(&[]).await.expect("reconcile");
+    assert_eq!(fixed.stale_records, 1);
+    assert_eq!(kernels(format!("{PREFIX}kernels/")).await, 0);
+    assert_eq!(kernels(crate::cluster::tenants_prefix(None)).await, 0);
+    assert_eq!(
+        a.reconcile(&[]).await.expect("reconcile"),
+        Reconciled::default()
     );
     cancel.cancel();
 }

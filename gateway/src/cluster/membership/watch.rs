@@ -6,7 +6,14 @@ use super::{backoff, quota_prefix, Membership, Reconciled, Registered, View, PEN
 use crate::cluster::registry::{
     Change, Compare, Entry, Event, Lease, Registry, RegistryError, Revision,
 };
-use crate::cluster::{kernel_key, PREFIX};
+use crate::cluster::{kernel_key, nodes_prefix, snapshots_prefix, tenants_prefix, KernelRecord};
+
+/// The lease `membership` holds now, or an error when it was lost meanwhile.
+fn lease_now<R: Registry + Clone>(membership: &Membership<R>) -> Result<Lease, RegistryError> {
+    membership.own().lease.ok_or_else(|| {
+        RegistryError::Refused("this node's cluster lease was lost during a reconcile".into())
+    })
+}
 use futures::StreamExt;
 use std::sync::Arc;
 use std::time::Duration;
@@ -16,68 +23,52 @@ impl<R: Registry + Clone> Membership<R> {
     /// Compares the registry with `local`, the kernels this node runs now (id, owner,
     /// spec), both ways, and returns how many of each it fixed:
     ///
-    /// - a record of this node's whose kernel is gone is removed, with its quota slot (so
-    ///   that the node's next create is not refused for a kernel it no longer runs);
+    /// - a record of this node's whose kernel is gone is removed, with its index entry and
+    ///   its quota slot (so that the node's next create is not refused for a kernel it no
+    ///   longer runs, and so that no request is routed to it);
     /// - a kernel the registry does not name is registered (so that it can be routed to),
     ///   and a kernel of a key with a quota that holds no slot is given one (so that the key
     ///   cannot start more than its `max_kernels`), or reported when the key has none free;
     /// - a slot of one of this node's keys that names a kernel no node has is freed (a
     ///   release that failed half-way), as is a slot of a create of this node's that ended.
     ///
-    /// It reads no full listing: this node's records come from the watched view, and slots
-    /// only of the keys this node runs kernels of (or failed to free a slot of), one small
-    /// range each. Records and slots of other nodes are theirs to fix, and go with their
-    /// leases when they stop. Nothing is done before the view holds a first listing, and a
-    /// slot is judged only once the view has seen the slot's last change.
+    /// It reads no full listing and no watched record of other nodes' kernels: this node's
+    /// records are the ones it registered, and it reads the slots and the tenant index only
+    /// of the keys it runs kernels of (or failed to free a slot of), one small range each.
+    /// Records and slots of other nodes are theirs to fix, and go with their leases.
     pub async fn reconcile(
         &self,
         local: &[(String, String, String)],
     ) -> Result<Reconciled, RegistryError> {
-        let Some(lease) = self.own().lease else {
-            return Ok(Reconciled::default());
-        };
-        let (view_revision, mine) = {
-            let view = self.view.lock().unwrap_or_else(|e| e.into_inner());
-            let mine: Vec<(String, String, Revision)> = view
-                .kernels
-                .iter()
-                .filter(|(_, r)| r.node == self.node_id)
-                .map(|(id, r)| {
-                    let revision = view.kernel_revisions.get(id).copied().unwrap_or(0);
-                    (id.clone(), r.tenant.clone(), revision)
-                })
-                .collect();
-            (view.revision, mine)
-        };
-        // Looked up when asked, not copied: the other nodes' records are most of the view.
-        let elsewhere =
-            |view: &View, id: &str| view.kernels.get(id).is_some_and(|r| r.node != self.node_id);
-        if view_revision == 0 {
+        if self.own().lease.is_none() {
             return Ok(Reconciled::default());
         }
+        let mine: Vec<(String, Vec<u8>)> = self
+            .own()
+            .kernels
+            .iter()
+            .map(|(id, bytes)| (id.clone(), bytes.clone()))
+            .collect();
         let mut fixed = Reconciled::default();
         let is_local = |id: &str| local.iter().any(|(l, _, _)| l == id);
-        let mut registered: std::collections::HashSet<String> = std::collections::HashSet::new();
         let unfreed: Vec<String> = self.own().unfreed.iter().cloned().collect();
         let mut keys: std::collections::BTreeSet<String> = unfreed.iter().cloned().collect();
-        for (id, tenant, revision) in &mine {
+        for (id, bytes) in &mine {
             if is_local(id) {
-                registered.insert(id.clone());
                 continue;
             }
-            let unchanged = [Compare::Unchanged(kernel_key(id), *revision)];
-            if self
-                .registry
-                .txn(&unchanged, &[Change::Delete(kernel_key(id))])
-                .await?
-            {
-                let mut own = self.own();
-                own.kernels.remove(id);
-                own.quotas.remove(id);
-                drop(own);
+            // Removed only if it is still this record: a take-over since is not undone.
+            if self.remove_record(id, bytes).await? {
                 fixed.stale_records += 1;
-                // Its slot, if its key has a quota, is freed below.
-                keys.insert(tenant.clone());
+            }
+            let mut own = self.own();
+            own.kernels.remove(id);
+            own.quotas.remove(id);
+            drop(own);
+            self.forget_owner(id);
+            // Its slot, if its key has a quota, is freed below.
+            if let Ok(record) = serde_json::from_slice::<KernelRecord>(bytes) {
+                keys.insert(record.tenant);
             }
         }
         let quotas: Vec<(String, Option<super::Quota>)> = local
@@ -90,19 +81,29 @@ impl<R: Registry + Clone> Membership<R> {
                 .filter_map(|(_, q)| q.as_ref().map(|q| q.tenant.clone())),
         );
         keys.extend(self.own().quotas.values().map(|q| q.tenant.clone()));
+        // The slots first, then the index: a slot's record is put in the same transaction
+        // as the slot, so a slot listed whose kernel the later index does not name has
+        // none (or lost it since).
         let mut slots: Vec<Entry> = Vec::new();
         for tenant in &keys {
             slots.extend(self.registry.list(&quota_prefix(tenant)).await?.entries);
         }
-        for ((id, owner, spec), (_, quota)) in local.iter().zip(&quotas) {
-            if elsewhere(&self.view.lock().unwrap_or_else(|e| e.into_inner()), id) {
-                // Another node's: not this node's to fix.
-                continue;
+        let mut indexed: std::collections::HashSet<String> = std::collections::HashSet::new();
+        for tenant in &keys {
+            let prefix = tenants_prefix(Some(tenant));
+            for entry in self.registry.list(&prefix).await?.entries {
+                if let Some(id) = entry.key.strip_prefix(&prefix) {
+                    indexed.insert(id.to_owned());
+                }
             }
+        }
+        let mut registered: std::collections::HashSet<String> = std::collections::HashSet::new();
+        for ((id, owner, spec), (_, quota)) in local.iter().zip(&quotas) {
             let has_slot = quota.is_none() || slots.iter().any(|e| e.value == id.as_bytes());
-            let mut known = registered.contains(id);
+            let mut known = self.own().kernels.contains_key(id);
             if !known {
-                // Not in the view: perhaps only not seen yet; one key's read tells.
+                // Not registered by this node: perhaps another node's, or registered
+                // before a restart; one key's read tells.
                 let key = kernel_key(id);
                 let held = self.registry.list(&key).await?;
                 match held.entries.iter().find(|e| e.key == key) {
@@ -120,7 +121,7 @@ impl<R: Registry + Clone> Membership<R> {
                 serde_json::to_vec(&self.record_of(owner, spec)).unwrap_or_default()
             });
             match self
-                .register_kernel(id, &bytes, lease, quota.as_ref(), id)
+                .register_kernel(id, &bytes, lease_now(self)?, quota.as_ref(), id)
                 .await?
             {
                 Registered::Held { slot } => {
@@ -142,21 +143,18 @@ impl<R: Registry + Clone> Membership<R> {
         }
         let pending = format!("{PENDING}{}:", self.node_id);
         for slot in slots {
-            let holder = String::from_utf8_lossy(&slot.value);
+            let holder = String::from_utf8_lossy(&slot.value).into_owned();
             let stale = match holder.strip_prefix(PENDING) {
                 // A create of this node's that ended without giving its slot back; other
                 // nodes' creates go with their leases.
-                Some(_) => {
-                    holder.starts_with(&pending) && !self.own().quotas.contains_key(&*holder)
-                }
-                // The view has seen the slot's last change, and with it the record put in
-                // the same transaction, if there still is one.
+                Some(_) => holder.starts_with(&pending) && !self.own().quotas.contains_key(&holder),
+                // No record names its kernel: not in the index (read after the slots), and
+                // not in the record's own key either (a node that does not index).
                 None => {
-                    let view = self.view.lock().unwrap_or_else(|e| e.into_inner());
-                    slot.revision <= view.revision
-                        && !registered.contains(&*holder)
-                        && !elsewhere(&view, &holder)
+                    !registered.contains(&holder)
                         && !is_local(&holder)
+                        && !indexed.contains(&holder)
+                        && !self.names(&holder).await?
                 }
             };
             if !stale {
@@ -176,6 +174,13 @@ impl<R: Registry + Clone> Membership<R> {
             own.unfreed.remove(tenant);
         }
         Ok(fixed)
+    }
+
+    /// Whether the registry holds a record of kernel `id`.
+    async fn names(&self, id: &str) -> Result<bool, RegistryError> {
+        let key = kernel_key(id);
+        let held = self.registry.list(&key).await?;
+        Ok(held.entries.iter().any(|e| e.key == key))
     }
 
     /// Puts `key` under `lease` if it is free, or if what holds it is `ours` (this node's
@@ -200,11 +205,33 @@ impl<R: Registry + Clone> Membership<R> {
         }
     }
 
-    /// The watch loop, until `cancel`: lists, then follows changes from the listing's
-    /// revision; resumes after a lost connection, lists again after compaction. A failed
-    /// listing or watch is tried again after a backoff with jitter (up to 5 s), so that a
-    /// slow etcd is not met with every node's retries at once.
+    /// The watch loops, until `cancel`: one over the nodes' records, one over the
+    /// snapshots'. Kernel records are not watched (a node would otherwise receive every
+    /// create and delete of the whole cluster).
     pub async fn follow(self: Arc<Self>, cancel: CancellationToken) {
+        let nodes = self
+            .clone()
+            .follow_part(nodes_prefix(), cancel.clone(), |view, listed| {
+                view.nodes = listed.nodes;
+                view.placed.clear();
+            });
+        let snapshots = self.follow_part(snapshots_prefix(), cancel, |view, listed| {
+            view.snapshots = listed.snapshots;
+        });
+        tokio::join!(nodes, snapshots);
+    }
+
+    /// One watch loop: lists `prefix`, puts what it found in the view with `relist`, then
+    /// follows changes from the listing's revision; resumes after a lost connection,
+    /// lists again after compaction. A failed listing or watch is tried again after a
+    /// backoff with jitter (up to 5 s), so that a slow etcd is not met with every node's
+    /// retries at once.
+    async fn follow_part(
+        self: Arc<Self>,
+        prefix: String,
+        cancel: CancellationToken,
+        relist: impl Fn(&mut View, View),
+    ) {
         let mut from: Option<Revision> = None;
         let mut failures = 0u32;
         let most = Duration::from_secs(5);
@@ -214,17 +241,16 @@ impl<R: Registry + Clone> Membership<R> {
             }
             let start = match from {
                 Some(r) => r,
-                None => match self.registry.list(PREFIX).await {
+                None => match self.registry.list(&prefix).await {
                     Ok(listing) => {
-                        let mut view = View {
-                            revision: listing.revision,
-                            ..View::default()
-                        };
+                        let mut listed = View::default();
                         for entry in listing.entries {
-                            view.apply(&Event::Put(entry));
+                            listed.apply(&Event::Put(entry));
                         }
-                        view.revision = listing.revision;
-                        self.update_view(|current| *current = view);
+                        self.update_view(|current| {
+                            relist(current, listed);
+                            current.revision = current.revision.max(listing.revision);
+                        });
                         failures = 0;
                         listing.revision + 1
                     }
@@ -239,7 +265,7 @@ impl<R: Registry + Clone> Membership<R> {
                 },
             };
             from = Some(start);
-            let mut stream = match self.registry.watch(PREFIX, start).await {
+            let mut stream = match self.registry.watch(&prefix, start).await {
                 Ok(s) => s,
                 Err(RegistryError::Compacted { .. }) => {
                     from = None;

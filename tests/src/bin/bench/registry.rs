@@ -1,8 +1,8 @@
 //! The cluster registry at scale, old against new: the `registry_scale` binary
-//! (tests/src/bin/registry_scale.rs: many simulated nodes in one process, each a real
+//! (tests/src/bin/registry_scale/: many simulated nodes in one process, each a real
 //! `Membership` over its own `Etcd` client, against a real etcd) built twice, from a
 //! baseline's cluster code (`make bench` builds it from `git archive REGISTRY_BASELINE` with
-//! that one file copied in) and from this tree's, and run point by point, baseline first.
+//! that folder copied in, and the baseline's way to find an owner) and from this tree's, and run point by point, baseline first.
 //! A build whose point was cut short (its nodes lost their leases en masse, or the machine
 //! ran out of memory) skips the larger points. Without a baseline build the section runs
 //! this tree's alone and says so. Samples of a run alone: docs/bench-registry.json.

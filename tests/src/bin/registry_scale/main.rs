@@ -8,28 +8,31 @@
 //! route to a kernel. The nodes share the machine with etcd: their CPU is given too.
 //!
 //! Only the registry API the cluster code has had from the start is used (records built
-//! from JSON), so that this one file compiles in an earlier tree too: `make bench` builds
-//! it there and runs both builds (the bench's `registry` section).
+//! from JSON), so that these files compile in an earlier tree too: `make bench` builds
+//! them there and runs both builds (the bench's `registry` section). How a node finds a
+//! kernel's owner is the one thing that differs: `routing.rs` is this tree's, and
+//! `tests/registry-baseline/routing.rs` the baseline's (it watched every record).
 //!
 //! Usage: registry_scale [--nodes N,..] [--kernels K,..] [--window S] [--ttl S]
 //!        [--creates PER_S] [--deletes PER_S] [--lookups PER_S] [--reconcile S] [--quick]
 //!        [--out FILE.json]
 
+mod routing;
+mod timed;
+
+use timed::{Calls, Kind, Timed};
+
 use anyhow::{bail, Context, Result};
-use futures::stream::BoxStream;
 use futures::StreamExt;
 use kernelgate::cluster::etcd::Etcd;
 use kernelgate::cluster::membership::Membership;
-use kernelgate::cluster::{
-    Change, Compare, Event, KernelRecord, Lease, Listing, NodeRecord, Registry, RegistryError,
-    Revision,
-};
+use kernelgate::cluster::{KernelRecord, NodeRecord, RegistryError};
 use kernelgate_tests::etcd::EtcdServer;
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::future::Future;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::Semaphore;
@@ -113,125 +116,6 @@ const USAGE: &str = "usage: registry_scale [--nodes N,..] [--kernels K,..] [--wi
 
 fn log(msg: impl AsRef<str>) {
     eprintln!("[registry] {}", msg.as_ref());
-}
-
-/// Every registry call of every node, by kind, counted and timed while a window measures.
-#[derive(Debug, Default)]
-struct Calls {
-    measuring: AtomicBool,
-    by_kind: Mutex<BTreeMap<&'static str, Kind>>,
-    /// Events the watches delivered, and entries the listings returned.
-    events: AtomicU64,
-    listed: AtomicU64,
-}
-
-#[derive(Debug, Default)]
-struct Kind {
-    errors: u64,
-    /// Milliseconds each call took.
-    took: Vec<f64>,
-}
-
-impl Calls {
-    async fn time<T>(
-        &self,
-        kind: &'static str,
-        call: impl Future<Output = Result<T, RegistryError>>,
-    ) -> Result<T, RegistryError> {
-        let start = Instant::now();
-        let answer = call.await;
-        if self.measuring.load(Relaxed) {
-            let mut by_kind = lock(&self.by_kind);
-            let k = by_kind.entry(kind).or_default();
-            k.took.push(ms(start.elapsed()));
-            k.errors += u64::from(answer.is_err());
-        }
-        answer
-    }
-
-    fn measure(&self, on: bool) {
-        if on {
-            lock(&self.by_kind).clear();
-            self.events.store(0, Relaxed);
-            self.listed.store(0, Relaxed);
-        }
-        self.measuring.store(on, Relaxed);
-    }
-}
-
-/// [`Etcd`] with every call counted and timed: the registry each simulated node uses.
-#[derive(Debug, Clone)]
-struct Timed {
-    etcd: Etcd,
-    calls: Arc<Calls>,
-}
-
-impl Registry for Timed {
-    async fn grant(&self, ttl: Duration) -> Result<Lease, RegistryError> {
-        self.calls.time("grant", self.etcd.grant(ttl)).await
-    }
-
-    async fn keep_alive(&self, lease: Lease) -> Result<bool, RegistryError> {
-        self.calls
-            .time("keep_alive", self.etcd.keep_alive(lease))
-            .await
-    }
-
-    async fn revoke(&self, lease: Lease) -> Result<(), RegistryError> {
-        self.calls.time("revoke", self.etcd.revoke(lease)).await
-    }
-
-    async fn put(&self, key: &str, value: &[u8], lease: Lease) -> Result<Revision, RegistryError> {
-        self.calls
-            .time("put", self.etcd.put(key, value, lease))
-            .await
-    }
-
-    async fn create(&self, key: &str, value: &[u8], lease: Lease) -> Result<bool, RegistryError> {
-        self.calls
-            .time("create", self.etcd.create(key, value, lease))
-            .await
-    }
-
-    async fn delete_if(&self, key: &str, expected: &[u8]) -> Result<bool, RegistryError> {
-        self.calls
-            .time("delete_if", self.etcd.delete_if(key, expected))
-            .await
-    }
-
-    async fn txn(&self, compare: &[Compare], changes: &[Change]) -> Result<bool, RegistryError> {
-        self.calls
-            .time("txn", self.etcd.txn(compare, changes))
-            .await
-    }
-
-    async fn list(&self, prefix: &str) -> Result<Listing, RegistryError> {
-        let listing = self.calls.time("list", self.etcd.list(prefix)).await?;
-        if self.calls.measuring.load(Relaxed) {
-            let n = listing.entries.len() as u64;
-            self.calls.listed.fetch_add(n, Relaxed);
-        }
-        Ok(listing)
-    }
-
-    async fn watch(
-        &self,
-        prefix: &str,
-        from: Revision,
-    ) -> Result<BoxStream<'static, Result<Vec<Event>, RegistryError>>, RegistryError> {
-        let stream = self
-            .calls
-            .time("watch", self.etcd.watch(prefix, from))
-            .await?;
-        let calls = self.calls.clone();
-        Ok(stream
-            .inspect(move |batch| {
-                if let (Ok(events), true) = (batch, calls.measuring.load(Relaxed)) {
-                    calls.events.fetch_add(events.len() as u64, Relaxed);
-                }
-            })
-            .boxed())
-    }
 }
 
 /// One simulated gateway node.
@@ -332,15 +216,15 @@ impl Sim {
         let _ = self.ops.time("release", node.membership.release(&id)).await;
     }
 
-    /// A random node finds the owner of a random kernel in its view.
-    fn lookup(&self) {
+    /// A random node finds the owner of a random kernel, as it would to route a request.
+    async fn lookup(&self) {
         let Some((id, owner)) = lock(&self.live).pick() else {
             return;
         };
         let node = &self.nodes[random() as usize % self.nodes.len()];
         let start = Instant::now();
-        let view = node.membership.view();
-        let found = view.kernels.get(&id).map(|r| &r.node);
+        let found = routing::owner(&node.membership, &id).await;
+        let found = found.as_ref();
         if self.ops.measuring.load(Relaxed) {
             let mut ops = lock(&self.ops.by_kind);
             ops.entry("lookup")
@@ -552,7 +436,7 @@ async fn run(
             };
             tokio::spawn(m.clone().follow(c));
             let listed = match &last {
-                Some(id) => m.until_kernel_known(id, limit).await,
+                Some(id) => routing::ready(&m, id, limit).await,
                 None => true,
             };
             known.fetch_add(u64::from(listed), Relaxed);
@@ -579,11 +463,9 @@ async fn run(
     tokio::spawn(sim.clone().steady(args.deletes, c, |sim| async move {
         sim.delete().await;
     }));
-    // A look-up copies the view: on a thread of its own, as each real node has its own
-    // cores, not on the runtime every simulated node shares.
     let c = cancel.clone();
     tokio::spawn(sim.clone().steady(args.lookups, c, |sim| async move {
-        let _ = tokio::task::spawn_blocking(move || sim.lookup()).await;
+        sim.lookup().await;
     }));
     measure_window(args, sim, pid, out).await?;
     Ok(join(args, sim, etcd, out).await?)
@@ -690,10 +572,11 @@ async fn join(args: &Args, sim: &Arc<Sim>, etcd: &EtcdServer, out: &mut Value) -
     while start.elapsed() < JOIN_LIMIT && routes.is_none() {
         let now = Some(start.elapsed().as_secs_f64());
         registered = registered.or(now.filter(|_| joiner.registered()));
-        let known = joiner
-            .until_kernel_known(&id, Duration::from_millis(10))
-            .await;
+        let known = routing::owner(&joiner, &id).await.is_some();
         routes = now.filter(|_| known);
+        if !known {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
     }
     cancel.cancel();
     out["join"] = json!({"registered_s": registered, "routes_s": routes});
