@@ -82,6 +82,12 @@ async fn a_kernel_has_one_owner_and_its_record_goes_with_the_owners_lease() -> R
     let listing = etcd.list("/kernelgate/v1/").await?;
     assert_eq!(listing.entries.len(), 1);
     assert_eq!(listing.entries[0].value, b"node-a");
+    assert_eq!(
+        etcd.lease_of(&key).await?,
+        Some(a),
+        "the record is under a's lease"
+    );
+    assert_eq!(etcd.lease_of(&kernel_key("k2")).await?, None, "no such key");
 
     // a stops renewing: its record vanishes within etcd's lease granularity.
     let stopped = Instant::now();

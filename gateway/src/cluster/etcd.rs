@@ -436,6 +436,14 @@ impl Registry for Etcd {
         Ok(reply["succeeded"].as_bool() == Some(true))
     }
 
+    async fn lease_of(&self, key: &str) -> Result<Option<Lease>, RegistryError> {
+        let reply = self
+            .call("/v3/kv/range", json!({"key": b64(key.as_bytes())}))
+            .await?;
+        let lease = reply["kvs"].get(0).map(|kv| int(&kv["lease"]));
+        Ok(lease.filter(|id| *id != 0).map(Lease))
+    }
+
     async fn list(&self, prefix: &str) -> Result<Listing, RegistryError> {
         let mut attempts = 0;
         loop {

@@ -194,6 +194,11 @@ impl Registry for Memory {
         Ok(true)
     }
 
+    async fn lease_of(&self, key: &str) -> Result<Option<Lease>, RegistryError> {
+        let st = self.begin()?;
+        Ok(st.keys.get(key).map(|v| v.lease))
+    }
+
     async fn revoke(&self, lease: Lease) -> Result<(), RegistryError> {
         let mut st = self.begin()?;
         self.end_lease(&mut st, lease);

@@ -132,6 +132,17 @@ pub trait Registry: Send + Sync + 'static {
         changes: &[Change],
     ) -> impl Future<Output = Result<bool, RegistryError>> + Send;
 
+    /// The lease key `key` was put under; `None` when the key does not exist or has none.
+    /// (The default answers `None`: a store that cannot tell. Both stores here tell; the
+    /// default keeps a wrapper written against an earlier version of this trait compiling.)
+    fn lease_of(
+        &self,
+        key: &str,
+    ) -> impl Future<Output = Result<Option<Lease>, RegistryError>> + Send {
+        let _ = key;
+        async { Ok(None) }
+    }
+
     /// Every key that starts with `prefix`, sorted, with the store's revision.
     fn list(&self, prefix: &str) -> impl Future<Output = Result<Listing, RegistryError>> + Send;
 

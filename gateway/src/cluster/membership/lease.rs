@@ -49,6 +49,7 @@ impl<R: Registry + Clone> Membership<R> {
     /// back from an earlier run, or a free one), and the slots of creates under way.
     pub(super) async fn register_for(&self, ttl: Duration) -> Result<Lost, RegistryError> {
         let lease = self.registry.grant(ttl).await?;
+        let earlier = self.earlier_run_lease().await;
         let (load, node, kernels, quotas, snapshots) = {
             let own = self.own();
             (
@@ -82,6 +83,19 @@ impl<R: Registry + Clone> Membership<R> {
                 tracing::warn!(%slot, "a quota slot a create held was taken while this node was cut off; the create will be refused");
             }
         }
+        if let Some(old) = earlier.filter(|old| *old != lease) {
+            // Everything of the earlier run's that this run took back is under the new
+            // lease now; what is left (kernels that did not survive the restart, slots of
+            // creates that ended with it) goes at once, not when the away lease runs out.
+            match self.registry.revoke(old).await {
+                Ok(()) => {
+                    tracing::info!(node = %self.node_id, "the earlier run's lease ended with what this run did not take back")
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot end the earlier run's lease; what this run did not take back goes when it runs out")
+                }
+            }
+        }
         let mut own = self.own();
         for (id, slot) in slots {
             if let Some(q) = own.quotas.get_mut(&id) {
@@ -100,6 +114,21 @@ impl<R: Registry + Clone> Membership<R> {
         own.renewed = Some(Instant::now());
         own.published = Some((load, Instant::now()));
         Ok(lost)
+    }
+
+    /// The lease of this node's earlier run, when that run stepped away (SIGTERM) and this
+    /// one starts in its place (a new incarnation): it holds what this run does not take
+    /// back. `None` otherwise: no earlier record, a run that did not step away (its lease
+    /// ends within a TTL), or this run's own record.
+    async fn earlier_run_lease(&self) -> Option<Lease> {
+        let key = node_key(&self.node_id);
+        let listing = self.registry.list(&key).await.ok()?;
+        let entry = listing.entries.into_iter().find(|e| e.key == key)?;
+        let record: crate::cluster::NodeRecord = serde_json::from_slice(&entry.value).ok()?;
+        if !record.away || record.incarnation == self.own().node.incarnation {
+            return None;
+        }
+        self.registry.lease_of(&key).await.ok().flatten()
     }
 
     /// The lease loop, until `cancel`: registers, renews every TTL/3, registers again when

@@ -696,3 +696,47 @@ async fn a_removal_that_failed_is_finished_by_the_reconcile_with_its_index_entry
     );
     cancel.cancel();
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_run_after_a_step_away_ends_what_the_earlier_run_held_and_it_did_not_take_back() {
+    let store = Memory::new();
+    let cancel = CancellationToken::new();
+    let a_stops = CancellationToken::new();
+    let a = Membership::new(store.clone(), "a", node("http://a"), Duration::from_secs(3));
+    tokio::spawn(a.clone().keep(a_stops.clone(), |_| {}));
+    settle().await;
+    create_for(&a, "k1", "alice", 2).await.expect("k1");
+    create_for(&a, "k2", "alice", 2).await.expect("k2");
+    // SIGTERM: a steps away for 120 s; k2 does not survive the restart.
+    a_stops.cancel();
+    a.step_away(Duration::from_secs(120))
+        .await
+        .expect("stepped away");
+    let (a2, refused) = restarted(&store, &["k1"], Some(2), &cancel);
+    settle().await;
+    assert!(a2.registered());
+    assert!(refused.lock().expect("lock").is_empty());
+    // At once, not 120 s later: k2's record, index entry and slot are gone; k1's stay.
+    let ids = |prefix: String| {
+        let store = store.clone();
+        async move {
+            let listing = store.list(&prefix).await.expect("list");
+            let ids: Vec<String> = listing
+                .entries
+                .into_iter()
+                .map(|e| e.key.rsplit('/').next().unwrap_or_default().to_owned())
+                .collect();
+            ids
+        }
+    };
+    assert_eq!(ids(format!("{PREFIX}kernels/")).await, ["k1"]);
+    assert_eq!(ids(crate::cluster::tenants_prefix(None)).await, ["k1"]);
+    let slots: Vec<String> = slots_of(&store, "alice")
+        .await
+        .into_iter()
+        .map(|(_, id)| id)
+        .collect();
+    assert_eq!(slots, ["k1"], "alice may create again");
+    assert!(ids(format!("{PREFIX}nodes/")).await == ["a"]);
+    cancel.cancel();
+}
