@@ -9,6 +9,7 @@
 //! | `/kernelgate/v1/nodes/<node id>` | [`NodeRecord`] | the node's |
 //! | `/kernelgate/v1/kernels/<kernel id>` | [`KernelRecord`] | its owner's |
 //! | `/kernelgate/v1/tenants/<tenant>/<kernel id>` | the same [`KernelRecord`] | its owner's |
+//! | `/kernelgate/v1/loads/<node id>` | the kernels it runs now, in decimal | the node's |
 //! | `/kernelgate/v1/quota/<tenant>/<n>` | the id of the kernel holding slot `n` | its owner's |
 //! | `/kernelgate/v1/snapshots/<snapshot id>` | [`SnapshotRecord`] | the node's that keeps it |
 //!
@@ -61,6 +62,12 @@ pub fn nodes_prefix() -> String {
 /// Where the snapshot records are: every node watches them.
 pub fn snapshots_prefix() -> String {
     format!("{PREFIX}snapshots/")
+}
+
+/// The key of node `id`'s load: read by placement when it samples the node, and not
+/// watched (a node's load changes with each of its creates and deletes).
+pub fn load_key(id: &str) -> String {
+    format!("{PREFIX}loads/{id}")
 }
 
 /// The key of kernel `id`'s entry in `tenant`'s index.

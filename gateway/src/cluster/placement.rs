@@ -1,12 +1,46 @@
 //! Where a new kernel goes: the nodes that can start its spec, the one with the most free
 //! room first. Free room is a node's capacity less the kernels it runs: the load it
-//! reported, and the creates this entry node placed on it since (a node puts its load at
-//! most once a second), so that creates in quick succession spread out. Among equals, a node with a warm kernel of the
+//! reported, and the creates this entry node placed on it since, so that creates in quick
+//! succession spread out. Loads are not watched (each create and delete changes one, and a
+//! watch would bring every change to every node): a create reads the loads of a few
+//! candidates picked at random ([`SAMPLED`]) and tries the best of those first, then the
+//! rest as the view last knew them. Among equals, a node with a warm kernel of the
 //! spec goes first (its create takes milliseconds), then the node id, so that every entry
 //! node orders alike. The target enforces its own limit: a full node refuses, and the entry
 //! node tries the next.
 
 use super::membership::View;
+
+/// How many candidates a create reads the load of: the best of a few fresh loads spreads
+/// kernels nearly as evenly as every node's would, for a few reads instead of a watch.
+pub const SAMPLED: usize = 3;
+
+/// Up to [`SAMPLED`] of `candidates`, picked at random.
+pub fn sample(candidates: &[String]) -> Vec<String> {
+    let mut picked: Vec<String> = Vec::with_capacity(SAMPLED);
+    let mut left: Vec<&String> = candidates.iter().collect();
+    while picked.len() < SAMPLED && !left.is_empty() {
+        let i = rand::random_range(0..left.len());
+        picked.push(left.swap_remove(i).clone());
+    }
+    picked
+}
+
+/// `candidates` with the `sampled` ones first, best first by `fresh` (a view holding their
+/// loads just read; those full by now left out), then the others in their order.
+pub fn with_sampled(
+    fresh: &View,
+    spec: &str,
+    sampled: &[String],
+    others: Vec<String>,
+) -> Vec<String> {
+    let mut ordered: Vec<String> = candidates(fresh, spec)
+        .into_iter()
+        .filter(|id| sampled.contains(id))
+        .collect();
+    ordered.extend(others.into_iter().filter(|id| !sampled.contains(id)));
+    ordered
+}
 
 /// The nodes to try for a kernel of `spec`, best first; nodes that are full are left out.
 pub fn candidates(view: &View, spec: &str) -> Vec<String> {
@@ -88,5 +122,30 @@ mod tests {
             revision: 7,
         }));
         assert_eq!(candidates(&view, "python3"), ["a"]);
+    }
+
+    #[test]
+    fn the_sampled_nodes_go_first_by_their_fresh_loads_and_full_ones_drop_out() {
+        let mut view = View::default();
+        for id in ["a", "b", "c", "d", "e"] {
+            view.nodes.insert(id.into(), node(4, 0, &["python3"]));
+        }
+        let all = candidates(&view, "python3");
+        let sampled = sample(&all);
+        assert_eq!(sampled.len(), SAMPLED);
+        assert!(sampled.iter().all(|s| all.contains(s)));
+        assert_eq!(sample(&all[..2]).len(), 2, "fewer candidates than samples");
+        // Fresh loads: b is full by now, d has the most room, c the next.
+        let mut fresh = view.clone();
+        for (id, load) in [("b", 4), ("c", 2), ("d", 1)] {
+            if let Some(n) = fresh.nodes.get_mut(id) {
+                n.load = load;
+            }
+        }
+        let picked = ["b".to_owned(), "c".to_owned(), "d".to_owned()];
+        assert_eq!(
+            with_sampled(&fresh, "python3", &picked, all),
+            ["d", "c", "a", "e"]
+        );
     }
 }

@@ -72,10 +72,12 @@ pub(super) fn table(m: &Value) -> String {
     out.push_str(&format!(
         "\nEach point: a fresh etcd (Debian's etcd-server), the nodes simulated in one process, \
          each a real `Membership` with its own etcd client: its lease loop (TTL {} s), its \
-         watch, a reconcile every {} s, {} creates/s and {} deletes/s spread over the nodes, \
-         {} owner look-ups/s (a random node's view, for a random kernel); kernels preloaded \
-         through the nodes first. Measured over a {} s window; then a new node joins under the \
-         same load. etcd and the simulated nodes share the machine's cores (the last column), \
+         watches, a reconcile every {} s, {} creates/s and {} deletes/s spread over the nodes, \
+         {} owner look-ups/s (a random node finds the owner of a random kernel as it would to \
+         route a request: the baseline in its watched view, the current build in its cache \
+         or by one read); kernels preloaded through the nodes first. Measured over a {} s \
+         window; then a new node joins under the same load (\"routes after\": until it finds \
+         a given kernel's owner). etcd and the simulated nodes share the machine's cores (the last column), \
          so a point where they saturate them says more about the machine than about etcd.\n",
         s["ttl_s"],
         s["reconcile_s"],

@@ -137,6 +137,12 @@ async fn place_somewhere(
         return from_snapshot(cluster, caller, &view, &snapshot, parts, bytes, next).await;
     }
     let mut candidates = placement::candidates(&view, &spec);
+    let sampled = placement::sample(&candidates);
+    if !sampled.is_empty() {
+        cluster.membership.read_loads(&sampled).await;
+        let fresh = cluster.membership.view_for(None);
+        candidates = placement::with_sampled(&fresh, &spec, &sampled, candidates);
+    }
     if let Some(seed) = sticky {
         // Among every node offering the spec, full or not: a full one that made the first
         // try's sandbox answers with it.

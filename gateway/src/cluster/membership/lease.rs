@@ -63,6 +63,10 @@ impl<R: Registry + Clone> Membership<R> {
         self.registry
             .put(&node_key(&self.node_id), &node, lease)
             .await?;
+        let load_key = crate::cluster::load_key(&self.node_id);
+        self.registry
+            .put(&load_key, load.to_string().as_bytes(), lease)
+            .await?;
         for (id, bytes) in &snapshots {
             self.registry.put(&snapshot_key(id), bytes, lease).await?;
         }

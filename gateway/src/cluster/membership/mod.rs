@@ -289,9 +289,36 @@ impl<R: Registry + Clone> Membership<R> {
             .collect())
     }
 
-    /// Counts a create this node placed on `node`, until that node's record next changes.
+    /// Counts a create this node placed on `node`, until its load is next read.
     pub fn note_placed(&self, node: &str) {
         self.update_view(|view| *view.placed.entry(node.to_owned()).or_default() += 1);
+    }
+
+    /// The loads of `nodes` as they put them last (one key each, read side by side), and
+    /// their records updated with them in the view (the placements counted since, cleared):
+    /// a node missing from the answer could not be read.
+    pub async fn read_loads(&self, nodes: &[String]) -> HashMap<String, u32> {
+        let reads = nodes.iter().map(|node| async move {
+            let key = super::load_key(node);
+            let listing = self.registry.list(&key).await.ok()?;
+            let entry = listing.entries.into_iter().find(|e| e.key == key)?;
+            let load = std::str::from_utf8(&entry.value).ok()?.parse().ok()?;
+            Some((node.clone(), load))
+        });
+        let loads: HashMap<String, u32> = futures::future::join_all(reads)
+            .await
+            .into_iter()
+            .flatten()
+            .collect();
+        self.update_view(|view| {
+            for (node, load) in &loads {
+                if let Some(record) = view.nodes.get_mut(node) {
+                    record.load = *load;
+                }
+                view.placed.remove(node);
+            }
+        });
+        loads
     }
 
     /// `read` of the view in place, without copying it.
@@ -652,22 +679,23 @@ impl<R: Registry + Clone> Membership<R> {
         }
     }
 
-    /// Puts this node's record when its load differs from the one last put.
+    /// Puts this node's load key when its load differs from the one last put. Not its
+    /// record: every node watches the records, and each put would reach them all.
     async fn publish_load_if_changed(&self) {
-        let (lease, bytes, load) = {
+        let (lease, load) = {
             let own = self.own();
             if own.published.is_some_and(|(load, _)| load == own.node.load) {
                 return;
             }
-            (
-                own.lease,
-                serde_json::to_vec(&own.node).unwrap_or_default(),
-                own.node.load,
-            )
+            (own.lease, own.node.load)
         };
         if let Some(lease) = lease {
-            let key = node_key(&self.node_id);
-            match self.registry.put(&key, &bytes, lease).await {
+            let key = super::load_key(&self.node_id);
+            match self
+                .registry
+                .put(&key, load.to_string().as_bytes(), lease)
+                .await
+            {
                 Ok(_) => self.own().published = Some((load, Instant::now())),
                 Err(e) => {
                     tracing::warn!(error = %e, "cannot update this node's load in the cluster registry")

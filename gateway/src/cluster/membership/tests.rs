@@ -106,9 +106,10 @@ async fn an_outage_longer_than_the_ttl_cuts_the_node_off_until_it_registers_agai
     let listing = store.list(PREFIX).await.expect("list");
     let keys: Vec<&str> = listing.entries.iter().map(|e| e.key.as_str()).collect();
     let index = crate::cluster::tenant_key("admin", "k1");
+    let load = crate::cluster::load_key("a");
     assert_eq!(
         keys,
-        vec![kernel_key("k1"), node_key("a"), index],
+        vec![kernel_key("k1"), load, node_key("a"), index],
         "{keys:?}"
     );
     cancel.cancel();
@@ -586,20 +587,24 @@ async fn a_nodes_snapshots_are_everyones_to_see_and_come_back_with_its_lease() {
     cancel.cancel();
 }
 
-/// The load a peer places by, as node b sees node a's record.
-fn load_seen(b: &Membership<Memory>) -> Option<u32> {
-    b.view().nodes.get("a").map(|n| n.load)
+/// The load a peer places by: node a's, as node b reads it to place a create.
+async fn load_seen(b: &Membership<Memory>) -> Option<u32> {
+    b.read_loads(&["a".to_owned()]).await.get("a").copied()
 }
 
 #[tokio::test(start_paused = true)]
-async fn a_burst_of_creates_puts_the_nodes_load_at_most_once_a_second() {
+async fn a_burst_of_creates_puts_the_nodes_load_at_most_once_a_second_and_never_its_record() {
     use futures::{FutureExt, StreamExt};
     let store = Memory::new();
     let cancel = CancellationToken::new();
     let (a, b) = two_nodes(&store, &cancel);
     tokio::time::sleep(Duration::from_secs(2)).await;
     let from = store.list(PREFIX).await.expect("list").revision + 1;
-    let mut puts = store.watch(&node_key("a"), from).await.expect("watch");
+    let mut puts = store
+        .watch(&crate::cluster::load_key("a"), from)
+        .await
+        .expect("watch");
+    let mut records = store.watch(&node_key("a"), from).await.expect("watch");
     let started = tokio::time::Instant::now();
     for n in 0..10 {
         let reservation = Ledger::reserve(&*a, "admin", None).await.expect("reserve");
@@ -610,7 +615,16 @@ async fn a_burst_of_creates_puts_the_nodes_load_at_most_once_a_second() {
     let burst = started.elapsed();
     tokio::time::sleep(LOAD_EVERY + Duration::from_millis(100)).await;
     settle().await;
-    assert_eq!(load_seen(&b), Some(10), "the burst's load reached the peer");
+    assert_eq!(
+        load_seen(&b).await,
+        Some(10),
+        "the burst's load reached the peer"
+    );
+    assert_eq!(
+        b.view().nodes.get("a").map(|n| n.load),
+        Some(10),
+        "the read updates the view"
+    );
     let count = |puts: &mut futures::stream::BoxStream<'static, _>| {
         let mut n = 0;
         while let Some(Some(Ok::<Vec<Event>, RegistryError>(events))) = puts.next().now_or_never() {
@@ -622,7 +636,12 @@ async fn a_burst_of_creates_puts_the_nodes_load_at_most_once_a_second() {
     let most = 1 + (burst + LOAD_EVERY).as_millis() / LOAD_EVERY.as_millis();
     assert!(
         during >= 1 && during as u128 <= most,
-        "{during} puts of the node's record for 10 creates in {burst:?}"
+        "{during} puts of the node's load for 10 creates in {burst:?}"
+    );
+    assert_eq!(
+        count(&mut records),
+        0,
+        "the watched record is not put for a load"
     );
     tokio::time::sleep(LOAD_EVERY * 3).await;
     assert_eq!(count(&mut puts), 0, "no put while the load stays");

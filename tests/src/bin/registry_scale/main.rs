@@ -26,7 +26,8 @@ use anyhow::{bail, Context, Result};
 use futures::StreamExt;
 use kernelgate::cluster::etcd::Etcd;
 use kernelgate::cluster::membership::Membership;
-use kernelgate::cluster::{KernelRecord, NodeRecord, RegistryError};
+use kernelgate::cluster::{NodeRecord, RegistryError};
+use kernelgate::kernels::ledger::{ClaimRefused, Ledger};
 use kernelgate_tests::etcd::EtcdServer;
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -37,6 +38,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
+
+/// The key every simulated kernel belongs to (no quota).
+const TENANT: &str = "bench";
 
 /// Creates, deletes and look-ups under way at once, each; a tick that finds them all busy
 /// is skipped (and counted), so that a stalled registry does not pile work up.
@@ -122,8 +126,6 @@ fn log(msg: impl AsRef<str>) {
 struct Node {
     id: String,
     membership: Arc<Membership<Timed>>,
-    /// The record of each kernel it claims.
-    record: KernelRecord,
     /// The kernels it runs: what it reconciles against.
     local: Mutex<HashSet<String>>,
 }
@@ -136,10 +138,6 @@ impl Node {
             "address": format!("http://127.0.0.1:9/{id}"), "incarnation": incarnation,
             "capacity": 1_000_000, "load": 0, "version": "registry_scale", "specs": ["python3"],
         }))?;
-        let kernel: KernelRecord = serde_json::from_value(json!({
-            "node": id, "incarnation": incarnation, "tenant": "bench", "spec": "python3",
-            "created": "2026-01-01T00:00:00.000000Z",
-        }))?;
         // Plain HTTP to loopback: no TLS roots to load for each of a thousand clients.
         let http = reqwest::Client::builder().tls_built_in_root_certs(false);
         let etcd = Etcd::new(vec![url.to_owned()], http)?;
@@ -150,7 +148,6 @@ impl Node {
         Ok(Node {
             id: id.to_owned(),
             membership: Membership::new(registry, id, record, ttl),
-            record: kernel,
             local: Mutex::new(HashSet::new()),
         })
     }
@@ -191,11 +188,26 @@ impl Sim {
     /// racing the claim registers it rather than removing it.
     async fn create(&self, n: usize) -> Option<String> {
         let node = &self.nodes[n];
+        // Placed through a random entry node, as a client's create is.
+        let entry = &self.nodes[random() as usize % self.nodes.len()];
+        self.ops
+            .time("place", async {
+                routing::place(&entry.membership).await;
+                Ok(())
+            })
+            .await
+            .ok();
         let id = uuid::Uuid::new_v4().to_string();
         lock(&node.local).insert(id.clone());
+        // As the kernel table claims: through the ledger, which also puts the node's load.
         let claimed = self.ops.time("claim", async {
-            let claimed = node.membership.claim(&id, &node.record).await;
-            claimed.map_err(|e| RegistryError::Refused(e.to_string()))
+            let ledger = &*node.membership;
+            let refused = |e: ClaimRefused| RegistryError::Refused(e.to_string());
+            let reservation = Ledger::reserve(ledger, TENANT, None)
+                .await
+                .map_err(refused)?;
+            let claimed = Ledger::claim(ledger, &id, TENANT, "python3", reservation).await;
+            claimed.map_err(refused)
         });
         if claimed.await.is_err() {
             lock(&node.local).remove(&id);
@@ -213,7 +225,11 @@ impl Sim {
         };
         let node = &self.nodes[n];
         lock(&node.local).remove(&id);
-        let _ = self.ops.time("release", node.membership.release(&id)).await;
+        let release = async {
+            Ledger::release(&*node.membership, &id).await;
+            Ok(())
+        };
+        let _ = self.ops.time("release", release).await;
     }
 
     /// A random node finds the owner of a random kernel, as it would to route a request.
@@ -569,14 +585,14 @@ async fn join(args: &Args, sim: &Arc<Sim>, etcd: &EtcdServer, out: &mut Value) -
     tokio::spawn(joiner.clone().keep(cancel.clone(), |_| {}));
     tokio::spawn(joiner.clone().follow(cancel.clone()));
     let (mut registered, mut routes) = (None, None);
-    while start.elapsed() < JOIN_LIMIT && routes.is_none() {
+    // Until it has done both: it may find the owner before it holds its lease.
+    while start.elapsed() < JOIN_LIMIT && (routes.is_none() || registered.is_none()) {
         let now = Some(start.elapsed().as_secs_f64());
         registered = registered.or(now.filter(|_| joiner.registered()));
-        let known = routing::owner(&joiner, &id).await.is_some();
-        routes = now.filter(|_| known);
-        if !known {
-            tokio::time::sleep(Duration::from_millis(10)).await;
+        if routes.is_none() && routing::owner(&joiner, &id).await.is_some() {
+            routes = now;
         }
+        tokio::time::sleep(Duration::from_millis(10)).await;
     }
     cancel.cancel();
     out["join"] = json!({"registered_s": registered, "routes_s": routes});

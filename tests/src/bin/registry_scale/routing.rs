@@ -26,3 +26,11 @@ pub(crate) async fn ready(node: &Membership<Timed>, _newest: &str, limit: Durati
     }
     true
 }
+
+/// What placing a create costs the entry node `node` before it is sent: the loads of a
+/// few candidates, read (the view holds no loads).
+pub(crate) async fn place(node: &Arc<Membership<Timed>>) {
+    let candidates: Vec<String> = node.view().nodes.into_keys().collect();
+    let sampled = kernelgate::cluster::placement::sample(&candidates);
+    node.read_loads(&sampled).await;
+}
