@@ -589,8 +589,9 @@ async fn join(args: &Args, sim: &Arc<Sim>, etcd: &EtcdServer, out: &mut Value) -
     while start.elapsed() < JOIN_LIMIT && (routes.is_none() || registered.is_none()) {
         let now = Some(start.elapsed().as_secs_f64());
         registered = registered.or(now.filter(|_| joiner.registered()));
+        // Timed when the owner is known: the read it may take counts.
         if routes.is_none() && routing::owner(&joiner, &id).await.is_some() {
-            routes = now;
+            routes = Some(start.elapsed().as_secs_f64());
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
