@@ -8,7 +8,7 @@
 use super::super::auth::Caller;
 use super::super::e2b::plane::{Original, FORWARDED_USER};
 use super::super::AppState;
-use super::{forwarded, not_in_cluster, owner_of, to_owner, unavailable};
+use super::{forwarded, not_in_cluster, owner_of, to_owner, unavailable, unreadable};
 use crate::cluster::node::ClusterNode;
 use crate::cluster::route::{self, Ask, Decision, Rule, Unavailable};
 use crate::cluster::signing::Forwarded;
@@ -49,6 +49,9 @@ pub(super) async fn route(
         Some(_) => cluster.membership.view_for(Some(id)),
         None => cluster.membership.view_finding(id).await,
     };
+    if view.unreadable {
+        return unavailable(unreadable(ROLE, id));
+    }
     let ask = Ask {
         method: req.method().clone(),
         kernel: owner_of(state, cluster, Some(&view), Some(id)),

@@ -135,6 +135,9 @@ pub async fn route(State(state): State<AppState>, req: Request, next: Next) -> R
         registered: cluster.membership.registered(),
     };
     let id = kernel.as_deref().unwrap_or_default();
+    if view.as_ref().is_some_and(|v| v.unreadable) {
+        return unavailable(unreadable(role, id));
+    }
     match route::decide(rule, &ask) {
         Decision::Serve => next.run(req).await,
         Decision::Forward(node) => match view.as_ref().and_then(|v| v.nodes.get(&node)) {
@@ -177,6 +180,14 @@ pub async fn route(State(state): State<AppState>, req: Request, next: Next) -> R
             fan::mcp_elsewhere(&cluster, &caller, &session, state.max_message_bytes, req, next).await
         }
     }
+}
+
+/// Why a request for a kernel no cached owner names waits: the registry that says where it
+/// runs cannot be read (not that it runs nowhere).
+fn unreadable(role: &str, id: &str) -> String {
+    format!(
+        "cannot reach the cluster registry to find the node that {role} {id}; try again shortly"
+    )
 }
 
 fn not_in_cluster(role: &str, id: &str, node: &str) -> String {

@@ -37,28 +37,31 @@ impl<R: Registry + Clone> Membership<R> {
             return view;
         }
         view.kernels.remove(id);
-        if let Some(record) = self.read_owner(id).await {
-            view.kernels.insert(id.to_owned(), record);
+        match self.read_owner(id).await {
+            Ok(Some(record)) => {
+                view.kernels.insert(id.to_owned(), record);
+            }
+            Ok(None) => {}
+            Err(e) => {
+                tracing::debug!(kernel = %id, error = %e, "cannot look the kernel's owner up in the cluster registry");
+                view.unreadable = true;
+            }
         }
         view
     }
 
-    /// Reads kernel `id`'s record and keeps it in the cache: `None` when there is none, or
-    /// the registry cannot be read now.
-    async fn read_owner(&self, id: &str) -> Option<KernelRecord> {
+    /// Reads kernel `id`'s record and keeps it in the cache: `None` when there is none (or
+    /// it cannot be parsed).
+    async fn read_owner(&self, id: &str) -> Result<Option<KernelRecord>, RegistryError> {
         let key = kernel_key(id);
-        let listing = match self.registry.list(&key).await {
-            Ok(listing) => listing,
-            Err(e) => {
-                tracing::debug!(kernel = %id, error = %e, "cannot look the kernel's owner up in the cluster registry");
-                return None;
-            }
-        };
+        let listing = self.registry.list(&key).await?;
         let Some(entry) = listing.entries.into_iter().find(|e| e.key == key) else {
             self.owners().remove(id);
-            return None;
+            return Ok(None);
         };
-        let record: KernelRecord = serde_json::from_slice(&entry.value).ok()?;
+        let Ok(record) = serde_json::from_slice::<KernelRecord>(&entry.value) else {
+            return Ok(None);
+        };
         let mut owners = self.owners();
         if owners.len() >= OWNERS_KEPT {
             if let Some(any) = owners.keys().next().cloned() {
@@ -66,13 +69,13 @@ impl<R: Registry + Clone> Membership<R> {
             }
         }
         owners.insert(id.to_owned(), record.clone());
-        Some(record)
+        Ok(Some(record))
     }
 
     /// Whether the registry names kernel `id` (a create another node answered): read once,
     /// and kept in the cache, so that the next request for it goes straight to its owner.
     pub async fn knows_kernel(&self, id: &str) -> bool {
-        self.read_owner(id).await.is_some()
+        self.read_owner(id).await.is_ok_and(|r| r.is_some())
     }
 
     /// Drops kernel `id`'s owner from the cache: a forward to it failed, or the kernel is

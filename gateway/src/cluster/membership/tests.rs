@@ -759,3 +759,31 @@ async fn a_run_after_a_step_away_ends_what_the_earlier_run_held_and_it_did_not_t
     assert!(ids(format!("{PREFIX}nodes/")).await == ["a"]);
     cancel.cancel();
 }
+
+#[tokio::test(start_paused = true)]
+async fn an_owner_that_cannot_be_read_is_unknown_for_now_not_absent() {
+    let store = Memory::new();
+    let cancel = CancellationToken::new();
+    let (a, b) = two_nodes(&store, &cancel);
+    settle().await;
+    a.claim("k1", &kernel("a")).await.expect("claim");
+    store.set_down(true);
+    let view = b.view_finding("k1").await;
+    assert!(view.unreadable && view.kernels.is_empty(), "{view:?}");
+    store.set_down(false);
+    let view = b.view_finding("k1").await;
+    assert!(!view.unreadable);
+    assert_eq!(view.kernels.get("k1").map(|k| k.node.as_str()), Some("a"));
+    // Known now: served from the cache while the registry is down again.
+    store.set_down(true);
+    let view = b.view_finding("k1").await;
+    assert!(!view.unreadable);
+    assert_eq!(view.kernels.get("k1").map(|k| k.node.as_str()), Some("a"));
+    store.set_down(false);
+    let absent = b.view_finding("k2").await;
+    assert!(
+        !absent.unreadable && absent.kernels.is_empty(),
+        "no such kernel"
+    );
+    cancel.cancel();
+}

@@ -22,6 +22,9 @@ pub struct View {
     pub placed: HashMap<String, u32>,
     /// The registry revision of the last change this view reflects.
     pub revision: Revision,
+    /// The registry could not be read for the kernel asked for: its owner is unknown for
+    /// now, which is not the same as no owner (a request answers 503, not 404).
+    pub unreadable: bool,
 }
 
 impl View {
@@ -65,6 +68,7 @@ impl View {
             snapshots: self.snapshots.clone(),
             placed: self.placed.clone(),
             revision: self.revision,
+            unreadable: false,
         }
     }
 }
