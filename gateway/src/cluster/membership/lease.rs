@@ -126,8 +126,7 @@ impl<R: Registry + Clone> Membership<R> {
     /// ends within a TTL), or this run's own record.
     async fn earlier_run_lease(&self) -> Option<Lease> {
         let key = node_key(&self.node_id);
-        let listing = self.registry.list(&key).await.ok()?;
-        let entry = listing.entries.into_iter().find(|e| e.key == key)?;
+        let entry = self.entry(&key).await.ok()??;
         let record: crate::cluster::NodeRecord = serde_json::from_slice(&entry.value).ok()?;
         if !record.away || record.incarnation == self.own().node.incarnation {
             return None;

@@ -54,8 +54,7 @@ impl<R: Registry + Clone> Membership<R> {
     /// it cannot be parsed).
     async fn read_owner(&self, id: &str) -> Result<Option<KernelRecord>, RegistryError> {
         let key = kernel_key(id);
-        let listing = self.registry.list(&key).await?;
-        let Some(entry) = listing.entries.into_iter().find(|e| e.key == key) else {
+        let Some(entry) = self.entry(&key).await? else {
             self.owners().remove(id);
             return Ok(None);
         };
@@ -113,8 +112,7 @@ impl<R: Registry + Clone> Membership<R> {
     pub async fn read_loads(&self, nodes: &[String]) -> HashMap<String, u32> {
         let reads = nodes.iter().map(|node| async move {
             let key = crate::cluster::load_key(node);
-            let listing = self.registry.list(&key).await.ok()?;
-            let entry = listing.entries.into_iter().find(|e| e.key == key)?;
+            let entry = self.entry(&key).await.ok()??;
             let load = std::str::from_utf8(&entry.value).ok()?.parse().ok()?;
             Some((node.clone(), load))
         });

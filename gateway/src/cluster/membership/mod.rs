@@ -339,9 +339,8 @@ impl<R: Registry + Clone> Membership<R> {
             }
         }
         for _ in 0..ATTEMPTS {
-            let held = self.registry.list(&key).await?;
             let mut compare = Vec::new();
-            match held.entries.iter().find(|e| e.key == key) {
+            match self.entry(&key).await? {
                 None => compare.push(Compare::Absent(key.clone())),
                 Some(e) if self.is_ours(&e.value) => {
                     compare.push(Compare::Unchanged(key.clone(), e.revision))
@@ -598,6 +597,15 @@ impl<R: Registry + Clone> Membership<R> {
             own.published = Some((own.node.load, Instant::now()));
         }
         Ok(())
+    }
+}
+
+impl<R: Registry + Clone> Membership<R> {
+    /// Key `key` itself, if it exists: a listing of it, without the longer keys it is a
+    /// prefix of.
+    async fn entry(&self, key: &str) -> Result<Option<super::Entry>, RegistryError> {
+        let listing = self.registry.list(key).await?;
+        Ok(listing.entries.into_iter().find(|e| e.key == key))
     }
 }
 

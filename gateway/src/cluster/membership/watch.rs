@@ -104,9 +104,7 @@ impl<R: Registry + Clone> Membership<R> {
             if !known {
                 // Not registered by this node: perhaps another node's, or registered
                 // before a restart; one key's read tells.
-                let key = kernel_key(id);
-                let held = self.registry.list(&key).await?;
-                match held.entries.iter().find(|e| e.key == key) {
+                match self.entry(&kernel_key(id)).await? {
                     Some(e) if !self.is_ours(&e.value) => continue,
                     Some(_) => known = true,
                     None => {}
@@ -178,9 +176,7 @@ impl<R: Registry + Clone> Membership<R> {
 
     /// Whether the registry holds a record of kernel `id`.
     async fn names(&self, id: &str) -> Result<bool, RegistryError> {
-        let key = kernel_key(id);
-        let held = self.registry.list(&key).await?;
-        Ok(held.entries.iter().any(|e| e.key == key))
+        Ok(self.entry(&kernel_key(id)).await?.is_some())
     }
 
     /// Puts `key` under `lease` if it is free, or if what holds it is `ours` (this node's
@@ -195,8 +191,7 @@ impl<R: Registry + Clone> Membership<R> {
         if self.registry.create(key, value, lease).await? {
             return Ok(true);
         }
-        let listing = self.registry.list(key).await?;
-        match listing.entries.iter().find(|e| e.key == key) {
+        match self.entry(key).await? {
             Some(held) if !ours(&held.value) => Ok(false),
             _ => {
                 self.registry.put(key, value, lease).await?;
